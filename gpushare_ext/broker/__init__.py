@@ -1,0 +1,1 @@
+"""The per-host broker: scheduler core, policy, inventory, server, journal, actuators, metrics."""

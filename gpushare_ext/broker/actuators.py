@@ -1,0 +1,368 @@
+"""The preemption ladder's actuators: how the broker actually stops and resumes a session.
+
+Each level is one method pair behind :class:`ProcessControl`:
+
+* level 0 *gate*: the broker closes the gate word in the session's control block
+  (host memory the session's streams wait on); always applied first, undone last;
+* levels 1-2 *yield/abort*: the session's device yield flag, opened by CUDA IPC handle
+  and written with ``cuStreamWriteValue32`` on a high-priority stream;
+* level 3 *lock*: ``cuCheckpointProcessLock`` -- the process's CUDA calls block once
+  in-flight work drained;
+* level 4 *evict*: ``cuCheckpointProcessCheckpoint`` moves its device memory to the host;
+  undo is ``Restore`` then ``Unlock``.
+
+GPU calls can block for 100+ ms while work drains, so :class:`CudaProcessControl` runs
+them in one small worker process per GPU (spawned, holding its own CUDA context); the
+broker's event loop awaits them without blocking.  :class:`SimulatedProcessControl` is
+the no-GPU twin: it applies the gate (which is real: the runtime's launch points wait
+on it) and records levels 1-4 without touching any process, and says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import threading
+from dataclasses import dataclass
+from typing import Protocol
+
+from gpushare_ext.protocol import PreemptionLevel
+from gpushare_ext.runtime.control import ControlBlock, SessionState
+
+
+class ActuatorError(Exception):
+    """A ladder step failed.  ``not_supported`` distinguishes "cannot here" from "went wrong"."""
+
+    def __init__(self, message: str, *, not_supported: bool = False) -> None:
+        super().__init__(message)
+        self.not_supported = not_supported
+
+
+@dataclass(kw_only=True)
+class Target:
+    """What a preemption acts on."""
+
+    lease_id: str
+    pid: int
+    device_index: int
+    control_block: ControlBlock | None
+    yield_flag: tuple[str, int] | None = None  # (IPC handle hex, offset) if registered
+
+
+class ProcessControl(Protocol):
+    """Levels 1-4 for one kind of host.  All methods may block; call them off the event loop."""
+
+    kind: str
+
+    def write_yield_flag(
+        self, device_index: int, handle_hex: str, offset: int, value: int
+    ) -> None: ...
+
+    def lock(self, pid: int, device_index: int, timeout_ms: int) -> None: ...
+
+    def unlock(self, pid: int, device_index: int) -> None: ...
+
+    def checkpoint(self, pid: int, device_index: int) -> None: ...
+
+    def restore(self, pid: int, device_index: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class SimulatedProcessControl:
+    """No GPU: levels 1-4 are recorded, not performed.  The gate (level 0) still works."""
+
+    kind = "simulated"
+
+    def __init__(self) -> None:
+        self.applied: dict[int, set[str]] = {}
+        self._lock = threading.Lock()
+
+    def _mark(self, pid: int, what: str, on: bool) -> None:
+        with self._lock:
+            steps = self.applied.setdefault(pid, set())
+            (steps.add if on else steps.discard)(what)
+
+    def write_yield_flag(self, device_index: int, handle_hex: str, offset: int, value: int) -> None:
+        raise ActuatorError("no GPU: yield flags exist only on a real device", not_supported=True)
+
+    def lock(self, pid: int, device_index: int, timeout_ms: int) -> None:
+        if not _pid_alive(pid):
+            raise ActuatorError(f"process {pid} is gone")
+        self._mark(pid, "lock", True)
+
+    def unlock(self, pid: int, device_index: int) -> None:
+        self._mark(pid, "lock", False)
+
+    def checkpoint(self, pid: int, device_index: int) -> None:
+        if not _pid_alive(pid):
+            raise ActuatorError(f"process {pid} is gone")
+        self._mark(pid, "checkpoint", True)
+
+    def restore(self, pid: int, device_index: int) -> None:
+        self._mark(pid, "checkpoint", False)
+
+    def close(self) -> None:
+        return None
+
+
+# ------------------------------------------------------------------ CUDA worker
+
+
+def _cuda_worker(device_index: int, conn) -> None:  # pragma: no cover - runs on a GPU host
+    """One per GPU: serve (op, args) requests with the CUDA driver API until told to stop."""
+    from cuda.bindings import driver as cu
+
+    def check(result, what: str):
+        err = result[0] if isinstance(result, tuple) else result
+        if err != cu.CUresult.CUDA_SUCCESS:
+            name = cu.cuGetErrorName(err)[1]
+            text = name.decode() if isinstance(name, bytes) else str(name)
+            raise RuntimeError(f"{what}: {text}")
+        return result[1:] if isinstance(result, tuple) and len(result) > 1 else None
+
+    state: dict[str, object] = {}
+
+    def context():
+        if "ctx" not in state:
+            check(cu.cuInit(0), "cuInit")
+            (dev,) = check(cu.cuDeviceGet(device_index), "cuDeviceGet")
+            (ctx,) = check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+            check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+            _, greatest = check(cu.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
+            (stream,) = check(
+                cu.cuStreamCreateWithPriority(cu.CUstream_flags.CU_STREAM_NON_BLOCKING, greatest),
+                "cuStreamCreateWithPriority",
+            )
+            state.update(ctx=ctx, stream=stream, handles={})
+        return state
+
+    check(cu.cuInit(0), "cuInit")
+    while True:
+        try:
+            op, args = conn.recv()
+        except EOFError:
+            return
+        try:
+            if op == "stop":
+                conn.send(("ok", None))
+                return
+            if op == "lock":
+                pid, timeout_ms = args
+                lock_args = cu.CUcheckpointLockArgs()
+                lock_args.timeoutMs = timeout_ms
+                check(cu.cuCheckpointProcessLock(pid, lock_args), "cuCheckpointProcessLock")
+            elif op == "unlock":
+                check(cu.cuCheckpointProcessUnlock(args[0], None), "cuCheckpointProcessUnlock")
+            elif op == "checkpoint":
+                check(
+                    cu.cuCheckpointProcessCheckpoint(args[0], None), "cuCheckpointProcessCheckpoint"
+                )
+            elif op == "restore":
+                check(cu.cuCheckpointProcessRestore(args[0], None), "cuCheckpointProcessRestore")
+            elif op == "state":
+                (value,) = check(
+                    cu.cuCheckpointProcessGetState(args[0]), "cuCheckpointProcessGetState"
+                )
+                conn.send(("ok", int(value)))
+                continue
+            elif op == "flag":
+                handle_hex, offset, value = args
+                ctx = context()
+                handles = ctx["handles"]  # type: ignore[index]
+                if handle_hex not in handles:
+                    handle = cu.CUipcMemHandle()
+                    handle.reserved = bytes.fromhex(handle_hex)
+                    (ptr,) = check(
+                        cu.cuIpcOpenMemHandle(
+                            handle, cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+                        ),
+                        "cuIpcOpenMemHandle",
+                    )
+                    handles[handle_hex] = int(ptr)  # type: ignore[index]
+                address = handles[handle_hex] + offset  # type: ignore[index]
+                check(
+                    cu.cuStreamWriteValue32(ctx["stream"], address, value, 0),
+                    "cuStreamWriteValue32",
+                )
+                check(cu.cuStreamSynchronize(ctx["stream"]), "cuStreamSynchronize")
+            else:
+                raise RuntimeError(f"unknown operation {op}")
+            conn.send(("ok", None))
+        except Exception as exc:  # report every failure to the broker, keep serving
+            conn.send(("error", str(exc)))
+
+
+class CudaProcessControl:
+    """Levels 1-4 through the CUDA driver's checkpoint API, one worker process per GPU."""
+
+    kind = "cuda"
+
+    def __init__(self, device_count: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._workers = []
+        for index in range(device_count):
+            parent, child = context.Pipe()
+            process = context.Process(
+                target=_cuda_worker,
+                args=(index, child),
+                name=f"gpushare-actuator-{index}",
+                daemon=True,
+            )
+            process.start()
+            child.close()
+            self._workers.append((process, parent, threading.Lock()))
+
+    def _call(self, device_index: int, op: str, *args):
+        process, conn, lock = self._workers[device_index]
+        with lock:
+            if not process.is_alive():
+                raise ActuatorError(f"the actuator for GPU {device_index} died")
+            conn.send((op, args))
+            status, value = conn.recv()
+        if status != "ok":
+            not_supported = "NOT_SUPPORTED" in value or "NOT_PERMITTED" in value
+            raise ActuatorError(value, not_supported=not_supported)
+        return value
+
+    def write_yield_flag(self, device_index: int, handle_hex: str, offset: int, value: int) -> None:
+        self._call(device_index, "flag", handle_hex, offset, value)
+
+    def lock(self, pid: int, device_index: int, timeout_ms: int) -> None:
+        self._call(device_index, "lock", pid, timeout_ms)
+
+    def unlock(self, pid: int, device_index: int) -> None:
+        self._call(device_index, "unlock", pid)
+
+    def checkpoint(self, pid: int, device_index: int) -> None:
+        self._call(device_index, "checkpoint", pid)
+
+    def restore(self, pid: int, device_index: int) -> None:
+        self._call(device_index, "restore", pid)
+
+    def process_state(self, pid: int, device_index: int = 0) -> int:
+        return int(self._call(device_index, "state", pid))
+
+    def close(self) -> None:
+        for process, conn, lock in self._workers:
+            try:
+                with lock:
+                    conn.send(("stop", ()))
+                    conn.recv()
+            except (OSError, EOFError):
+                pass
+            process.join(timeout=2)
+            if process.is_alive():
+                process.kill()
+
+
+# ------------------------------------------------------------------ the ladder
+
+
+class Ladder:
+    """Applies and undoes ladder levels on a :class:`Target`, in order, off the event loop.
+
+    Steps for one process are serialised (a lock must not overtake its unlock).
+    """
+
+    def __init__(self, control: ProcessControl, *, lock_timeout_ms: int = 5000) -> None:
+        self.control = control
+        self.lock_timeout_ms = lock_timeout_ms
+        self._per_pid: dict[int, asyncio.Lock] = {}
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    def _serial(self, pid: int) -> asyncio.Lock:
+        return self._per_pid.setdefault(pid, asyncio.Lock())
+
+    async def apply(
+        self, target: Target, level: PreemptionLevel, reason: str, already: PreemptionLevel | None
+    ) -> str:
+        """Stop ``target`` at ``level`` (levels below it too); return a note for status."""
+        async with self._serial(target.pid):
+            if target.control_block is not None:
+                state = (
+                    SessionState.EVICTED if level == PreemptionLevel.EVICT else SessionState.PAUSED
+                )
+                target.control_block.publish(
+                    gate_closed=True, state=state, level=int(level), reason=reason
+                )
+            notes = []
+            if level in (PreemptionLevel.YIELD, PreemptionLevel.ABORT) or (
+                level >= PreemptionLevel.LOCK and target.yield_flag is not None
+            ):
+                if target.yield_flag is not None:
+                    handle, offset = target.yield_flag
+                    await self._run(
+                        self.control.write_yield_flag,
+                        target.device_index,
+                        handle,
+                        offset,
+                        int(level),
+                    )
+                elif level in (PreemptionLevel.YIELD, PreemptionLevel.ABORT):
+                    notes.append("no yield flag registered: gate only")
+            if level >= PreemptionLevel.LOCK and (
+                already is None or already < PreemptionLevel.LOCK
+            ):
+                await self._run(
+                    self.control.lock, target.pid, target.device_index, self.lock_timeout_ms
+                )
+            if level == PreemptionLevel.EVICT:
+                await self._run(self.control.checkpoint, target.pid, target.device_index)
+            if self.control.kind == "simulated" and level >= PreemptionLevel.LOCK:
+                notes.append("simulated GPU: the process was gated, not locked")
+            return "; ".join(notes)
+
+    async def undo(self, target: Target, level: PreemptionLevel | None) -> None:
+        """Resume ``target`` from ``level``: restore, unlock, clear the flag, open the gate."""
+        async with self._serial(target.pid):
+            alive = _pid_alive(target.pid)
+            if alive and level is not None:
+                if level == PreemptionLevel.EVICT:
+                    await self._run(self.control.restore, target.pid, target.device_index)
+                if level >= PreemptionLevel.LOCK:
+                    await self._run(self.control.unlock, target.pid, target.device_index)
+                if target.yield_flag is not None:
+                    handle, offset = target.yield_flag
+                    try:
+                        await self._run(
+                            self.control.write_yield_flag, target.device_index, handle, offset, 0
+                        )
+                    except ActuatorError:
+                        pass  # the flag's owner may have freed it; the gate below still opens
+            if target.control_block is not None:
+                target.control_block.publish(gate_closed=False, state=SessionState.RUNNING)
+
+    def undo_blocking(self, pid: int, device_index: int, level: int) -> None:
+        """Crash recovery (no event loop yet): undo what the journal says was applied."""
+        if not _pid_alive(pid):
+            return
+        if level >= PreemptionLevel.EVICT:
+            try:
+                self.control.restore(pid, device_index)
+            except ActuatorError:
+                pass  # not checkpointed after all: the lock below is what matters
+        if level >= PreemptionLevel.LOCK:
+            try:
+                self.control.unlock(pid, device_index)
+            except ActuatorError:
+                pass  # not locked (the crash came before the lock took)
+
+
+def open_process_control(inventory_kind: str, device_count: int) -> ProcessControl:
+    if inventory_kind == "nvml":
+        return CudaProcessControl(device_count)
+    return SimulatedProcessControl()

@@ -1,0 +1,1079 @@
+"""The scheduler as a pure state machine: events in, actions out, time passed in.
+
+Theory of operation
+-------------------
+Every GPU (or, where MIG is on, every MIG instance) is a *slot* with a memory capacity.
+A notebook cell asks for a *lease* on a slot: a priority (0-299, three bands: low,
+normal, high), an amount of device memory, an SM share and a wish (device, MIG or not).
+
+* Leases of the same band time-slice a slot (policy ``sharing = "timeslice"``), or a
+  slot holds one running lease (``"exclusive"``).  Leases whose SM shares add up to at
+  most 1 share a slot spatially whatever their band.
+* A request that cannot be placed waits in one queue ordered by *effective priority*
+  (base + aging while waiting) and arrival.  A waiter reserves the slots it waits for:
+  nobody of lower effective priority is placed there before it.
+* A request whose band is higher than every lease in its way *preempts* them: the
+  victims are paused at the cheapest ladder level that stops all their work
+  (:func:`policy.stopping_level`), and the request is granted at once -- the drain
+  happens asynchronously, the waiting session never waits for it.  Only when memory
+  must be freed does the grant wait: victims are evicted (level 4) and the grant
+  follows their :class:`PreemptionApplied` events.
+* Paused and evicted leases wait in the same queue (pinned to their slot) and resume
+  when they are again the best candidate; the aging they earned while paused stays with
+  them while they run, so a long-starved lease eventually outranks new arrivals.
+
+The core never blocks, never reads a clock and never touches a socket or a GPU: the
+server feeds it :data:`Event` values with ``now`` and carries out the returned
+:data:`Action` values.  Replaying an event list gives the same actions.  Invalid
+events (a release of an unknown lease) raise :class:`SchedulerError` and change nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpushare_ext.broker.inventory import DeviceInfo
+from gpushare_ext.broker.policy import (
+    Policy,
+    VictimTraits,
+    effective_priority,
+    format_size,
+    priority_band,
+    stopping_level,
+    victim_order_key,
+)
+from gpushare_ext.protocol import (
+    Capabilities,
+    ErrorCode,
+    LeaseState,
+    Placement,
+    PreemptionLevel,
+    SliceWish,
+    describe_priority,
+    priority_class,
+)
+
+MIB = 1024 * 1024
+ACTIVE_STATES = (LeaseState.QUEUED, LeaseState.RUNNING, LeaseState.PAUSED, LeaseState.EVICTED)
+
+
+class SchedulerError(Exception):
+    """An event the core cannot accept; state is unchanged.  ``code`` is a protocol ErrorCode."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+# ------------------------------------------------------------------ identities
+
+
+@dataclass(frozen=True, kw_only=True)
+class Identity:
+    """Who a session belongs to, as the kernel vouches for it (peer credentials)."""
+
+    uid: int
+    gid: int
+    pid: int
+    user: str
+    groups: tuple[str, ...] = ()
+
+
+# ------------------------------------------------------------------ events
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionOpened:
+    now: float
+    session_id: str
+    identity: Identity
+    notebook: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionClosed:
+    now: float
+    session_id: str
+    reason: str = "connection closed"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseRequested:
+    now: float
+    session_id: str
+    lease_id: str
+    priority: int
+    memory_bytes: int | None = None
+    slice: SliceWish = SliceWish.AUTO
+    device: str = "auto"
+    sm_share: float = 1.0
+    capabilities: Capabilities = Capabilities()
+    label: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseReleased:
+    now: float
+    session_id: str
+    lease_id: str
+    by_admin: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseReclaimed:
+    """After a broker restart: a lease the journal says was running, reclaimed by its pid."""
+
+    now: float
+    session_id: str
+    lease_id: str
+    priority: int
+    memory_bytes: int
+    slot: str
+    sm_share: float = 1.0
+    capabilities: Capabilities = Capabilities()
+    label: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreemptionApplied:
+    now: float
+    lease_id: str
+    level: PreemptionLevel
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreemptionFailed:
+    now: float
+    lease_id: str
+    level: PreemptionLevel
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryObserved:
+    """The watchdog saw ``pid`` holding ``used_bytes`` on a device (NVML)."""
+
+    now: float
+    pid: int
+    used_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceDrained:
+    now: float
+    device_index: int
+    drained: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyChanged:
+    now: float
+    policy: Policy
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tick:
+    now: float
+
+
+Event = (
+    SessionOpened
+    | SessionClosed
+    | LeaseRequested
+    | LeaseReleased
+    | LeaseReclaimed
+    | PreemptionApplied
+    | PreemptionFailed
+    | MemoryObserved
+    | DeviceDrained
+    | PolicyChanged
+    | Tick
+)
+
+# ------------------------------------------------------------------ actions
+
+
+@dataclass(frozen=True, kw_only=True)
+class Grant:
+    session_id: str
+    lease_id: str
+    placement: Placement
+    priority: int
+    notice: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NotifyQueued:
+    session_id: str
+    lease_id: str
+    position: int
+    waiting_for: tuple[str, ...]  # lease ids in the way (the server anonymises their owners)
+    holder_priority: int | None
+    estimate_s: float | None
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Preempt:
+    session_id: str
+    lease_id: str
+    pid: int
+    device_index: int
+    level: PreemptionLevel
+    for_lease: str
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResumeLease:
+    session_id: str
+    lease_id: str
+    pid: int
+    device_index: int
+    undo_level: PreemptionLevel  # the highest level applied, to undo
+    paused_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Refuse:
+    session_id: str
+    lease_id: str
+    code: ErrorCode
+    message: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Revoke:
+    session_id: str
+    lease_id: str
+    pid: int
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseEnded:
+    """A lease left the system (released, revoked, its session died).
+
+    ``undo_level`` is the preemption level still applied to its process, which the
+    actuators must undo (None when nothing is applied).
+    """
+
+    session_id: str
+    lease_id: str
+    pid: int
+    device_index: int | None
+    held_s: float
+    undo_level: PreemptionLevel | None
+    reason: str
+
+
+Action = Grant | NotifyQueued | Preempt | ResumeLease | Refuse | Revoke | LeaseEnded
+
+# ------------------------------------------------------------------ state
+
+
+@dataclass(frozen=True, kw_only=True)
+class Slot:
+    """A unit of placement: a whole GPU, or one MIG instance."""
+
+    key: str
+    device_index: int
+    device_uuid: str
+    memory_bytes: int
+    multiprocessor_count: int
+    mig_uuid: str | None = None
+    mig_profile: str | None = None
+
+
+@dataclass(kw_only=True)
+class Lease:
+    lease_id: str
+    session_id: str
+    identity: Identity
+    base_priority: int
+    memory_bytes: int
+    sm_share: float
+    slice: SliceWish
+    device_wish: str
+    capabilities: Capabilities
+    label: str
+    arrival: int  # tie-breaker: FIFO within equal effective priority
+    requested_at: float
+    state: LeaseState = LeaseState.QUEUED
+    state_since: float = 0.0
+    slot: str | None = None
+    granted_at: float | None = None
+    waited_s: float = 0.0
+    aging_bonus: float = 0.0  # priority earned while waiting, kept while running
+    applied_level: PreemptionLevel | None = None  # what the actuators have applied
+    pending_level: PreemptionLevel | None = None  # asked for, not yet confirmed
+    lockable: bool = True
+    evictable: bool = True
+    awaiting_memory_from: frozenset[str] = frozenset()  # victims whose eviction we wait for
+    target_slot: str | None = None  # where those evictions make room
+    held_by_watchdog: bool = False  # paused for breaking its quota: not resumed by the queue
+    reason: str = ""
+    notice: str = ""
+    last_queue_notice: tuple | None = None
+
+    def running_priority(self) -> float:
+        return min(299.0, self.base_priority + self.aging_bonus)
+
+
+@dataclass(kw_only=True)
+class SessionRecord:
+    identity: Identity
+    notebook: str
+    leases: set[str] = field(default_factory=set)
+
+
+# ------------------------------------------------------------------ the machine
+
+
+class Scheduler:
+    """Feed it events with :meth:`handle`; carry out the actions it returns."""
+
+    def __init__(self, devices: list[DeviceInfo], policy: Policy | None = None) -> None:
+        self.policy = policy or Policy()
+        self.devices = {d.index: d for d in devices}
+        self.slots: dict[str, Slot] = {}
+        self.drained: set[int] = set()
+        for device in devices:
+            for slot in _slots_of(device):
+                self.slots[slot.key] = slot
+        self.sessions: dict[str, SessionRecord] = {}
+        self.leases: dict[str, Lease] = {}
+        self.ended: dict[str, Lease] = {}  # recently ended, for status and replay checks
+        self._arrivals = 0
+        self._hold_ema: dict[int, float] = {}  # uid -> typical hold time, for estimates
+        self.now = 0.0
+
+    # ---- public
+
+    def handle(self, event: Event) -> list[Action]:
+        """Apply one event; return the actions to carry out, in order."""
+        if event.now < self.now:
+            event_now = self.now  # time never goes backwards inside the core
+        else:
+            event_now = event.now
+        handler = getattr(self, f"_on_{type(event).__name__}")
+        actions: list[Action] = handler(event, event_now)
+        self.now = event_now
+        actions.extend(self._schedule(event_now))
+        return actions
+
+    def active_leases(self) -> list[Lease]:
+        return [lease for lease in self.leases.values() if lease.state in ACTIVE_STATES]
+
+    def queue(self) -> list[Lease]:
+        """Waiters (queued, paused, evicted) in the order they will be served."""
+        waiters = [
+            lease
+            for lease in self.leases.values()
+            if lease.state in (LeaseState.QUEUED, LeaseState.PAUSED, LeaseState.EVICTED)
+        ]
+        return sorted(waiters, key=lambda lease: self._queue_key(lease, self.now))
+
+    def queued_position(self, lease_id: str) -> int | None:
+        queued = [lease for lease in self.queue() if lease.state == LeaseState.QUEUED]
+        for position, lease in enumerate(queued, start=1):
+            if lease.lease_id == lease_id:
+                return position
+        return None
+
+    def slot_usage(self, key: str) -> tuple[int, list[Lease]]:
+        """Memory held on a slot (running, paused and pending grants) and its running leases."""
+        held = 0
+        running = []
+        for lease in self.leases.values():
+            if lease.slot != key:
+                continue
+            if lease.state in (LeaseState.RUNNING, LeaseState.PAUSED):
+                held += lease.memory_bytes
+            if lease.state == LeaseState.RUNNING:
+                running.append(lease)
+        return held, running
+
+    def lease_of(self, lease_id: str) -> Lease | None:
+        return self.leases.get(lease_id)
+
+    def slots_of_device(self, index: int) -> list[Slot]:
+        return [s for s in self.slots.values() if s.device_index == index]
+
+    # ---- event handlers
+
+    def _on_SessionOpened(self, event: SessionOpened, now: float) -> list[Action]:
+        if event.session_id in self.sessions:
+            raise SchedulerError(
+                ErrorCode.OUT_OF_ORDER, f"session {event.session_id} is already open"
+            )
+        self.sessions[event.session_id] = SessionRecord(
+            identity=event.identity, notebook=event.notebook
+        )
+        return []
+
+    def _on_SessionClosed(self, event: SessionClosed, now: float) -> list[Action]:
+        record = self.sessions.pop(event.session_id, None)
+        if record is None:
+            raise SchedulerError(ErrorCode.OUT_OF_ORDER, f"no session {event.session_id}")
+        actions: list[Action] = []
+        for lease_id in sorted(record.leases):
+            lease = self.leases.get(lease_id)
+            if lease is not None and lease.state in ACTIVE_STATES:
+                actions.append(self._end(lease, LeaseState.RELEASED, now, event.reason))
+        return actions
+
+    def _on_LeaseRequested(self, event: LeaseRequested, now: float) -> list[Action]:
+        record = self._session(event.session_id)
+        if event.lease_id in self.leases or event.lease_id in self.ended:
+            raise SchedulerError(ErrorCode.INVALID, f"lease id {event.lease_id} is already used")
+        identity = record.identity
+        limits = self.policy.limits_for(identity.user, identity.groups)
+
+        def refuse(code: ErrorCode, message: str) -> list[Action]:
+            return [
+                Refuse(
+                    session_id=event.session_id, lease_id=event.lease_id, code=code, message=message
+                )
+            ]
+
+        if not 0 <= event.priority <= 299:
+            return refuse(ErrorCode.INVALID, f"priority {event.priority} is outside 0-299")
+        if not 0.0 < event.sm_share <= 1.0:
+            return refuse(ErrorCode.INVALID, f"sm_share {event.sm_share} is outside (0, 1]")
+        priority = event.priority
+        notice = ""
+        if priority > limits.max_priority:
+            notice = (
+                f"priority lowered from {describe_priority(priority)} to "
+                f"{describe_priority(limits.max_priority)} by policy"
+            )
+            priority = limits.max_priority
+        memory = event.memory_bytes
+        if memory is None:
+            memory = min(limits.default_memory, limits.memory_quota)
+        if memory < 0:
+            return refuse(ErrorCode.INVALID, "memory must not be negative")
+        if memory > limits.memory_quota:
+            return refuse(
+                ErrorCode.POLICY,
+                f"{format_size(memory)} asked, but your memory quota is "
+                f"{format_size(limits.memory_quota)} per lease",
+            )
+        if len(self._user_lease_ids(identity.uid)) >= limits.max_leases:
+            return refuse(
+                ErrorCode.POLICY,
+                f"you already hold or wait for {limits.max_leases} lease(s), the most your "
+                f"policy allows; release one first (%gpu release)",
+            )
+        wish = event.slice if event.slice != SliceWish.AUTO else limits.slice
+        candidates, why_none = self._candidate_slots(event.device, wish)
+        if not candidates:
+            return refuse(ErrorCode.INVALID, why_none)
+        if not any(self.slots[key].memory_bytes >= memory for key in candidates):
+            biggest = max(self.slots[key].memory_bytes for key in candidates)
+            return refuse(
+                ErrorCode.INVALID,
+                f"{format_size(memory)} does not fit any matching device or slice "
+                f"(the largest has {format_size(biggest)})",
+            )
+        self._arrivals += 1
+        lease = Lease(
+            lease_id=event.lease_id,
+            session_id=event.session_id,
+            identity=identity,
+            base_priority=priority,
+            memory_bytes=memory,
+            sm_share=event.sm_share,
+            slice=wish,
+            device_wish=event.device,
+            capabilities=event.capabilities,
+            label=event.label,
+            arrival=self._arrivals,
+            requested_at=now,
+            state_since=now,
+            lockable=event.capabilities.lockable,
+            notice=notice,
+        )
+        self.leases[lease.lease_id] = lease
+        record.leases.add(lease.lease_id)
+        return []
+
+    def _on_LeaseReclaimed(self, event: LeaseReclaimed, now: float) -> list[Action]:
+        record = self._session(event.session_id)
+        if event.lease_id in self.leases:
+            raise SchedulerError(ErrorCode.INVALID, f"lease {event.lease_id} is already known")
+        if event.slot not in self.slots:
+            raise SchedulerError(ErrorCode.UNAVAILABLE, f"slot {event.slot} no longer exists")
+        self._arrivals += 1
+        lease = Lease(
+            lease_id=event.lease_id,
+            session_id=event.session_id,
+            identity=record.identity,
+            base_priority=event.priority,
+            memory_bytes=event.memory_bytes,
+            sm_share=event.sm_share,
+            slice=SliceWish.AUTO,
+            device_wish=str(self.slots[event.slot].device_index),
+            capabilities=event.capabilities,
+            label=event.label,
+            arrival=self._arrivals,
+            requested_at=now,
+            state=LeaseState.RUNNING,
+            state_since=now,
+            slot=event.slot,
+            granted_at=now,
+            lockable=event.capabilities.lockable,
+        )
+        self.leases[lease.lease_id] = lease
+        record.leases.add(lease.lease_id)
+        return []
+
+    def _on_LeaseReleased(self, event: LeaseReleased, now: float) -> list[Action]:
+        lease = self.leases.get(event.lease_id)
+        if lease is None or lease.state not in ACTIVE_STATES:
+            raise SchedulerError(ErrorCode.UNKNOWN_LEASE, f"no active lease {event.lease_id}")
+        if lease.session_id != event.session_id and not event.by_admin:
+            raise SchedulerError(ErrorCode.PERMISSION, f"lease {event.lease_id} is not yours")
+        reason = "cancelled by an admin" if event.by_admin else "released"
+        state = LeaseState.REVOKED if event.by_admin else LeaseState.RELEASED
+        actions: list[Action] = []
+        if event.by_admin and lease.session_id in self.sessions:
+            actions.append(
+                Revoke(
+                    session_id=lease.session_id,
+                    lease_id=lease.lease_id,
+                    pid=lease.identity.pid,
+                    reason=reason,
+                )
+            )
+        actions.append(self._end(lease, state, now, reason))
+        return actions
+
+    def _on_PreemptionApplied(self, event: PreemptionApplied, now: float) -> list[Action]:
+        lease = self.leases.get(event.lease_id)
+        if lease is None or lease.state not in ACTIVE_STATES:
+            return []  # it ended meanwhile; the server undoes what was applied
+        if lease.pending_level != event.level:
+            return []  # a stale confirmation (it was resumed meanwhile)
+        lease.pending_level = None
+        lease.applied_level = event.level
+        if event.level == PreemptionLevel.EVICT and lease.state == LeaseState.PAUSED:
+            lease.state = LeaseState.EVICTED
+            lease.reason = lease.reason or "evicted for a higher-priority session"
+            for waiter in self.leases.values():
+                if lease.lease_id in waiter.awaiting_memory_from:
+                    waiter.awaiting_memory_from = waiter.awaiting_memory_from - {lease.lease_id}
+        return []
+
+    def _on_PreemptionFailed(self, event: PreemptionFailed, now: float) -> list[Action]:
+        lease = self.leases.get(event.lease_id)
+        if lease is None or lease.state not in ACTIVE_STATES or lease.pending_level != event.level:
+            return []
+        lease.pending_level = None
+        if event.level == PreemptionLevel.EVICT:
+            lease.evictable = False
+            lease.reason = f"cannot be evicted: {event.reason}"
+        else:
+            # It could not be paused: it keeps running, time-sliced with the newcomer.
+            lease.lockable = False
+            lease.state = LeaseState.RUNNING
+            lease.state_since = now
+            lease.applied_level = None
+            lease.reason = f"could not be paused: {event.reason}"
+        for waiter in self.leases.values():
+            if lease.lease_id in waiter.awaiting_memory_from:
+                waiter.awaiting_memory_from = frozenset()
+        return []
+
+    def _on_MemoryObserved(self, event: MemoryObserved, now: float) -> list[Action]:
+        running = [
+            lease
+            for lease in self.leases.values()
+            if lease.identity.pid == event.pid and lease.state == LeaseState.RUNNING
+        ]
+        if not running:
+            return []
+        quota = sum(lease.memory_bytes for lease in running)
+        tolerance = 64 * MIB  # the CUDA context itself lives outside the quota
+        if event.used_bytes <= quota + tolerance:
+            return []
+        actions: list[Action] = []
+        for lease in running:
+            reason = (
+                f"over its memory quota: {format_size(event.used_bytes)} in use, "
+                f"{format_size(quota)} leased"
+            )
+            level = PreemptionLevel.LOCK if lease.lockable else None
+            if level is None:
+                continue
+            lease.state = LeaseState.PAUSED
+            lease.state_since = now
+            lease.pending_level = level
+            lease.reason = reason + "; release the lease or restart the kernel"
+            lease.held_by_watchdog = True
+            actions.append(
+                Preempt(
+                    session_id=lease.session_id,
+                    lease_id=lease.lease_id,
+                    pid=lease.identity.pid,
+                    device_index=self.slots[lease.slot].device_index,  # type: ignore[index]
+                    level=level,
+                    for_lease="",
+                    reason=reason,
+                )
+            )
+        return actions
+
+    def _on_DeviceDrained(self, event: DeviceDrained, now: float) -> list[Action]:
+        if event.device_index not in self.devices:
+            raise SchedulerError(ErrorCode.INVALID, f"there is no device {event.device_index}")
+        if event.drained:
+            self.drained.add(event.device_index)
+        else:
+            self.drained.discard(event.device_index)
+        return []
+
+    def _on_PolicyChanged(self, event: PolicyChanged, now: float) -> list[Action]:
+        self.policy = event.policy
+        return []
+
+    def _on_Tick(self, event: Tick, now: float) -> list[Action]:
+        return []
+
+    # ---- helpers
+
+    def _session(self, session_id: str) -> SessionRecord:
+        record = self.sessions.get(session_id)
+        if record is None:
+            raise SchedulerError(ErrorCode.OUT_OF_ORDER, f"no session {session_id}")
+        return record
+
+    def _user_lease_ids(self, uid: int) -> list[str]:
+        return [
+            lease.lease_id
+            for lease in self.leases.values()
+            if lease.identity.uid == uid and lease.state in ACTIVE_STATES
+        ]
+
+    def _candidate_slots(self, device_wish: str, wish: SliceWish) -> tuple[list[str], str]:
+        keys = sorted(self.slots)
+        wish_text = (device_wish or "auto").strip()
+        if wish_text != "auto":
+            if wish_text.isdigit():
+                index = int(wish_text)
+                if index not in self.devices:
+                    return [], f"there is no device {index} (devices: {sorted(self.devices)})"
+                keys = [k for k in keys if self.slots[k].device_index == index]
+            else:
+                keys = [
+                    k for k in keys
+                    if wish_text in (self.slots[k].mig_uuid, self.slots[k].device_uuid)
+                ]  # fmt: skip
+                if not keys:
+                    return [], f"no device or MIG instance has the UUID {wish_text}"
+        if wish == SliceWish.MIG:
+            keys = [k for k in keys if self.slots[k].mig_uuid]
+            if not keys:
+                return [], "no MIG instance exists on the matching devices (MIG is off)"
+        elif wish == SliceWish.SHARED:
+            keys = [k for k in keys if not self.slots[k].mig_uuid]
+            if not keys:
+                return [], "the matching devices are cut into MIG instances; ask for mig"
+        if not keys:
+            mig_without_instances = [
+                d.index for d in self.devices.values() if d.mig_enabled and not d.instances
+            ]
+            if mig_without_instances:
+                return [], (
+                    f"MIG is on for device(s) {mig_without_instances} but no instance exists; "
+                    "an admin can create some (gpushare mig plan)"
+                )
+            return [], "no device matches"
+        return keys, ""
+
+    def _queue_key(self, lease: Lease, now: float) -> tuple:
+        return (-self._effective(lease, now), lease.arrival)
+
+    def _effective(self, lease: Lease, now: float) -> float:
+        limits = self.policy.limits_for(lease.identity.user, lease.identity.groups)
+        if lease.state == LeaseState.RUNNING:
+            return lease.running_priority()
+        waiting_since = lease.state_since
+        earned = effective_priority(0, now - waiting_since, limits.aging_per_minute)
+        return min(299.0, lease.base_priority + lease.aging_bonus + earned)
+
+    def _end(self, lease: Lease, state: LeaseState, now: float, reason: str) -> LeaseEnded:
+        held = now - lease.granted_at if lease.granted_at is not None else 0.0
+        undo = lease.pending_level if lease.pending_level is not None else lease.applied_level
+        if lease.applied_level is not None and lease.pending_level is not None:
+            undo = max(lease.applied_level, lease.pending_level)
+        device_index = self.slots[lease.slot].device_index if lease.slot else None
+        lease.state = state
+        lease.state_since = now
+        lease.reason = reason
+        lease.applied_level = None
+        lease.pending_level = None
+        if lease.granted_at is not None:
+            previous = self._hold_ema.get(lease.identity.uid, held)
+            self._hold_ema[lease.identity.uid] = 0.7 * previous + 0.3 * held
+        del self.leases[lease.lease_id]
+        self.ended[lease.lease_id] = lease
+        if len(self.ended) > 512:
+            self.ended.pop(next(iter(self.ended)))
+        record = self.sessions.get(lease.session_id)
+        if record is not None:
+            record.leases.discard(lease.lease_id)
+        for waiter in self.leases.values():
+            if lease.lease_id in waiter.awaiting_memory_from:
+                waiter.awaiting_memory_from = waiter.awaiting_memory_from - {lease.lease_id}
+        return LeaseEnded(
+            session_id=lease.session_id,
+            lease_id=lease.lease_id,
+            pid=lease.identity.pid,
+            device_index=device_index,
+            held_s=held,
+            undo_level=undo,
+            reason=reason,
+        )
+
+    # ---- placement
+
+    def _compute_compatible(self, lease: Lease, running: list[Lease], now: float) -> bool:
+        if not running:
+            return True
+        if lease.slice == SliceWish.EXCLUSIVE or any(
+            r.slice == SliceWish.EXCLUSIVE for r in running
+        ):
+            return False
+        if lease.sm_share < 1.0 and all(r.sm_share < 1.0 for r in running):
+            if lease.sm_share + sum(r.sm_share for r in running) <= 1.0 + 1e-9:
+                return True
+        if self.policy.sharing == "exclusive":
+            return False
+        band = priority_band(self._effective(lease, now))
+        return all(priority_band(r.running_priority()) == band for r in running)
+
+    def _fits_now(self, lease: Lease, key: str, now: float) -> bool:
+        slot = self.slots[key]
+        held, running = self.slot_usage(key)
+        if lease.state in (LeaseState.PAUSED,):
+            held -= lease.memory_bytes  # it already holds its memory there
+        if held + lease.memory_bytes > slot.memory_bytes:
+            return False
+        return self._compute_compatible(lease, running, now)
+
+    def _slot_preference(self, lease: Lease, key: str) -> tuple:
+        slot = self.slots[key]
+        held, running = self.slot_usage(key)
+        if slot.mig_uuid:  # best fit keeps big instances free for big requests
+            return (len(running), slot.memory_bytes, key)
+        return (len(running), -(slot.memory_bytes - held), key)
+
+    def _preemption_plan(self, lease: Lease, key: str, now: float):
+        """Victims to pause and to evict so ``lease`` can run on ``key``; None if impossible."""
+        slot = self.slots[key]
+        band = priority_band(self._effective(lease, now))
+        held, running = self.slot_usage(key)
+        blockers = [r for r in running if not self._compute_compatible(lease, [r], now)]
+        if self.policy.sharing == "exclusive" or lease.slice == SliceWish.EXCLUSIVE:
+            blockers = list(running)
+        to_pause: list[Lease] = []
+        for victim in blockers:
+            if priority_band(victim.running_priority()) >= band:
+                return None
+            if victim.pending_level is not None:
+                return None  # already being stopped; wait for that
+            traits = VictimTraits(
+                gate=victim.capabilities.gate,
+                yield_flag=victim.capabilities.yield_flag,
+                instrumented_only=victim.capabilities.instrumented_only,
+                lockable=victim.lockable,
+                evictable=victim.evictable,
+            )
+            if stopping_level(traits) is None:
+                continue  # cannot be stopped: it will time-slice with us (said in status)
+            to_pause.append(victim)
+        # Memory: evict lower-band leases (paused ones first) until the request fits.
+        own = lease.memory_bytes if lease.state == LeaseState.PAUSED else 0
+        need = held - own + lease.memory_bytes - slot.memory_bytes
+        to_evict: list[Lease] = []
+        if need > 0:
+            if not self.policy.evict_when_memory_needed:
+                return None
+            candidates = [
+                other
+                for other in self.leases.values()
+                if other.slot == key
+                and other.lease_id != lease.lease_id
+                and other.state in (LeaseState.RUNNING, LeaseState.PAUSED)
+                and priority_band(other.running_priority()) < band
+                and other.evictable
+                and (other.lockable or other.state == LeaseState.PAUSED)
+                and other.pending_level is None
+            ]
+            candidates.sort(
+                key=lambda o: victim_order_key(o.running_priority(), o.memory_bytes, o.arrival)
+            )
+            for other in candidates:
+                if need <= 0:
+                    break
+                to_evict.append(other)
+                need -= other.memory_bytes
+            if need > 0:
+                return None
+        return to_pause, to_evict
+
+    def _schedule(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        reserved: set[str] = set()
+        for lease in self.queue():
+            if lease.state not in (LeaseState.QUEUED, LeaseState.PAUSED, LeaseState.EVICTED):
+                continue
+            if lease.held_by_watchdog:
+                continue
+            if lease.pending_level is not None:
+                reserved.add(lease.slot)  # type: ignore[arg-type]
+                continue
+            if lease.awaiting_memory_from:
+                reserved.add(lease.target_slot)  # type: ignore[arg-type]
+                continue
+            lease.target_slot = None
+            if lease.slot is not None:
+                candidates = [lease.slot]
+            else:
+                candidates, _ = self._candidate_slots(lease.device_wish, lease.slice)
+                candidates = [
+                    k for k in candidates if self.slots[k].memory_bytes >= lease.memory_bytes
+                ]
+            candidates = [
+                k for k in candidates
+                if self.slots[k].device_index not in self.drained or lease.state != LeaseState.QUEUED
+            ]  # fmt: skip
+            open_slots = [k for k in candidates if k not in reserved]
+            placed = [k for k in open_slots if self._fits_now(lease, k, now)]
+            if placed:
+                key = min(placed, key=lambda k: self._slot_preference(lease, k))
+                actions.extend(self._start(lease, key, now))
+                continue
+            plans = []
+            if lease.state in (LeaseState.QUEUED, LeaseState.PAUSED, LeaseState.EVICTED):
+                for key in open_slots:
+                    plan = self._preemption_plan(lease, key, now)
+                    if plan is not None:
+                        to_pause, to_evict = plan
+                        cost = (
+                            len(to_evict),
+                            sum(v.memory_bytes for v in to_evict),
+                            len(to_pause),
+                            self._slot_preference(lease, key),
+                        )
+                        plans.append((cost, key, to_pause, to_evict))
+            if plans:
+                _, key, to_pause, to_evict = min(plans, key=lambda p: p[0])
+                actions.extend(self._preempt_for(lease, key, to_pause, to_evict, now))
+                reserved.add(key)
+                continue
+            reserved.update(candidates)
+            actions.extend(self._queue_notice(lease, candidates, now))
+        return actions
+
+    def _start(self, lease: Lease, key: str, now: float) -> list[Action]:
+        slot = self.slots[key]
+        waited = now - lease.state_since
+        limits = self.policy.limits_for(lease.identity.user, lease.identity.groups)
+        lease.aging_bonus = min(
+            299.0 - lease.base_priority,
+            lease.aging_bonus + effective_priority(0, waited, limits.aging_per_minute),
+        )
+        previous = lease.state
+        lease.state = LeaseState.RUNNING
+        lease.state_since = now
+        lease.slot = key
+        lease.reason = ""
+        lease.last_queue_notice = None
+        if previous == LeaseState.QUEUED:
+            lease.granted_at = now
+            lease.waited_s = now - lease.requested_at
+            blocks = max(1, round(lease.sm_share * slot.multiprocessor_count))
+            placement = Placement(
+                device_index=slot.device_index,
+                device_uuid=slot.device_uuid,
+                mig_uuid=slot.mig_uuid,
+                mig_profile=slot.mig_profile,
+                memory_bytes=lease.memory_bytes,
+                sm_share=lease.sm_share,
+                max_blocks_per_sm_share=blocks if lease.sm_share < 1.0 else None,
+            )
+            return [
+                Grant(
+                    session_id=lease.session_id,
+                    lease_id=lease.lease_id,
+                    placement=placement,
+                    priority=lease.base_priority,
+                    notice=lease.notice,
+                )
+            ]
+        undo = lease.applied_level if lease.applied_level is not None else PreemptionLevel.GATE
+        lease.applied_level = None
+        return [
+            ResumeLease(
+                session_id=lease.session_id,
+                lease_id=lease.lease_id,
+                pid=lease.identity.pid,
+                device_index=slot.device_index,
+                undo_level=undo,
+                paused_s=waited,
+            )
+        ]
+
+    def _preempt_for(
+        self, lease: Lease, key: str, to_pause: list[Lease], to_evict: list[Lease], now: float
+    ) -> list[Action]:
+        actions: list[Action] = []
+        slot = self.slots[key]
+        who = f"{describe_priority(lease.base_priority)} lease {lease.lease_id}"
+        for victim in to_pause:
+            traits = VictimTraits(
+                gate=victim.capabilities.gate,
+                yield_flag=victim.capabilities.yield_flag,
+                instrumented_only=victim.capabilities.instrumented_only,
+                lockable=victim.lockable,
+                evictable=victim.evictable,
+            )
+            level = stopping_level(traits)
+            if victim in to_evict:
+                level = PreemptionLevel.EVICT
+            assert level is not None
+            actions.append(
+                self._pause(
+                    victim, level, lease, f"paused for a higher-priority session ({who})", now
+                )
+            )
+        for victim in to_evict:
+            if victim in to_pause:
+                continue
+            if victim.state == LeaseState.RUNNING:
+                actions.append(
+                    self._pause(victim, PreemptionLevel.EVICT, lease, f"evicted for {who}", now)
+                )
+            else:  # already paused: escalate to eviction
+                victim.pending_level = PreemptionLevel.EVICT
+                victim.reason = f"evicted for {who}"
+                actions.append(
+                    Preempt(
+                        session_id=victim.session_id,
+                        lease_id=victim.lease_id,
+                        pid=victim.identity.pid,
+                        device_index=slot.device_index,
+                        level=PreemptionLevel.EVICT,
+                        for_lease=lease.lease_id,
+                        reason=victim.reason,
+                    )
+                )
+        if to_evict:
+            lease.awaiting_memory_from = frozenset(v.lease_id for v in to_evict)
+            lease.target_slot = key
+            lease.reason = "freeing memory: waiting for lower-priority sessions to be evicted"
+            actions.extend(self._queue_notice(lease, [key], now, force_reason=lease.reason))
+            return actions
+        actions.extend(self._start(lease, key, now))
+        return actions
+
+    def _pause(
+        self, victim: Lease, level: PreemptionLevel, lease: Lease, reason: str, now: float
+    ) -> Preempt:
+        victim.state = LeaseState.PAUSED
+        victim.state_since = now
+        victim.pending_level = level
+        victim.reason = reason
+        return Preempt(
+            session_id=victim.session_id,
+            lease_id=victim.lease_id,
+            pid=victim.identity.pid,
+            device_index=self.slots[victim.slot].device_index,  # type: ignore[index]
+            level=level,
+            for_lease=lease.lease_id,
+            reason=reason,
+        )
+
+    def _queue_notice(
+        self, lease: Lease, candidates: list[str], now: float, force_reason: str = ""
+    ) -> list[Action]:
+        if lease.state != LeaseState.QUEUED:
+            return []
+        blockers: list[Lease] = []
+        for key in candidates:
+            for other in self.leases.values():
+                if other.slot == key and other.state == LeaseState.RUNNING:
+                    blockers.append(other)
+        ahead = [
+            other
+            for other in self.queue()
+            if other.state == LeaseState.QUEUED
+            and self._queue_key(other, now) < self._queue_key(lease, now)
+        ]
+        reason = force_reason
+        if not reason:
+            if candidates and all(self.slots[k].device_index in self.drained for k in candidates):
+                reason = "the device is drained by an admin"
+            elif blockers:
+                top = max(blockers, key=lambda b: b.running_priority())
+                reason = f"the GPU is held by {priority_class(int(top.running_priority()))}-priority work"
+            elif ahead:
+                reason = "waiting behind earlier requests"
+            else:
+                reason = "waiting for memory"
+        position = len(ahead) + 1
+        waiting_for = tuple(sorted({b.lease_id for b in blockers}))
+        holder_priority = max((b.base_priority for b in blockers), default=None)
+        estimate = None
+        if blockers:
+            remaining = []
+            for b in blockers:
+                typical = self._hold_ema.get(b.identity.uid)
+                if typical is not None and b.granted_at is not None:
+                    remaining.append(max(0.0, typical - (now - b.granted_at)))
+            estimate = round(min(remaining), 1) if remaining else None
+        lease.reason = reason
+        signature = (position, waiting_for, holder_priority, reason)
+        if signature == lease.last_queue_notice:
+            return []
+        lease.last_queue_notice = signature
+        return [
+            NotifyQueued(
+                session_id=lease.session_id,
+                lease_id=lease.lease_id,
+                position=position,
+                waiting_for=waiting_for,
+                holder_priority=holder_priority,
+                estimate_s=estimate,
+                reason=reason,
+            )
+        ]
+
+
+def _slots_of(device: DeviceInfo) -> list[Slot]:
+    if device.mig_enabled:
+        return [
+            Slot(
+                key=f"{device.index}/{instance.uuid}",
+                device_index=device.index,
+                device_uuid=device.uuid,
+                memory_bytes=instance.memory_mib * MIB,
+                multiprocessor_count=instance.multiprocessor_count,
+                mig_uuid=instance.uuid,
+                mig_profile=instance.name,
+            )
+            for instance in device.instances
+        ]
+    return [
+        Slot(
+            key=str(device.index),
+            device_index=device.index,
+            device_uuid=device.uuid,
+            memory_bytes=device.memory_total_mib * MIB,
+            multiprocessor_count=device.multiprocessor_count,
+        )
+    ]

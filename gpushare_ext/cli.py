@@ -1,0 +1,261 @@
+"""The ``gpushare`` command: run the broker, look at it, administer it, and tools around it.
+
+Subcommands: ``broker``, ``status``, ``admin``, ``demo``, ``classify``, ``mig plan``.
+Each validates its arguments and prints one clear line on error (exit status 2 for
+bad usage, 1 for a failure, 0 for success).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from gpushare_ext import __version__
+
+
+def _add_socket(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--socket",
+        metavar="PATH",
+        help="broker socket (default: $GPUSHARE_SOCKET, else /run/gpushare/broker.sock if it "
+        "exists, else this user's embedded broker)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpushare",
+        description="Interactive shared-GPU sessions for Jupyter: broker, status and tools.",
+    )
+    parser.add_argument("--version", action="version", version=f"gpushare {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    broker = sub.add_parser(
+        "broker",
+        help="run the per-host broker in the foreground",
+        description="Run the broker. User mode (default): a per-user socket under "
+        "$XDG_RUNTIME_DIR/gpushare or /tmp/gpushare-UID. System mode (--system, as root): "
+        "/run/gpushare/broker.sock, config /etc/gpushare/broker.toml, journal "
+        "/var/lib/gpushare/journal.sqlite.",
+    )
+    source = broker.add_mutually_exclusive_group()
+    source.add_argument(
+        "--simulate",
+        metavar="FILE|NAME",
+        help="serve a simulated inventory: a JSON file in the fixture format or a shipped "
+        "fixture name (h200, h200-x2, h200-mig-mixed, ...); no GPU is used",
+    )
+    source.add_argument(
+        "--inventory",
+        choices=["auto", "nvml"],
+        help="auto (default): NVML if it initialises, else the simulated H200; nvml: fail without a GPU",
+    )
+    broker.add_argument(
+        "--system", action="store_true", help="system mode (root, shared by all users)"
+    )
+    _add_socket(broker)
+    broker.add_argument(
+        "--config",
+        metavar="PATH",
+        help="TOML config and policy (system default /etc/gpushare/broker.toml)",
+    )
+    broker.add_argument("--journal", metavar="PATH", help="SQLite journal path")
+    broker.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics on 127.0.0.1:PORT",
+    )
+    broker.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+
+    status = sub.add_parser("status", help="show devices, MIG layout, leases and queue")
+    _add_socket(status)
+    status.add_argument("--json", action="store_true", help="print the snapshot as JSON")
+
+    admin = sub.add_parser(
+        "admin", help="drain/undrain a device, cancel a lease, reload policy (admins)"
+    )
+    _add_socket(admin)
+    admin.add_argument(
+        "action", choices=["drain", "undrain", "cancel", "reload-policy", "set-policy"]
+    )
+    admin.add_argument(
+        "target",
+        nargs="?",
+        help="device index (drain/undrain), lease id (cancel) or TOML file (set-policy)",
+    )
+
+    demo = sub.add_parser(
+        "demo",
+        help="two notebook sessions contend for one GPU on an embedded broker",
+        description="Starts an embedded broker (real GPU if NVML works, else the simulated H200), "
+        "runs two real notebook kernels -- a low-priority training loop and a high-priority "
+        "interactive cell -- and prints who waited, who was preempted and the timings.",
+    )
+    demo.add_argument("--simulate", metavar="FILE|NAME", help="force a simulated inventory")
+    demo.add_argument(
+        "--steps", type=int, default=40, help="training-loop steps of the low-priority session"
+    )
+    demo.add_argument(
+        "--out", metavar="DIR", help="keep the executed notebooks and a JSON timeline here"
+    )
+
+    classify = sub.add_parser(
+        "classify",
+        help="classify kernels of a .cu or .ptx file as idempotent or not",
+        add_help=False,
+    )
+    classify.add_argument("rest", nargs=argparse.REMAINDER)
+
+    mig = sub.add_parser("mig", help="MIG tools")
+    mig_sub = mig.add_subparsers(dest="mig_command", metavar="SUBCOMMAND")
+    mig_sub.required = True
+    plan = mig_sub.add_parser(
+        "plan", help="propose a MIG layout for the current demand", add_help=False
+    )
+    plan.add_argument("rest", nargs=argparse.REMAINDER)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "broker":
+            return _cmd_broker(args)
+        if args.command == "status":
+            return _cmd_status(args)
+        if args.command == "admin":
+            return _cmd_admin(args)
+        if args.command == "demo":
+            from gpushare_ext.demo import run_demo
+
+            return run_demo(simulate=args.simulate, steps=args.steps, out=args.out)
+        if args.command == "classify":
+            from gpushare_ext.runtime.kernels.cli import classify_main
+
+            return classify_main(args.rest)
+        if args.command == "mig":
+            from gpushare_ext.broker.mig import plan_main
+
+            return plan_main(args.rest)
+    except KeyboardInterrupt:
+        return 130
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+def _fail(message: str, code: int = 1) -> int:
+    print(f"gpushare: {message}", file=sys.stderr)
+    return code
+
+
+def _cmd_broker(args: argparse.Namespace) -> int:
+    from gpushare_ext.broker.config import load_config
+    from gpushare_ext.broker.inventory import InventoryError, open_inventory
+    from gpushare_ext.broker.policy import PolicyError
+    from gpushare_ext.broker.server import run_broker
+    from gpushare_ext.paths import broker_paths
+
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    mode = "system" if args.system else "user"
+    if args.system and os.geteuid() != 0:
+        return _fail("system mode needs root (it serves every user of the host)")
+    paths = broker_paths(mode, args.socket)
+    config_path = args.config or (
+        str(paths.config) if paths.config and paths.config.exists() else None
+    )
+    try:
+        config = load_config(config_path)
+    except PolicyError as exc:
+        return _fail(str(exc))
+    overrides = {}
+    if args.journal:
+        overrides["journal"] = args.journal
+    if args.metrics_port is not None:
+        if not 0 < args.metrics_port < 65536:
+            return _fail(f"--metrics-port {args.metrics_port} is not a port number", 2)
+        overrides["metrics_port"] = args.metrics_port
+    if overrides:
+        from dataclasses import replace
+
+        config = replace(config, **overrides)
+    if args.socket is None and config.socket:
+        paths = broker_paths(mode, config.socket)
+    spec = args.simulate or args.inventory or config.inventory
+    try:
+        inventory, note = open_inventory(spec)
+    except InventoryError as exc:
+        return _fail(str(exc))
+    if note:
+        print(f"gpushare broker: {note}", file=sys.stderr)
+    if inventory.kind == "simulated":
+        print(f"gpushare broker: SIMULATED GPU -- {inventory.description}", file=sys.stderr)
+    try:
+        asyncio.run(run_broker(config, paths, inventory, note))
+    except RuntimeError as exc:
+        return _fail(str(exc))
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from gpushare_ext.protocol import snapshot_to_builtins
+    from gpushare_ext.runtime.client import BrokerClient, BrokerError
+    from gpushare_ext.status_view import render_status
+
+    try:
+        with BrokerClient(args.socket, client="cli") as client:
+            snapshot = client.status()
+    except BrokerError as exc:
+        return _fail(str(exc))
+    if args.json:
+        print(json.dumps(snapshot_to_builtins(snapshot), indent=2))
+    else:
+        render_status(snapshot)
+    return 0
+
+
+def _cmd_admin(args: argparse.Namespace) -> int:
+    from gpushare_ext.runtime.client import BrokerClient, BrokerError
+
+    action = args.action.replace("-", "_")
+    kwargs: dict = {}
+    if action in ("drain", "undrain"):
+        if args.target is None or not args.target.isdigit():
+            return _fail(
+                f"{args.action} needs a device index, e.g. gpushare admin {args.action} 0", 2
+            )
+        kwargs["device"] = int(args.target)
+    elif action == "cancel":
+        if not args.target:
+            return _fail("cancel needs a lease id, e.g. gpushare admin cancel L12", 2)
+        kwargs["lease_id"] = args.target
+    elif action == "set_policy":
+        if not args.target:
+            return _fail("set-policy needs a TOML file", 2)
+        try:
+            kwargs["policy_toml"] = Path(args.target).read_text()
+        except OSError as exc:
+            return _fail(f"cannot read {args.target}: {exc.strerror}")
+    try:
+        with BrokerClient(args.socket, client="cli") as client:
+            detail = client.admin(action, **kwargs)
+    except BrokerError as exc:
+        return _fail(str(exc))
+    print(detail or "done")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Where the broker's socket, control blocks, journal and config live, in both modes.
+
+System mode (a root broker shared by every user of the host):
+``/run/gpushare/broker.sock``, ``/etc/gpushare/broker.toml``,
+``/var/lib/gpushare/journal.sqlite``.  User mode (the embedded per-user broker): a
+0700 directory ``$XDG_RUNTIME_DIR/gpushare`` (or ``/tmp/gpushare-<uid>``) holding the
+socket and control blocks, and ``$XDG_STATE_HOME/gpushare/journal.sqlite``.
+``GPUSHARE_SOCKET`` overrides the socket a client connects to.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+SYSTEM_RUNTIME_DIR = Path("/run/gpushare")
+SYSTEM_SOCKET = SYSTEM_RUNTIME_DIR / "broker.sock"
+SYSTEM_CONFIG = Path("/etc/gpushare/broker.toml")
+SYSTEM_JOURNAL = Path("/var/lib/gpushare/journal.sqlite")
+
+
+@dataclass(frozen=True)
+class BrokerPaths:
+    mode: str  # "system" or "user"
+    runtime_dir: Path
+    socket: Path
+    sessions_dir: Path
+    journal: Path
+    config: Path | None
+
+
+def user_runtime_dir(uid: int | None = None) -> Path:
+    uid = os.getuid() if uid is None else uid
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and uid == os.getuid() and os.path.isdir(xdg) and os.access(xdg, os.W_OK):
+        return Path(xdg) / "gpushare"
+    return Path(f"/tmp/gpushare-{uid}")
+
+
+def user_state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".local", "state"
+    )
+    return Path(base) / "gpushare"
+
+
+def broker_paths(mode: str, socket: str | Path | None = None) -> BrokerPaths:
+    if mode == "system":
+        runtime = SYSTEM_RUNTIME_DIR if socket is None else Path(socket).parent
+        return BrokerPaths(
+            mode="system",
+            runtime_dir=runtime,
+            socket=Path(socket) if socket else SYSTEM_SOCKET,
+            sessions_dir=runtime / "sessions",
+            journal=SYSTEM_JOURNAL,
+            config=SYSTEM_CONFIG,
+        )
+    runtime = user_runtime_dir() if socket is None else Path(socket).parent
+    return BrokerPaths(
+        mode="user",
+        runtime_dir=runtime,
+        socket=Path(socket) if socket else runtime / "broker.sock",
+        sessions_dir=runtime / "sessions",
+        journal=user_state_dir() / "journal.sqlite",
+        config=None,
+    )
+
+
+def default_socket_path() -> Path:
+    """The socket a client should use: $GPUSHARE_SOCKET, else the system broker's if it
+    exists, else this user's embedded broker's (which may not be running yet)."""
+    override = os.environ.get("GPUSHARE_SOCKET")
+    if override:
+        return Path(override)
+    if SYSTEM_SOCKET.exists():
+        return SYSTEM_SOCKET
+    return user_runtime_dir() / "broker.sock"

@@ -1,0 +1,479 @@
+"""The broker's wire protocol: typed, versioned messages and length-prefixed frames.
+
+One module, imported by both ends (broker, notebook runtime, CLI, server extension).
+
+Framing: every message is one frame, a 4-byte big-endian unsigned length followed by
+that many bytes of JSON (msgspec).  Frames longer than :data:`MAX_FRAME_BYTES` are
+refused before they are read.  Every message is a msgspec Struct tagged by its
+``type`` field; decoding validates types and ranges, so a message that decodes is
+well-formed.  Anything else (truncated, oversized, not JSON, unknown type, wrong field
+types, wrong protocol version, a message before ``hello``) is answered with an
+:class:`Error` carrying an :class:`ErrorCode` and a sentence for the user, and
+changes nothing in the broker.
+
+Conversation: the client sends :class:`Hello` first; the broker answers
+:class:`Welcome`.  Requests carry a client-chosen ``seq``; direct replies carry it back
+in ``reply_to``.  Notices the broker sends on its own (a queued lease granted, a
+preemption, a resume, a state update for a watcher) have ``reply_to = 0``.
+
+Identity (uid, gid, pid) never comes from these messages: the broker reads it from the
+socket's peer credentials.  ``Hello.pid`` is informational and must match.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from typing import Annotated, Literal
+
+import msgspec
+
+from gpushare_ext.broker.inventory import DeviceInfo
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 256 * 1024
+_LENGTH = struct.Struct(">I")
+
+Priority = Annotated[int, msgspec.Meta(ge=0, le=299)]
+Bytes = Annotated[int, msgspec.Meta(ge=0, le=1 << 50)]
+Seq = Annotated[int, msgspec.Meta(ge=0, le=(1 << 53))]
+ShortText = Annotated[str, msgspec.Meta(max_length=256)]
+LeaseId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+
+# Priority classes: a request names a class ("high") or a number 0..299; the class of a
+# number is its hundred (0-99 low, 100-199 normal, 200-299 high).  Names map to the
+# middle of their band so a number can rank just above or below a class.
+PRIORITY_CLASSES: dict[str, int] = {"low": 50, "normal": 150, "high": 250}
+
+
+def priority_value(priority: str | int) -> int:
+    """Number of a priority given as a class name or a number; ValueError if neither."""
+    if isinstance(priority, bool):
+        raise ValueError("priority must be low, normal, high or a number 0-299")
+    if isinstance(priority, int):
+        if not 0 <= priority <= 299:
+            raise ValueError(f"priority {priority} is outside 0-299")
+        return priority
+    text = str(priority).strip().lower()
+    if text in PRIORITY_CLASSES:
+        return PRIORITY_CLASSES[text]
+    try:
+        return priority_value(int(text))
+    except ValueError:
+        raise ValueError(
+            f"priority {priority!r} is not low, normal, high or a number 0-299"
+        ) from None
+
+
+def priority_class(value: int) -> str:
+    return ("low", "normal", "high")[min(max(value, 0), 299) // 100]
+
+
+def describe_priority(value: int) -> str:
+    name = priority_class(value)
+    return name if PRIORITY_CLASSES[name] == value else f"{name} ({value})"
+
+
+class ErrorCode(str, enum.Enum):
+    """Why the broker refused a message; clients branch on these, users read ``message``."""
+
+    MALFORMED = "malformed"  # not JSON, truncated, wrong field types or values
+    TOO_LARGE = "too_large"  # frame over MAX_FRAME_BYTES
+    UNKNOWN_MESSAGE = "unknown_message"  # a type this broker does not know
+    VERSION = "version"  # protocol version mismatch
+    OUT_OF_ORDER = "out_of_order"  # e.g. a request before hello, a second hello
+    PERMISSION = "permission"  # not your session, or not an admin
+    UNKNOWN_LEASE = "unknown_lease"  # no such lease (for you)
+    INVALID = "invalid"  # well-formed but impossible: negative memory, bad device
+    POLICY = "policy"  # refused by policy: quota, max leases, max priority
+    RATE_LIMITED = "rate_limited"  # too many requests or connections from this uid
+    UNAVAILABLE = "unavailable"  # draining, shutting down, or device gone
+    NOT_SUPPORTED = "not_supported"  # e.g. checkpoint lock on an MPS client
+    INTERNAL = "internal"
+
+
+class LeaseState(str, enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    PAUSED = "paused"  # preempted at levels 0-3: holds its memory, does not compute
+    EVICTED = "evicted"  # preempted at level 4: device memory checkpointed to the host
+    RELEASED = "released"
+    REFUSED = "refused"
+    REVOKED = "revoked"
+
+
+class PreemptionLevel(enum.IntEnum):
+    """The preemption ladder (docs/design.md): the broker picks the cheapest that suffices."""
+
+    GATE = 0  # hold launches not yet issued (cuStreamWaitValue32 on the gate word)
+    YIELD = 1  # instrumented kernels stop between logical blocks
+    ABORT = 2  # instrumented kernels stop at loop back-edges; restart or roll back
+    LOCK = 3  # cuCheckpointProcessLock: the whole process stops issuing CUDA work
+    EVICT = 4  # cuCheckpointProcessCheckpoint: device memory moved to the host
+
+
+class SliceWish(str, enum.Enum):
+    AUTO = "auto"  # broker decides: a MIG instance where MIG is on, else a share of a GPU
+    MIG = "mig"  # only a MIG instance
+    SHARED = "shared"  # a software slice of a whole GPU (memory quota + SM share)
+    EXCLUSIVE = "exclusive"  # a whole GPU or MIG instance to itself
+
+
+# ---------------------------------------------------------------- client -> broker
+
+
+class ClientMessage(msgspec.Struct, tag_field="type", kw_only=True, forbid_unknown_fields=True):
+    seq: Seq = 0
+
+
+class Hello(ClientMessage, tag="hello"):
+    version: int
+    pid: int
+    client: Literal["kernel", "cli", "server", "widget", "bench"] = "kernel"
+    kernel_id: ShortText = ""
+    notebook: ShortText = ""
+    # Leases this client held before the broker restarted; the broker takes them back
+    # if its journal agrees they are this pid's.
+    reclaim: list[LeaseId] = []
+
+
+class Capabilities(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How the session can be stopped, so the broker picks the cheapest ladder level."""
+
+    gate: bool = False  # the runtime enqueues waits on the gate word at its launch points
+    yield_flag: bool = False  # instrumented kernels poll a device yield flag (levels 1-2)
+    instrumented_only: bool = False  # all its GPU work is instrumented: no need to lock
+    lockable: bool = True  # cuCheckpointProcessLock works for it (False for MPS clients)
+
+
+class RequestLease(ClientMessage, tag="request_lease"):
+    priority: Priority = PRIORITY_CLASSES["normal"]
+    memory_bytes: Bytes | None = None  # None: the policy's default
+    slice: SliceWish = SliceWish.AUTO
+    device: ShortText = "auto"  # "auto", a device index, a GPU or MIG UUID
+    sm_share: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    capabilities: Capabilities = Capabilities()
+    label: ShortText = ""  # e.g. the cell's first line, shown in the queue
+
+
+class Release(ClientMessage, tag="release"):
+    lease_id: LeaseId
+
+
+class Heartbeat(ClientMessage, tag="heartbeat"):
+    pass
+
+
+class StatusRequest(ClientMessage, tag="status"):
+    pass
+
+
+class Watch(ClientMessage, tag="watch"):
+    interval_s: Annotated[float, msgspec.Meta(ge=0.2, le=60.0)] = 1.0
+
+
+class Unwatch(ClientMessage, tag="unwatch"):
+    pass
+
+
+class RegisterYieldFlag(ClientMessage, tag="register_yield_flag"):
+    """The session's device yield flag, exported as a CUDA IPC memory handle (hex)."""
+
+    lease_id: LeaseId
+    device_index: int
+    ipc_handle_hex: Annotated[str, msgspec.Meta(max_length=512, pattern="^[0-9a-f]*$")]
+    offset: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
+
+
+class AdminAction(str, enum.Enum):
+    DRAIN = "drain"
+    UNDRAIN = "undrain"
+    CANCEL = "cancel"  # cancel (or revoke) someone's lease
+    SET_POLICY = "set_policy"
+    RELOAD_POLICY = "reload_policy"
+
+
+class Admin(ClientMessage, tag="admin"):
+    action: AdminAction
+    device: int | None = None
+    lease_id: LeaseId | None = None
+    policy_toml: Annotated[str, msgspec.Meta(max_length=64 * 1024)] | None = None
+
+
+ClientMessageUnion = (
+    Hello
+    | RequestLease
+    | Release
+    | Heartbeat
+    | StatusRequest
+    | Watch
+    | Unwatch
+    | RegisterYieldFlag
+    | Admin
+)
+
+# ---------------------------------------------------------------- broker -> client
+
+
+class BrokerMessage(msgspec.Struct, tag_field="type", kw_only=True):
+    reply_to: int = 0
+
+
+class Welcome(BrokerMessage, tag="welcome"):
+    version: int
+    broker_pid: int
+    mode: Literal["system", "user"]
+    session_id: str
+    uid: int
+    user: str
+    is_admin: bool
+    inventory: str  # "nvml" or "simulated"
+    inventory_description: str
+    control_block: str  # path of this session's control block (mode 0600, owned by uid)
+    reclaimed: list[str] = []
+
+
+class Placement(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a lease runs: a whole device, or one MIG instance of it."""
+
+    device_index: int
+    device_uuid: str
+    mig_uuid: str | None = None
+    mig_profile: str | None = None
+    memory_bytes: int
+    sm_share: float = 1.0
+    max_blocks_per_sm_share: int | None = None  # persistent-block cap for transformed kernels
+
+    @property
+    def cuda_visible_devices(self) -> str:
+        return self.mig_uuid or self.device_uuid
+
+
+class Granted(BrokerMessage, tag="granted"):
+    lease_id: str
+    placement: Placement
+    priority: int
+    notice: str = ""  # e.g. "priority lowered to normal by policy"
+
+
+class Queued(BrokerMessage, tag="queued"):
+    lease_id: str
+    position: int
+    waiting_for: str  # who holds what it needs, anonymised unless it is you or you are admin
+    holder_priority: int | None = None
+    estimate_s: float | None = None
+    reason: str = ""
+
+
+class Preempt(BrokerMessage, tag="preempt"):
+    lease_id: str
+    level: PreemptionLevel
+    reason: str
+    for_user: str  # anonymised
+
+
+class Resume(BrokerMessage, tag="resume"):
+    lease_id: str
+    paused_s: float
+
+
+class Revoked(BrokerMessage, tag="revoked"):
+    lease_id: str
+    reason: str
+
+
+class Released(BrokerMessage, tag="released"):
+    lease_id: str
+    held_s: float
+
+
+class Refused(BrokerMessage, tag="refused"):
+    lease_id: str
+    code: ErrorCode
+    message: str
+
+
+class Ok(BrokerMessage, tag="ok"):
+    detail: str = ""
+
+
+class Error(BrokerMessage, tag="error"):
+    code: ErrorCode
+    message: str
+
+
+# ---- the snapshot shared by status, watch, the widget, the panel and metrics
+
+
+class LeaseView(msgspec.Struct, kw_only=True):
+    lease_id: str
+    user: str  # name for your own and for admins, "user-xxxx" otherwise
+    own: bool
+    priority: int
+    state: LeaseState
+    device_index: int | None
+    mig_uuid: str | None
+    memory_bytes: int
+    sm_share: float
+    since_s: float  # seconds in the current state
+    waited_s: float  # seconds spent queued before the grant
+    position: int | None = None  # queue position (1-based) when queued
+    reason: str = ""  # why queued / paused / evicted
+    label: str = ""
+    pid: int | None = None  # only for your own leases and admins
+    notebook: str = ""  # only for your own leases and admins
+    preemption_level: int | None = None
+
+
+class DeviceView(msgspec.Struct, kw_only=True):
+    info: DeviceInfo
+    drained: bool
+    memory_used_mib: int
+    memory_leased_mib: int
+    utilization_pct: int
+    utilization_history: list[int]
+    holders: list[str]  # lease ids running or paused here
+
+
+class Snapshot(msgspec.Struct, kw_only=True):
+    host: str
+    node: str
+    broker_pid: int
+    mode: str
+    inventory: str
+    inventory_description: str
+    time: float
+    you: str
+    is_admin: bool
+    devices: list[DeviceView]
+    leases: list[LeaseView]
+    queue_by_priority: dict[str, int]
+    notes: list[str] = []  # e.g. "level 3 unsupported for MPS clients"
+
+
+class StatusReply(BrokerMessage, tag="status_reply"):
+    snapshot: Snapshot
+
+
+class StateUpdate(BrokerMessage, tag="state_update"):
+    snapshot: Snapshot
+
+
+BrokerMessageUnion = (
+    Welcome
+    | Granted
+    | Queued
+    | Preempt
+    | Resume
+    | Revoked
+    | Released
+    | Refused
+    | Ok
+    | Error
+    | StatusReply
+    | StateUpdate
+)
+
+
+class ProtocolError(Exception):
+    """A frame or message that cannot be accepted; ``code`` and ``message`` go to the peer."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+_client_decoder = msgspec.json.Decoder(ClientMessageUnion)
+_broker_decoder = msgspec.json.Decoder(BrokerMessageUnion)
+_encoder = msgspec.json.Encoder()
+_KNOWN_CLIENT_TYPES = {
+    cls.__struct_config__.tag
+    for cls in ClientMessageUnion.__args__  # type: ignore[attr-defined]
+}
+
+
+def encode_frame(message: msgspec.Struct) -> bytes:
+    body = _encoder.encode(message)
+    if len(body) > MAX_FRAME_BYTES:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"message of {len(body)} bytes is over the limit")
+    return _LENGTH.pack(len(body)) + body
+
+
+def frame_length(header: bytes) -> int:
+    """Length announced by a 4-byte header; ProtocolError if over the limit."""
+    (length,) = _LENGTH.unpack(header)
+    if length > MAX_FRAME_BYTES:
+        raise ProtocolError(
+            ErrorCode.TOO_LARGE,
+            f"frame of {length} bytes announced; the limit is {MAX_FRAME_BYTES}",
+        )
+    return length
+
+
+def decode_client_message(body: bytes) -> ClientMessageUnion:
+    """Decode and validate one client message; ProtocolError says exactly what is wrong."""
+    try:
+        return _client_decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        if "Invalid value" in text and "$.type" in text:
+            kind = _peek_type(body)
+            if kind is not None and kind not in _KNOWN_CLIENT_TYPES:
+                raise ProtocolError(
+                    ErrorCode.UNKNOWN_MESSAGE,
+                    f"unknown message type {kind!r}; known: {', '.join(sorted(_KNOWN_CLIENT_TYPES))}",
+                ) from None
+        raise ProtocolError(ErrorCode.MALFORMED, f"invalid message: {text}") from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(ErrorCode.MALFORMED, f"not a JSON message: {exc}") from None
+
+
+def _peek_type(body: bytes) -> str | None:
+    try:
+        raw = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return None
+    return raw.get("type") if isinstance(raw, dict) and isinstance(raw.get("type"), str) else None
+
+
+def decode_broker_message(body: bytes) -> BrokerMessageUnion:
+    try:
+        return _broker_decoder.decode(body)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProtocolError(ErrorCode.MALFORMED, f"invalid broker message: {exc}") from None
+
+
+class FrameReader:
+    """Splits a byte stream into frames (sans-I/O: feed bytes, take bodies)."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        self._buffer += data
+
+    def next_body(self) -> bytes | None:
+        """Next complete frame body, or None until more bytes arrive; ProtocolError if oversized."""
+        if len(self._buffer) < _LENGTH.size:
+            return None
+        length = frame_length(bytes(self._buffer[: _LENGTH.size]))
+        end = _LENGTH.size + length
+        if len(self._buffer) < end:
+            return None
+        body = bytes(self._buffer[_LENGTH.size : end])
+        del self._buffer[:end]
+        return body
+
+    @property
+    def pending(self) -> int:
+        return len(self._buffer)
+
+
+def snapshot_to_builtins(snapshot: Snapshot) -> dict:
+    """The snapshot as plain JSON-ready data (``gpushare status --json``, the REST API)."""
+    return msgspec.to_builtins(snapshot)
+
+
+def encode_json(value: object) -> bytes:
+    return _encoder.encode(value)

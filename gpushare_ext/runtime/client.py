@@ -1,0 +1,402 @@
+"""Clients of the broker: a thread-based one for notebook kernels and the CLI, an asyncio one
+for the Jupyter server extension.
+
+Both speak :mod:`gpushare_ext.protocol`.  Replies are matched to requests by ``seq``;
+notices the broker sends on its own (grants after queueing, preemptions, resumes,
+state updates) go to listeners.  Neither client decides anything: the session layer
+(:mod:`gpushare_ext.runtime.session`) does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import socket
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+
+from gpushare_ext.paths import default_socket_path
+from gpushare_ext.protocol import (
+    PROTOCOL_VERSION,
+    Admin,
+    AdminAction,
+    BrokerMessage,
+    Capabilities,
+    ClientMessage,
+    Error,
+    ErrorCode,
+    FrameReader,
+    Granted,
+    Heartbeat,
+    Hello,
+    ProtocolError,
+    Queued,
+    Refused,
+    RegisterYieldFlag,
+    Release,
+    Released,
+    RequestLease,
+    SliceWish,
+    Snapshot,
+    StateUpdate,
+    StatusReply,
+    StatusRequest,
+    Unwatch,
+    Watch,
+    Welcome,
+    decode_broker_message,
+    encode_frame,
+)
+
+
+class BrokerError(Exception):
+    """The broker refused something, or cannot be reached.  ``code`` is an ErrorCode."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class BrokerUnavailable(BrokerError):
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.UNAVAILABLE, message)
+
+
+Listener = Callable[[BrokerMessage], None]
+
+
+class BrokerClient:
+    """A blocking client with a reader thread; safe to call from any thread."""
+
+    def __init__(
+        self,
+        socket_path: str | Path | None = None,
+        *,
+        client: str = "kernel",
+        kernel_id: str = "",
+        notebook: str = "",
+        reclaim: list[str] | None = None,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        self.socket_path = Path(socket_path) if socket_path else default_socket_path()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(connect_timeout)
+        try:
+            self._sock.connect(str(self.socket_path))
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            self._sock.close()
+            raise BrokerUnavailable(
+                f"no broker is listening on {self.socket_path} ({exc.strerror})"
+            ) from None
+        except OSError as exc:
+            self._sock.close()
+            raise BrokerUnavailable(f"cannot connect to {self.socket_path}: {exc}") from None
+        self._sock.settimeout(None)
+        self._seq = itertools.count(1)
+        self._pending: dict[int, Future] = {}
+        self._listeners: list[Listener] = []
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self.closed = threading.Event()
+        self.close_reason = ""
+        self._reader = threading.Thread(
+            target=self._read_loop, name="gpushare-broker-reader", daemon=True
+        )
+        self._reader.start()
+        welcome = self._call(
+            Hello(
+                version=PROTOCOL_VERSION,
+                pid=os.getpid(),
+                client=client,  # type: ignore[arg-type]
+                kernel_id=kernel_id,
+                notebook=notebook,
+                reclaim=list(reclaim or []),
+            ),
+            timeout=connect_timeout,
+        )
+        if not isinstance(welcome, Welcome):  # pragma: no cover - protocol guarantees it
+            raise BrokerError(ErrorCode.INTERNAL, f"expected welcome, got {type(welcome).__name__}")
+        self.welcome = welcome
+
+    # ---- plumbing
+
+    def add_listener(self, listener: Listener) -> None:
+        with self._lock:
+            self._listeners.append(listener)
+
+    def remove_listener(self, listener: Listener) -> None:
+        with self._lock, contextlib.suppress(ValueError):
+            self._listeners.remove(listener)
+
+    def _read_loop(self) -> None:
+        frames = FrameReader()
+        try:
+            while True:
+                data = self._sock.recv(65536)
+                if not data:
+                    self.close_reason = "the broker closed the connection"
+                    break
+                frames.feed(data)
+                while (body := frames.next_body()) is not None:
+                    self._deliver(decode_broker_message(body))
+        except (OSError, ProtocolError) as exc:
+            self.close_reason = f"connection to the broker lost: {exc}"
+        finally:
+            self.closed.set()
+            with self._lock:
+                pending = list(self._pending.values())
+                self._pending.clear()
+                listeners = list(self._listeners)
+            for future in pending:
+                if not future.done():
+                    future.set_exception(
+                        BrokerUnavailable(self.close_reason or "connection closed")
+                    )
+            for listener in listeners:
+                with contextlib.suppress(Exception):
+                    listener(
+                        Error(
+                            code=ErrorCode.UNAVAILABLE,
+                            message=self.close_reason or "connection closed",
+                        )
+                    )
+
+    def _deliver(self, message: BrokerMessage) -> None:
+        future = None
+        if message.reply_to:
+            with self._lock:
+                future = self._pending.pop(message.reply_to, None)
+        if future is not None and not future.done():
+            future.set_result(message)
+        with self._lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            with contextlib.suppress(Exception):
+                listener(message)
+
+    def _send(self, message: ClientMessage) -> None:
+        data = encode_frame(message)
+        with self._send_lock:
+            try:
+                self._sock.sendall(data)
+            except OSError as exc:
+                raise BrokerUnavailable(f"cannot send to the broker: {exc}") from None
+
+    def _call(self, message: ClientMessage, timeout: float | None = 10.0) -> BrokerMessage:
+        if self.closed.is_set():
+            raise BrokerUnavailable(self.close_reason or "not connected to the broker")
+        message.seq = next(self._seq)
+        future: Future = Future()
+        with self._lock:
+            self._pending[message.seq] = future
+        self._send(message)
+        try:
+            reply = future.result(timeout=timeout)
+        except FutureTimeout:
+            with self._lock:
+                self._pending.pop(message.seq, None)
+            raise BrokerError(
+                ErrorCode.UNAVAILABLE, f"the broker did not answer within {timeout:g} s"
+            ) from None
+        if isinstance(reply, Error):
+            raise BrokerError(reply.code, reply.message)
+        return reply
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        self.closed.wait(timeout=2)
+
+    def __enter__(self) -> BrokerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- requests
+
+    def request_lease(
+        self,
+        *,
+        priority: int,
+        memory_bytes: int | None = None,
+        slice: SliceWish = SliceWish.AUTO,
+        device: str = "auto",
+        sm_share: float = 1.0,
+        capabilities: Capabilities | None = None,
+        label: str = "",
+    ) -> Granted | Queued | Refused:
+        """Ask for a lease; the first answer is a grant, a queue notice or a refusal."""
+        reply = self._call(
+            RequestLease(
+                priority=priority,
+                memory_bytes=memory_bytes,
+                slice=slice,
+                device=device,
+                sm_share=sm_share,
+                capabilities=capabilities or Capabilities(),
+                label=label[:256],
+            )
+        )
+        if not isinstance(reply, Granted | Queued | Refused):  # pragma: no cover
+            raise BrokerError(ErrorCode.INTERNAL, f"unexpected reply {type(reply).__name__}")
+        return reply
+
+    def release(self, lease_id: str) -> Released:
+        reply = self._call(Release(lease_id=lease_id))
+        assert isinstance(reply, Released)
+        return reply
+
+    def heartbeat(self) -> None:
+        self._call(Heartbeat())
+
+    def status(self) -> Snapshot:
+        reply = self._call(StatusRequest())
+        assert isinstance(reply, StatusReply)
+        return reply.snapshot
+
+    def watch(self, interval_s: float = 1.0) -> None:
+        """Start the stream of StateUpdate notices (delivered to listeners)."""
+        self._call(Watch(interval_s=interval_s))
+
+    def unwatch(self) -> None:
+        self._call(Unwatch())
+
+    def register_yield_flag(
+        self, lease_id: str, device_index: int, handle_hex: str, offset: int = 0
+    ) -> None:
+        self._call(
+            RegisterYieldFlag(
+                lease_id=lease_id,
+                device_index=device_index,
+                ipc_handle_hex=handle_hex,
+                offset=offset,
+            )
+        )
+
+    def admin(
+        self,
+        action: AdminAction | str,
+        *,
+        device: int | None = None,
+        lease_id: str | None = None,
+        policy_toml: str | None = None,
+    ) -> str:
+        reply = self._call(
+            Admin(
+                action=AdminAction(action),
+                device=device,
+                lease_id=lease_id,
+                policy_toml=policy_toml,
+            )
+        )
+        return getattr(reply, "detail", "")
+
+
+class AsyncBrokerClient:
+    """The asyncio twin, for the Jupyter server extension (one connection per use)."""
+
+    def __init__(self, socket_path: str | Path | None = None, *, client: str = "server") -> None:
+        self.socket_path = Path(socket_path) if socket_path else default_socket_path()
+        self.client = client
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._frames = FrameReader()
+        self._seq = itertools.count(1)
+        self.welcome: Welcome | None = None
+
+    async def connect(self, timeout: float = 5.0) -> Welcome:
+        try:
+            self._reader, self._writer = await asyncio.wait_for(
+                asyncio.open_unix_connection(str(self.socket_path)), timeout
+            )
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise BrokerUnavailable(
+                f"no broker is listening on {self.socket_path} ({exc.strerror})"
+            ) from None
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise BrokerUnavailable(f"cannot connect to {self.socket_path}: {exc}") from None
+        reply = await self._call(
+            Hello(version=PROTOCOL_VERSION, pid=os.getpid(), client=self.client)
+        )  # type: ignore[arg-type]
+        assert isinstance(reply, Welcome)
+        self.welcome = reply
+        return reply
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            with contextlib.suppress(Exception):
+                await self._writer.wait_closed()
+            self._writer = None
+
+    async def __aenter__(self) -> AsyncBrokerClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _next_message(self) -> BrokerMessage:
+        assert self._reader is not None
+        while True:
+            body = self._frames.next_body()
+            if body is not None:
+                return decode_broker_message(body)
+            data = await self._reader.read(65536)
+            if not data:
+                raise BrokerUnavailable("the broker closed the connection")
+            self._frames.feed(data)
+
+    async def _call(self, message: ClientMessage) -> BrokerMessage:
+        if self._writer is None:
+            raise BrokerUnavailable("not connected")
+        message.seq = next(self._seq)
+        self._writer.write(encode_frame(message))
+        await self._writer.drain()
+        while True:
+            reply = await self._next_message()
+            if reply.reply_to == message.seq:
+                if isinstance(reply, Error):
+                    raise BrokerError(reply.code, reply.message)
+                return reply
+
+    async def status(self) -> Snapshot:
+        reply = await self._call(StatusRequest())
+        assert isinstance(reply, StatusReply)
+        return reply.snapshot
+
+    async def watch(self, interval_s: float = 1.0) -> AsyncIterator[Snapshot]:
+        await self._call(Watch(interval_s=interval_s))
+        while True:
+            message = await self._next_message()
+            if isinstance(message, StateUpdate):
+                yield message.snapshot
+
+    async def admin(
+        self,
+        action: AdminAction | str,
+        *,
+        device: int | None = None,
+        lease_id: str | None = None,
+        policy_toml: str | None = None,
+    ) -> str:
+        reply = await self._call(
+            Admin(
+                action=AdminAction(action),
+                device=device,
+                lease_id=lease_id,
+                policy_toml=policy_toml,
+            )
+        )
+        return getattr(reply, "detail", "")

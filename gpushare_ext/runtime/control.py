@@ -1,0 +1,174 @@
+"""The session's control block: a page of shared memory the broker writes and the runtime reads.
+
+The broker creates one file per session (owned by the session's uid, mode 0600) and
+writes into it; the runtime maps it.  Layout (little-endian uint32 words):
+
+====== ============================================================
+offset word
+====== ============================================================
+0      magic ``GPSH``
+4      layout version
+8      gate: 0 open, 1 closed (level 0)
+12     state: see :class:`SessionState`
+16     generation: bumped on every broker write
+20     preemption level in force (or 0xffffffff)
+64     reason text, UTF-8, NUL-padded to 192 bytes
+====== ============================================================
+
+On a GPU the runtime registers this page with ``cuMemHostRegister`` and enqueues
+``cuStreamWaitValue32(gate == 0)`` on its session stream, so a closed gate holds new
+launches in the device's queue without using SMs.  Without a GPU the runtime's launch
+points wait on the gate word on the host (:meth:`ControlBlock.wait_open`).
+
+This module must stay free of CUDA imports: the broker uses it too.
+"""
+
+from __future__ import annotations
+
+import enum
+import mmap
+import os
+import struct
+import time
+from pathlib import Path
+
+MAGIC = 0x48535047  # b"GPSH" little-endian
+LAYOUT_VERSION = 1
+SIZE = 4096
+GATE_OFFSET = 8
+STATE_OFFSET = 12
+GENERATION_OFFSET = 16
+LEVEL_OFFSET = 20
+REASON_OFFSET = 64
+REASON_SIZE = 192
+NO_LEVEL = 0xFFFFFFFF
+_WORD = struct.Struct("<I")
+
+
+class SessionState(enum.IntEnum):
+    IDLE = 0
+    QUEUED = 1
+    RUNNING = 2
+    PAUSED = 3
+    EVICTED = 4
+
+
+class ControlBlockError(Exception):
+    """The control block is missing, not ours, or not a control block."""
+
+
+class ControlBlock:
+    """A mapped control block.  ``create`` is the broker's side, ``open`` the runtime's."""
+
+    def __init__(self, path: Path, mapping: mmap.mmap, fd: int) -> None:
+        self.path = path
+        self._map = mapping
+        self._fd = fd
+
+    @classmethod
+    def create(
+        cls, path: str | Path, owner_uid: int | None = None, owner_gid: int | None = None
+    ) -> ControlBlock:
+        path = Path(path)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            if owner_uid is not None and os.geteuid() == 0:
+                os.fchown(fd, owner_uid, owner_gid if owner_gid is not None else -1)
+            os.ftruncate(fd, SIZE)
+            mapping = mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        block = cls(path, mapping, fd)
+        block._write(0, MAGIC)
+        block._write(4, LAYOUT_VERSION)
+        block._write(LEVEL_OFFSET, NO_LEVEL)
+        return block
+
+    @classmethod
+    def open(cls, path: str | Path) -> ControlBlock:
+        path = Path(path)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except PermissionError as exc:
+            raise ControlBlockError(f"control block {path} is not yours: {exc.strerror}") from None
+        except OSError as exc:
+            raise ControlBlockError(f"cannot open control block {path}: {exc.strerror}") from None
+        try:
+            if os.fstat(fd).st_size < SIZE:
+                raise ControlBlockError(f"{path} is not a control block (too small)")
+            mapping = mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        block = cls(path, mapping, fd)
+        if block._read(0) != MAGIC:
+            block.close()
+            raise ControlBlockError(f"{path} is not a control block (bad magic)")
+        return block
+
+    def close(self) -> None:
+        try:
+            self._map.close()
+        finally:
+            os.close(self._fd)
+
+    # ---- words
+
+    def _read(self, offset: int) -> int:
+        return _WORD.unpack_from(self._map, offset)[0]
+
+    def _write(self, offset: int, value: int) -> None:
+        _WORD.pack_into(self._map, offset, value)
+
+    @property
+    def gate_closed(self) -> bool:
+        return self._read(GATE_OFFSET) != 0
+
+    @property
+    def state(self) -> SessionState:
+        return SessionState(self._read(STATE_OFFSET))
+
+    @property
+    def generation(self) -> int:
+        return self._read(GENERATION_OFFSET)
+
+    @property
+    def level(self) -> int | None:
+        value = self._read(LEVEL_OFFSET)
+        return None if value == NO_LEVEL else value
+
+    @property
+    def reason(self) -> str:
+        raw = bytes(self._map[REASON_OFFSET : REASON_OFFSET + REASON_SIZE])
+        return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+    def publish(
+        self, *, gate_closed: bool, state: SessionState, level: int | None = None, reason: str = ""
+    ) -> None:
+        """Broker side: write gate, state, level and reason, then bump the generation."""
+        encoded = reason.encode("utf-8")[: REASON_SIZE - 1]
+        self._map[REASON_OFFSET : REASON_OFFSET + REASON_SIZE] = encoded.ljust(REASON_SIZE, b"\0")
+        self._write(STATE_OFFSET, int(state))
+        self._write(LEVEL_OFFSET, NO_LEVEL if level is None else int(level))
+        self._write(GATE_OFFSET, 1 if gate_closed else 0)  # last: the gate is what waiters watch
+        self._write(GENERATION_OFFSET, (self.generation + 1) & 0xFFFFFFFF)
+
+    def address(self) -> int:
+        """Host address of the mapping (for cuMemHostRegister); valid while open."""
+        import ctypes
+
+        buffer = (ctypes.c_char * SIZE).from_buffer(self._map)
+        address = ctypes.addressof(buffer)
+        del buffer
+        return address
+
+    def wait_open(self, timeout: float | None = None, poll_s: float = 0.002) -> bool:
+        """Host-side gate: block while the gate is closed.  False if ``timeout`` passed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.gate_closed:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+        return True

@@ -1,0 +1,105 @@
+"""Text rendering of a broker snapshot for terminals and notebooks (rich tables).
+
+Used by ``gpushare status`` and by ``%gpu status`` when no widget front end is
+available.  It only formats; the snapshot already carries what the viewer may see.
+"""
+
+from __future__ import annotations
+
+from io import StringIO
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from gpushare_ext.broker.policy import format_size
+from gpushare_ext.protocol import LeaseState, Snapshot, describe_priority
+
+_STATE_STYLE = {
+    LeaseState.RUNNING: "bold green",
+    LeaseState.QUEUED: "yellow",
+    LeaseState.PAUSED: "magenta",
+    LeaseState.EVICTED: "red",
+}
+
+
+def _sparkline(values: list[int]) -> str:
+    bars = "▁▂▃▄▅▆▇█"
+    return "".join(bars[min(len(bars) - 1, v * len(bars) // 101)] for v in values[-30:])
+
+
+def build_tables(snapshot: Snapshot) -> list[Table]:
+    head = Table(title=f"gpushare on {snapshot.node} ({snapshot.mode} broker, {snapshot.inventory})",
+                 show_header=True, header_style="bold")  # fmt: skip
+    for column in ("GPU", "name", "memory used / leased / total", "SMs", "util", "MIG", "state"):
+        head.add_column(column)
+    for device in snapshot.devices:
+        info = device.info
+        mig = "on" if info.mig_enabled else "off"
+        if info.mig_enabled:
+            mig += f": {len(info.instances)} instance(s)"
+        head.add_row(
+            str(info.index),
+            info.name + (" (simulated)" if info.simulated else ""),
+            f"{format_size(device.memory_used_mib << 20)} / {format_size(device.memory_leased_mib << 20)}"
+            f" / {format_size(info.memory_total_mib << 20)}",
+            str(info.multiprocessor_count),
+            f"{device.utilization_pct}% {_sparkline(device.utilization_history)}",
+            mig,
+            "drained" if device.drained else "open",
+        )
+    tables = [head]
+    for device in snapshot.devices:
+        info = device.info
+        profiles = Table(
+            title=f"GPU {info.index}: MIG profiles"
+            + (" (instances below)" if info.instances else " (MIG off: whole GPU)")
+        )
+        for column in ("id", "profile", "slices", "memory", "SMs", "max instances"):
+            profiles.add_column(column)
+        for profile in info.profiles:
+            profiles.add_row(str(profile.id), profile.name, str(profile.slice_count),
+                             format_size(profile.memory_mib << 20), str(profile.multiprocessor_count),
+                             str(profile.instance_count))  # fmt: skip
+        tables.append(profiles)
+        if info.instances:
+            instances = Table(title=f"GPU {info.index}: MIG instances")
+            for column in ("uuid", "profile", "memory", "SMs", "placement"):
+                instances.add_column(column)
+            for inst in info.instances:
+                instances.add_row(inst.uuid, inst.name, format_size(inst.memory_mib << 20),
+                                  str(inst.multiprocessor_count), f"{inst.start}+{inst.size}")  # fmt: skip
+            tables.append(instances)
+    leases = Table(title="leases and queue")
+    for column in ("lease", "user", "priority", "state", "where", "memory", "for", "why / label"):
+        leases.add_column(column)
+    for lease in snapshot.leases:
+        where = "-" if lease.device_index is None else f"GPU {lease.device_index}"
+        if lease.mig_uuid:
+            where += f" {lease.mig_uuid[:14]}…"
+        state = lease.state.value + (f" #{lease.position}" if lease.position else "")
+        user = Text(lease.user + (" (you)" if lease.own else ""), style="bold" if lease.own else "")
+        leases.add_row(lease.lease_id, user, describe_priority(lease.priority),
+                       Text(state, style=_STATE_STYLE.get(lease.state, "")), where,
+                       format_size(lease.memory_bytes), f"{lease.since_s:.1f}s",
+                       lease.reason or lease.label)  # fmt: skip
+    if not snapshot.leases:
+        leases.add_row("-", "-", "-", "idle", "-", "-", "-", "no leases")
+    tables.append(leases)
+    return tables
+
+
+def render_status(snapshot: Snapshot, console: Console | None = None) -> None:
+    console = console or Console()
+    for table in build_tables(snapshot):
+        console.print(table)
+    for note in snapshot.notes:
+        console.print(f"[dim]note: {note}[/dim]")
+
+
+def status_text(snapshot: Snapshot, width: int = 110) -> str:
+    buffer = StringIO()
+    render_status(
+        snapshot, Console(file=buffer, width=width, force_terminal=False, color_system=None)
+    )
+    return buffer.getvalue()
