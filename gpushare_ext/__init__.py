@@ -1,22 +1,62 @@
 """gpushare: interactive shared-GPU sessions for Jupyter.
 
 Entry points for IPython (``%load_ext gpushare_ext``), jupyter_server and JupyterLab
-live here; everything else is imported lazily so that ``import gpushare_ext`` stays
-cheap inside every notebook kernel.
+live here.  The user API is re-exported lazily (PEP 562) so that ``import
+gpushare_ext`` stays cheap inside every notebook kernel:
+
+* ``gpushare_ext.lease(priority=..., memory_bytes=...)`` -- a scoped lease outside magics;
+* ``gpushare_ext.safe_point()`` -- where a long loop may be held for a higher-priority session;
+* ``gpushare_ext.stream()`` -- the session's CUDA stream (CuPy), gated by the broker;
+* ``gpushare_ext.widget()`` -- the live occupancy widget;
+* ``gpushare_ext.kernel(src, name)`` / ``@gpushare_ext.jit`` -- preemptible kernels.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 __version__ = "0.1.0"
 
+_LAZY = {
+    "safe_point": ("gpushare_ext.runtime.session", "safe_point"),
+    "current_session": ("gpushare_ext.runtime.session", "current_session"),
+    "widget": ("gpushare_ext.widgets", "widget"),
+    "kernel": ("gpushare_ext.runtime.kernels", "kernel"),
+    "jit": ("gpushare_ext.runtime.kernels", "jit"),
+}
 
-def load_ipython_extension(ipython):
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attribute = _LAZY[name]
+        return getattr(importlib.import_module(module), attribute)
+    raise AttributeError(f"module 'gpushare_ext' has no attribute {name!r}")
+
+
+def lease(**options: Any):
+    """``with gpushare_ext.lease(priority="high", memory_bytes=8 << 30): ...``"""
+    from gpushare_ext.runtime.session import current_session
+
+    return current_session().lease(**options)
+
+
+def stream():
+    """The session's gated CUDA stream (a CuPy stream), or None without a GPU."""
+    from gpushare_ext.runtime.session import current_session
+
+    gate = current_session().device_gate
+    return gate.stream if gate is not None else None
+
+
+def load_ipython_extension(ipython: Any) -> None:
     from gpushare_ext.magics import load
 
     load(ipython)
 
 
-def unload_ipython_extension(ipython):
+def unload_ipython_extension(ipython: Any) -> None:
     from gpushare_ext.magics import unload
 
     unload(ipython)

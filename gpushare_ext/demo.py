@@ -1,0 +1,290 @@
+"""``gpushare demo``: two real notebook sessions contend for one GPU on an embedded broker.
+
+A low-priority training loop (``examples/training_low.ipynb``) starts first and holds
+the GPU; a high-priority interactive cell (``examples/interactive_high.ipynb``) arrives
+while it runs, is granted at once, and the training loop is paused until it is done.
+Both run in real ipykernel kernels executed by nbclient.  The demo prints who waited,
+who was preempted, the timings, and whether the preempted loop's result is
+bit-identical to an undisturbed run.
+
+With a GPU (NVML works and CuPy imports) the work is CuPy on the real device and the
+pause is a real checkpoint lock; without one the broker simulates the shipped H200
+readout and the loop's safe points hold it on the host.  The demo says which.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from gpushare_ext.protocol import LeaseState
+
+
+def examples_dir() -> Path:
+    checkout = Path(__file__).resolve().parents[1] / "examples"
+    if checkout.is_dir():
+        return checkout
+    return Path(__file__).resolve().parent / "examples"
+
+
+def _load(name: str, parameters: dict):
+    import nbformat
+
+    notebook = nbformat.read(examples_dir() / name, as_version=4)
+    for cell in notebook.cells:
+        if "parameters" in cell.get("metadata", {}).get("tags", []):
+            cell.source = "\n".join(f"{key} = {value!r}" for key, value in parameters.items())
+            break
+    return notebook
+
+
+def execute_notebook(name: str, parameters: dict, *, timeout: int = 600):
+    """Run an example notebook in a fresh kernel; returns the executed notebook."""
+    from jupyter_client.manager import KernelManager
+    from nbclient import NotebookClient
+
+    notebook = _load(name, parameters)
+    # IPC transport: the kernels' channels are Unix sockets in a private directory.
+    ipc_dir = Path(tempfile.mkdtemp(prefix="gpushare-kernel-"))
+    manager = KernelManager(kernel_name="python3", transport="ipc", ip=str(ipc_dir / "kernel"))
+    client = NotebookClient(notebook, km=manager, timeout=timeout, allow_errors=False)
+    try:
+        client.execute()
+    finally:
+        if manager.has_kernel:
+            with contextlib.suppress(Exception):
+                manager.shutdown_kernel(now=False)
+        with contextlib.suppress(OSError):
+            for leftover in ipc_dir.iterdir():
+                leftover.unlink()
+            ipc_dir.rmdir()
+    return notebook
+
+
+def cell_text(notebook, index: int = -1) -> str:
+    """All text a cell showed (streams, displays in their final form, results, errors)."""
+    cell = notebook.cells[index]
+    parts = []
+    for output in cell.get("outputs", []):
+        if output.get("output_type") == "stream":
+            parts.append(output.get("text", ""))
+        elif "data" in output:
+            parts.append(str(output["data"].get("text/plain", "")))
+        elif output.get("output_type") == "error":
+            parts.append(f"{output.get('ename')}: {output.get('evalue')}")
+    return "\n".join(parts)
+
+
+def _value(text: str, key: str) -> str | None:
+    for line in text.splitlines():
+        if line.startswith(key + " "):
+            return line[len(key) + 1 :].strip()
+    return None
+
+
+def _start_broker(socket_path: Path, journal: Path, simulate: str | None) -> subprocess.Popen:
+    command = [sys.executable, "-m", "gpushare_ext.cli", "broker", "--socket", str(socket_path),
+               "--journal", str(journal), "--log-level", "warning"]  # fmt: skip
+    if simulate:
+        command += ["--simulate", simulate]
+    log = open(socket_path.parent / "broker.log", "wb")  # noqa: SIM115 - lives as long as the broker
+    process = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
+    from gpushare_ext.runtime.embedded import broker_answers
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if broker_answers(socket_path):
+            return process
+        if process.poll() is not None:
+            break
+        time.sleep(0.05)
+    raise RuntimeError(
+        "the demo broker did not start:\n" + (socket_path.parent / "broker.log").read_text()[-2000:]
+    )
+
+
+def _gpu_usable() -> bool:
+    probe = (
+        "import cupy; cupy.cuda.runtime.getDeviceCount(); "
+        "a = cupy.ones(4); assert float(a.sum()) == 4.0"
+    )
+    try:
+        return subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+class Timeline:
+    """Watches the broker and records every lease state change with its time."""
+
+    def __init__(self, socket_path: Path) -> None:
+        from gpushare_ext.runtime.client import BrokerClient
+
+        self.client = BrokerClient(socket_path, client="cli")
+        self.events: list[tuple[float, str, str, str]] = []
+        self.waited: dict[str, float] = {}  # lease id -> seconds queued before its grant
+        self._last: dict[str, str] = {}
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        from gpushare_ext.runtime.client import BrokerError
+
+        while not self._stop.is_set():
+            try:
+                snapshot = self.client.status()
+            except BrokerError:
+                return
+            seen = set()
+            for lease in snapshot.leases:
+                seen.add(lease.lease_id)
+                if lease.state != LeaseState.QUEUED:
+                    self.waited.setdefault(lease.lease_id, lease.waited_s)
+                if self._last.get(lease.lease_id) != lease.state.value:
+                    self._last[lease.lease_id] = lease.state.value
+                    self.events.append((snapshot.time, lease.lease_id, lease.state.value, lease.label))
+            for lease_id in list(self._last):
+                if lease_id not in seen and self._last[lease_id] != "released":
+                    self._last[lease_id] = "released"
+                    self.events.append((time.time(), lease_id, "released", ""))
+            time.sleep(0.05)
+
+    def running_low(self) -> bool:
+        return any(state == LeaseState.RUNNING.value for _, _, state, _ in self.events)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=2)
+        self.client.close()
+
+
+def run_demo(*, simulate: str | None = None, steps: int = 40, out: str | None = None) -> int:
+    console = Console()
+    if steps < 4:
+        console.print("[red]gpushare demo: --steps must be at least 4[/red]")
+        return 2
+    workdir = Path(tempfile.mkdtemp(prefix="gpushare-demo-"))
+    os.chmod(workdir, 0o700)
+    socket_path = workdir / "broker.sock"
+    use_gpu = False
+    if simulate is None:
+        use_gpu = _gpu_usable()
+        if not use_gpu:
+            simulate = "h200"
+    broker = _start_broker(socket_path, workdir / "journal.sqlite", simulate)
+    os.environ["GPUSHARE_SOCKET"] = str(socket_path)
+    try:
+        from gpushare_ext.runtime.client import BrokerClient
+
+        with BrokerClient(socket_path, client="cli") as client:
+            snapshot = client.status()
+        device = snapshot.devices[0].info
+        where = "the real GPU" if not device.simulated else "a SIMULATED GPU (no GPU found)"
+        console.rule("[bold]gpushare demo")
+        console.print(f"embedded broker on {socket_path}; {snapshot.inventory_description}")
+        console.print(f"device 0: {device.name}, {device.memory_total_mib} MiB, {device.multiprocessor_count} SMs -- {where}")
+        size = 4096 if use_gpu else 256
+        step_seconds = 0.0 if use_gpu else 0.05
+        low_params = {"steps": steps * (40 if use_gpu else 1), "step_seconds": step_seconds, "size": size,
+                      "use_gpu": use_gpu, "seed": 7}  # fmt: skip
+        high_params = {"use_gpu": use_gpu, "repeats": 20, "size": 4096 if use_gpu else 512}
+        timeline = Timeline(socket_path)
+        results: dict[str, object] = {}
+
+        def run(name: str, key: str, parameters: dict) -> None:
+            try:
+                results[key] = execute_notebook(name, parameters)
+            except Exception as exc:  # reported below; the other session keeps going
+                results[key] = exc
+
+        console.print("session A (priority low): training loop starts ...")
+        started = time.time()
+        low = threading.Thread(target=run, args=("training_low.ipynb", "low", low_params))
+        low.start()
+        deadline = time.monotonic() + 120
+        while not timeline.running_low() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0 if not use_gpu else 2.0)
+        console.print("session B (priority high): interactive cell arrives ...")
+        high_started = time.time()
+        high = threading.Thread(target=run, args=("interactive_high.ipynb", "high", high_params))
+        high.start()
+        high.join()
+        low.join()
+        timeline.stop()
+        failures = {k: v for k, v in results.items() if isinstance(v, Exception)}
+        if failures:
+            for key, exc in failures.items():
+                console.print(f"[red]session {key} failed: {exc}[/red]")
+            return 1
+        console.print("reference: the same training loop alone, undisturbed ...")
+        reference = execute_notebook("training_low.ipynb", low_params)
+        low_text = cell_text(results["low"])  # type: ignore[arg-type]
+        high_text = cell_text(results["high"])  # type: ignore[arg-type]
+        same = _value(low_text, "checksum") == _value(cell_text(reference), "checksum")
+        report = _report(console, timeline, started, high_started, low_text, high_text, same)
+        if out:
+            target = Path(out)
+            target.mkdir(parents=True, exist_ok=True)
+            import nbformat
+
+            nbformat.write(results["low"], target / "session-a-low.ipynb")  # type: ignore[arg-type]
+            nbformat.write(results["high"], target / "session-b-high.ipynb")  # type: ignore[arg-type]
+            (target / "timeline.json").write_text(json.dumps(report, indent=2))
+            console.print(f"executed notebooks and timeline in {target}")
+        return 0 if same else 1
+    finally:
+        broker.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            broker.wait(timeout=10)
+        os.environ.pop("GPUSHARE_SOCKET", None)
+
+
+def _report(console: Console, timeline: Timeline, started, high_started, low_text, high_text, same) -> dict:
+    events = timeline.events
+    table = Table(title="what happened (seconds from the start)")
+    for column in ("t", "lease", "state", "cell"):
+        table.add_column(column)
+    for at, lease_id, state, label in events:
+        table.add_row(f"{at - started:6.2f}", lease_id, state, label[:50])
+    console.print(table)
+    pauses = [line for line in low_text.splitlines() if "paused for a higher-priority" in line]
+    resumes = [line for line in low_text.splitlines() if "resumed after" in line]
+    high_leases = [lid for _, lid, _, label in events if label.startswith("import time") and lid in timeline.waited]
+    low_leases = {lid for _, lid, _, label in events if "hashlib" in label}
+    high_lease = next((lid for lid in high_leases if lid not in low_leases), None)
+    queue_wait = timeline.waited.get(high_lease) if high_lease else None
+    latencies = json.loads(_value(high_text, "latencies_ms") or "[]")
+    granted_at = float(_value(high_text, "granted_at") or high_started)
+    summary = Table(title="summary")
+    summary.add_column("")
+    summary.add_column("")
+    if queue_wait is not None:
+        summary.add_row("session B (high) waited in the queue", f"{queue_wait * 1e3:.1f} ms")
+    summary.add_row("session B from kernel start to its cell running", f"{granted_at - high_started:.2f} s")
+    if latencies:
+        ordered = sorted(latencies)
+        summary.add_row("session B request latency p50 / max", f"{ordered[len(ordered) // 2]:.2f} / {ordered[-1]:.2f} ms")
+    summary.add_row("session A (low) preempted", "yes: " + pauses[0].removeprefix("gpushare: ") if pauses else "no")
+    summary.add_row("session A result identical to an undisturbed run", "yes (sha256 match)" if same else "NO")
+    console.print(summary)
+    return {
+        "events": [{"t": at - started, "lease": lid, "state": st, "cell": lb} for at, lid, st, lb in events],
+        "high_queue_wait_s": queue_wait,
+        "high_kernel_start_to_run_s": granted_at - high_started,
+        "high_latencies_ms": latencies,
+        "low_paused": bool(pauses),
+        "low_resumed": resumes[-1] if resumes else None,
+        "result_identical": same,
+    }

@@ -1,0 +1,25 @@
+"""IPython magics: ``%%gpu`` (run a cell under a lease), ``%gpu`` and ``%gpuconfig``.
+
+Loaded by ``%load_ext gpushare_ext`` or ``c.InteractiveShellApp.extensions``; unloading
+releases every lease the kernel holds and closes the broker connection.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def load(ipython: Any) -> None:
+    from gpushare_ext.magics.gpu import GpuMagics
+
+    ipython.register_magics(GpuMagics)
+
+
+def unload(ipython: Any) -> None:
+    from gpushare_ext.runtime.session import reset_session
+
+    reset_session()
+    magics = ipython.magics_manager.magics
+    for kind in ("line", "cell"):
+        for name in ("gpu", "gpuconfig"):
+            magics[kind].pop(name, None)

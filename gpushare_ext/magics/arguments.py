@@ -1,0 +1,113 @@
+"""Parsing of ``%%gpu`` / ``%gpuconfig`` arguments: ``key=value`` and ``--key value`` alike.
+
+Pure functions, so every bad input has a test.  Each error is one line naming the bad
+argument and what would be accepted.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+from gpushare_ext.broker.policy import parse_size
+from gpushare_ext.protocol import SliceWish, priority_value
+
+KEYS = {
+    "priority": "low | normal | high | 0-299",
+    "mem": "device memory, e.g. 8GiB, 512MiB",
+    "device": "auto | a device index | a GPU-… or MIG-… UUID",
+    "timeout": "how long to wait for the GPU, e.g. 30s, 5m, none",
+    "slice": "auto | mig | shared | exclusive",
+    "share": "SM share for transformed kernels, a number in (0, 1]",
+    "instrumented": "yes if all GPU work of the cell goes through gpushare kernels",
+}
+ALIASES = {"memory": "mem", "prio": "priority", "sm_share": "share", "wait": "timeout"}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|sec|m|min|h)?\s*$", re.IGNORECASE)
+
+
+class ArgumentError(ValueError):
+    """One bad argument; the message is what the user reads."""
+
+
+def parse_duration(text: str) -> float | None:
+    if text.strip().lower() in ("none", "never", "0", "inf", "forever"):
+        return None
+    match = _DURATION.match(text)
+    if not match:
+        raise ValueError(f"{text!r} is not a duration (examples: 30s, 5m, 1h, none)")
+    number, unit = match.groups()
+    factor = {"ms": 0.001, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600}[(unit or "s").lower()]
+    return float(number) * factor
+
+
+def tokenize(line: str) -> list[tuple[str, str]]:
+    """``priority=high --mem 8GiB`` -> [("priority", "high"), ("mem", "8GiB")]."""
+    try:
+        words = shlex.split(line)
+    except ValueError as exc:
+        raise ArgumentError(f"cannot read the arguments: {exc}") from None
+    pairs = []
+    index = 0
+    while index < len(words):
+        word = words[index]
+        if word.startswith("--"):
+            key = word[2:]
+            if "=" in key:
+                key, value = key.split("=", 1)
+            else:
+                if index + 1 >= len(words) or words[index + 1].startswith("--"):
+                    raise ArgumentError(f"--{key} needs a value ({KEYS.get(ALIASES.get(key, key), '?')})")
+                value = words[index + 1]
+                index += 1
+        elif "=" in word:
+            key, value = word.split("=", 1)
+        else:
+            raise ArgumentError(
+                f"unexpected argument {word!r}; use key=value or --key value with keys: "
+                f"{', '.join(KEYS)}"
+            )
+        key = ALIASES.get(key.lower(), key.lower())
+        if key not in KEYS:
+            raise ArgumentError(f"unknown argument {key!r}; known: {', '.join(KEYS)}")
+        pairs.append((key, value))
+        index += 1
+    return pairs
+
+
+def parse_lease_arguments(line: str) -> dict:
+    """Keyword overrides for :class:`LeaseOptions` from a magic's argument line."""
+    options: dict = {}
+    for key, value in tokenize(line):
+        try:
+            if key == "priority":
+                options["priority"] = priority_value(value)
+            elif key == "mem":
+                size = parse_size(value)
+                if size <= 0:
+                    raise ValueError("must be more than 0")
+                options["memory_bytes"] = size
+            elif key == "device":
+                text = value.strip()
+                if not (text == "auto" or text.isdigit() or text.startswith(("GPU-", "MIG-"))):
+                    raise ValueError(f"{text!r} is not auto, an index or a GPU-/MIG- UUID")
+                options["device"] = text
+            elif key == "timeout":
+                options["timeout_s"] = parse_duration(value)
+            elif key == "slice":
+                try:
+                    options["slice"] = SliceWish(value.strip().lower())
+                except ValueError:
+                    raise ValueError(f"{value!r} is not one of auto, mig, shared, exclusive") from None
+            elif key == "share":
+                share = float(value)
+                if not 0 < share <= 1:
+                    raise ValueError(f"{value} is outside (0, 1]")
+                options["sm_share"] = share
+            elif key == "instrumented":
+                flag = value.strip().lower()
+                if flag not in ("yes", "no", "true", "false", "1", "0"):
+                    raise ValueError(f"{value!r} is not yes or no")
+                options["instrumented_only"] = flag in ("yes", "true", "1")
+        except ValueError as exc:
+            raise ArgumentError(f"bad value for {key}: {exc} (expected {KEYS[key]})") from None
+    return options

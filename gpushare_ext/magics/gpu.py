@@ -1,0 +1,144 @@
+"""The ``%%gpu``, ``%gpu`` and ``%gpuconfig`` magics (thin: parsing and display only).
+
+The lease lifecycle lives in :mod:`gpushare_ext.runtime.session`; this module turns
+magic lines into :class:`LeaseOptions`, runs the cell body in the user's namespace
+under the lease, and shows errors as one line.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+
+from gpushare_ext.broker.policy import format_size
+from gpushare_ext.magics.arguments import KEYS, ArgumentError, parse_lease_arguments
+from gpushare_ext.protocol import describe_priority
+from gpushare_ext.runtime.binding import BindingError
+from gpushare_ext.runtime.client import BrokerError
+from gpushare_ext.runtime.embedded import EmbeddedBrokerError
+from gpushare_ext.runtime.session import (
+    CellOutput,
+    LeaseRefused,
+    LeaseTimeout,
+    current_session,
+)
+
+_KEY_HELP = "\n".join(f"    {key:<13} {text}" for key, text in KEYS.items())
+
+
+@magics_class
+class GpuMagics(Magics):
+    @line_cell_magic
+    def gpu(self, line: str, cell: str | None = None):
+        """Run a cell with a GPU lease from the gpushare broker, or manage this session.
+
+        Cell magic::
+
+            %%gpu priority=high mem=8GiB device=auto timeout=30s
+            ... your GPU code ...
+
+        Arguments (``key=value`` or ``--key value``; unset ones come from ``%gpuconfig``):
+
+        {keys}
+
+        While the GPU is busy the cell shows a live line
+        ``queued: position N, waiting for <user> (priority ...)``; interrupt the kernel to
+        withdraw.  A lower-priority cell of another user is paused while yours runs; your
+        cell may itself be paused for a higher-priority one ("paused for a
+        higher-priority session").  The lease is released when the cell ends, also on
+        errors and interrupts.
+
+        Line magic::
+
+            %gpu status     live occupancy view (widget, or a text table)
+            %gpu release    release every lease this kernel holds
+        """
+        __tracebackhide__ = True  # noqa: F841 - IPython hides this frame from user tracebacks
+        if cell is None:
+            return self._gpu_line(line)
+        try:
+            options = parse_lease_arguments(line)
+        except ArgumentError as exc:
+            raise UsageError(f"%%gpu: {exc}") from None
+        session = current_session()
+        label = next((text.strip() for text in cell.splitlines() if text.strip()), "")[:120]
+        output = CellOutput()
+        try:
+            with session.lease(output=output, label=label, **options):
+                return self._run_body(cell)
+        except (LeaseRefused, LeaseTimeout, BindingError, EmbeddedBrokerError) as exc:
+            raise UsageError(str(exc)) from None
+        except BrokerError as exc:
+            raise UsageError(f"gpushare: {exc}") from None
+
+    gpu.__doc__ = (gpu.__doc__ or "").replace("{keys}", _KEY_HELP.strip())
+
+    def _run_body(self, cell: str):
+        __tracebackhide__ = True  # noqa: F841
+        shell = self.shell
+        source = shell.transform_cell(cell)
+        tree = ast.parse(source)
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        namespace = shell.user_ns
+        exec(compile(tree, "<%%gpu cell>", "exec"), namespace)
+        if last is not None:
+            return eval(compile(last, "<%%gpu cell>", "eval"), namespace)
+        return None
+
+    def _gpu_line(self, line: str):
+        command = line.strip().split()
+        if not command or command[0] in ("status", "st"):
+            return self._status()
+        if command[0] == "release":
+            released = current_session().release_all()
+            print("released " + ", ".join(released) if released else "no lease was held")
+            return None
+        raise UsageError(f"%gpu: unknown command {command[0]!r}; use %gpu status or %gpu release")
+
+    def _status(self):
+        session = current_session()
+        try:
+            from gpushare_ext.widgets import widget
+
+            return widget(str(session.connect().socket_path))
+        except ImportError:
+            pass
+        except (BrokerError, EmbeddedBrokerError) as exc:
+            raise UsageError(f"gpushare: {exc}") from None
+        from gpushare_ext.status_view import status_text
+
+        try:
+            snapshot = session.connect().status()
+        except (BrokerError, EmbeddedBrokerError) as exc:
+            raise UsageError(f"gpushare: {exc}") from None
+        print(status_text(snapshot))
+        return None
+
+    @line_magic
+    def gpuconfig(self, line: str):
+        """Set this kernel's defaults for ``%%gpu`` cells, or show them with no arguments.
+
+        Example: ``%gpuconfig priority=low mem=40GiB timeout=none``.  Keys:
+
+        {keys}
+        """
+        session = current_session()
+        if line.strip():
+            try:
+                options = parse_lease_arguments(line)
+            except ArgumentError as exc:
+                raise UsageError(f"%gpuconfig: {exc}") from None
+            session.defaults = session.merged(**options)
+        d = session.defaults
+        memory = format_size(d.memory_bytes) if d.memory_bytes else "policy default"
+        timeout = f"{d.timeout_s:g}s" if d.timeout_s is not None else "none"
+        print(
+            f"gpushare defaults: priority={describe_priority(d.priority)} mem={memory} "
+            f"device={d.device} timeout={timeout} slice={d.slice.value} share={d.sm_share:g}"
+        )
+
+    gpuconfig.__doc__ = (gpuconfig.__doc__ or "").replace("{keys}", _KEY_HELP.strip())

@@ -1,0 +1,86 @@
+"""The embedded per-user broker: started on demand when no broker answers.
+
+With no system broker on the host, the first ``%%gpu`` cell of a user starts
+``gpushare broker`` in user mode as a detached process (its own session, so it
+outlives the kernel that started it) and says so once.  Every other notebook of the
+same user finds it on the same socket.  A file lock keeps two kernels that start at
+the same moment from starting two brokers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from gpushare_ext.paths import SYSTEM_SOCKET, user_runtime_dir
+
+
+class EmbeddedBrokerError(Exception):
+    """The embedded broker could not be started; the message includes the tail of its log."""
+
+
+def broker_answers(path: Path, timeout: float = 0.5) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(timeout)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+def ensure_embedded_broker(socket_path: Path | None = None, *, timeout: float = 20.0) -> tuple[Path, bool]:
+    """Make sure this user's broker answers; return (socket, started_now)."""
+    runtime = user_runtime_dir() if socket_path is None else socket_path.parent
+    socket_path = socket_path or runtime / "broker.sock"
+    if broker_answers(socket_path):
+        return socket_path, False
+    runtime.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(runtime, 0o700)
+    lock_path = runtime / "embedded.lock"
+    with open(lock_path, "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        if broker_answers(socket_path):  # another kernel won the race
+            return socket_path, False
+        log_path = runtime / "broker.log"
+        command = [sys.executable, "-m", "gpushare_ext.cli", "broker", "--socket", str(socket_path)]
+        inventory = os.environ.get("GPUSHARE_INVENTORY")
+        if inventory:
+            command += ["--simulate", inventory] if inventory not in ("auto", "nvml") else ["--inventory", inventory]
+        env = dict(os.environ)
+        env.pop("CUDA_VISIBLE_DEVICES", None)  # the broker sees every GPU
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+                env=env,
+                close_fds=True,
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if broker_answers(socket_path):
+                return socket_path, True
+            if process.poll() is not None:
+                break
+            time.sleep(0.05)
+        tail = ""
+        with contextlib.suppress(OSError):
+            tail = log_path.read_text()[-2000:]
+        raise EmbeddedBrokerError(
+            f"the embedded broker did not start (exit status {process.poll()}); log {log_path}:\n{tail}"
+        )
+
+
+def system_broker_present() -> bool:
+    return SYSTEM_SOCKET.exists()

@@ -1,0 +1,528 @@
+"""The lease lifecycle of notebook cells: ask, wait (visibly), bind, run, release.
+
+One :class:`GpuSession` per kernel process.  It connects to the broker (starting the
+embedded per-user broker when no broker answers), keeps the session's control block
+mapped, and for each ``%%gpu`` cell:
+
+1. asks for a lease and, while queued, keeps one live line in the cell's output:
+   ``queued: position 2, waiting for user-3f2a (priority high) -- 4 s``;
+   the wait can be interrupted (the request is withdrawn) and can time out;
+2. binds the device (:mod:`binding`), sets the memory quota (:mod:`memory`) and the
+   gate (:mod:`gate`), then runs the cell;
+3. shows "paused for a higher-priority session" and "resumed" notices in the output
+   area of the cell they concern while it runs;
+4. releases the lease when the cell ends, whatever the ending (error, interrupt).
+
+If the broker restarts, the session reconnects and reclaims its leases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from gpushare_ext.broker.policy import format_size
+from gpushare_ext.paths import SYSTEM_SOCKET, default_socket_path
+from gpushare_ext.protocol import (
+    BrokerMessage,
+    Capabilities,
+    Error,
+    ErrorCode,
+    Granted,
+    Placement,
+    Preempt,
+    Queued,
+    Refused,
+    Released,
+    Resume,
+    Revoked,
+    SliceWish,
+    describe_priority,
+    priority_value,
+)
+from gpushare_ext.runtime import binding, memory
+from gpushare_ext.runtime.client import BrokerClient, BrokerError, BrokerUnavailable
+from gpushare_ext.runtime.control import ControlBlock, ControlBlockError
+from gpushare_ext.runtime.embedded import broker_answers, ensure_embedded_broker
+
+
+class LeaseRefused(Exception):
+    """The broker refused the request (policy, impossible size, bad device)."""
+
+
+class LeaseTimeout(TimeoutError):
+    """No grant within the cell's timeout; the request was withdrawn."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseOptions:
+    """What a cell asks for; ``%gpuconfig`` changes the session's defaults."""
+
+    priority: int = priority_value("normal")
+    memory_bytes: int | None = None
+    device: str = "auto"
+    timeout_s: float | None = None
+    slice: SliceWish = SliceWish.AUTO
+    sm_share: float = 1.0
+    instrumented_only: bool = False
+
+
+# ------------------------------------------------------------------ cell output
+
+
+class CellOutput:
+    """Live lines in the output area of one cell, writable from any thread.
+
+    In a Jupyter kernel it sends display/update messages with the parent header of the
+    cell that was running when it was created, so a notice from the broker's listener
+    thread lands under the right cell.  Elsewhere (terminal IPython, scripts) it prints.
+    """
+
+    def __init__(self) -> None:
+        self._kernel = None
+        self._parent = None
+        self._shown: set[str] = set()
+        self._lock = threading.Lock()
+        try:
+            from IPython import get_ipython
+
+            shell = get_ipython()
+            kernel = getattr(shell, "kernel", None)
+            if kernel is not None and hasattr(kernel, "session"):
+                self._kernel = kernel
+                getter = getattr(kernel, "get_parent", None)
+                self._parent = getter("shell") if getter else getattr(kernel, "_parent_header", None)
+        except ImportError:
+            pass
+
+    def show(self, key: str, text: str) -> None:
+        """Show ``text`` as the line ``key``: a new line the first time, replaced after."""
+        with self._lock:
+            first = key not in self._shown
+            self._shown.add(key)
+        if self._kernel is None:
+            print(text, flush=True)
+            return
+        kernel = self._kernel
+        content = {"data": {"text/plain": text}, "metadata": {}, "transient": {"display_id": key}}
+        kind = "display_data" if first else "update_display_data"
+        with contextlib.suppress(Exception):
+            kernel.session.send(
+                kernel.iopub_socket, kind, content, parent=self._parent, ident=kernel._topic(kind)
+            )
+
+
+# ------------------------------------------------------------------ leases
+
+
+@dataclass(eq=False)
+class LeaseHandle:
+    lease_id: str
+    options: LeaseOptions
+    output: CellOutput | None
+    state: str = "queued"
+    placement: Placement | None = None
+    queued: Queued | None = None
+    refusal: str = ""
+    revoked: str = ""
+    paused_since: float | None = None
+    pause_text: str = "gpushare: paused for a higher-priority session"
+    events: list[tuple[float, str]] = field(default_factory=list)
+    changed: threading.Event = field(default_factory=threading.Event)
+    display_key: str = field(default_factory=lambda: f"gpushare-{uuid.uuid4().hex[:12]}")
+
+    def note(self, what: str) -> None:
+        self.events.append((time.time(), what))
+
+
+def queue_line(handle: LeaseHandle, waited_s: float) -> str:
+    queued = handle.queued
+    if queued is None:
+        return f"queued -- {waited_s:.0f} s"
+    holder = queued.waiting_for or "earlier requests"
+    priority = f" (priority {describe_priority(queued.holder_priority)})" if queued.holder_priority is not None else ""
+    estimate = f", about {queued.estimate_s:.0f} s left" if queued.estimate_s else ""
+    return (
+        f"queued: position {queued.position}, waiting for {holder}{priority}{estimate} -- "
+        f"{waited_s:.0f} s ({queued.reason}; interrupt the kernel to withdraw)"
+    )
+
+
+class GpuSession:
+    """This kernel process's connection to the broker and its leases."""
+
+    def __init__(self, socket_path: str | Path | None = None, *, notebook: str = "") -> None:
+        self._explicit_socket = Path(socket_path) if socket_path else None
+        self.notebook = notebook or os.environ.get("JPY_SESSION_NAME", "")
+        self.defaults = LeaseOptions()
+        self.client: BrokerClient | None = None
+        self.control_block: ControlBlock | None = None
+        self.device_gate = None
+        self.gate_note = ""
+        self.leases: dict[str, LeaseHandle] = {}
+        self.announcements: list[str] = []
+        self.started_embedded = False
+        self._lock = threading.RLock()
+        self._reconnecting = threading.Event()
+        self._early: dict[str, list[BrokerMessage]] = {}  # notices that beat their lease handle
+        self._closed = False
+        self.simulated = False
+
+    # ---- connection
+
+    @property
+    def socket_path(self) -> Path:
+        return self._explicit_socket or default_socket_path()
+
+    def connect(self) -> BrokerClient:
+        with self._lock:
+            if self.client is not None and not self.client.closed.is_set():
+                return self.client
+            return self._connect(reclaim=[])
+
+    def _connect(self, reclaim: list[str]) -> BrokerClient:
+        path = self.socket_path
+        uses_system = path == SYSTEM_SOCKET or (self._explicit_socket is not None)
+        if not broker_answers(path) and not uses_system and "GPUSHARE_SOCKET" not in os.environ:
+            path, started = ensure_embedded_broker(path)
+            if started and not self.started_embedded:
+                self.started_embedded = True
+                self.announcements.append(
+                    f"gpushare: no system broker found; started your embedded broker on {path} "
+                    "(it serves all your notebooks on this host)"
+                )
+        client = BrokerClient(path, client="kernel", notebook=self.notebook, reclaim=reclaim)
+        client.add_listener(self._on_message)
+        self.client = client
+        self.simulated = client.welcome.inventory == "simulated"
+        self._open_control_block(client.welcome.control_block)
+        return client
+
+    def _open_control_block(self, path: str) -> None:
+        if self.device_gate is not None:
+            self.device_gate.close()
+            self.device_gate = None
+        if self.control_block is not None:
+            self.control_block.close()
+        try:
+            self.control_block = ControlBlock.open(path)
+        except ControlBlockError as exc:
+            self.control_block = None
+            self.gate_note = f"no control block ({exc}): the session cannot be gated"
+            return
+        if not self.simulated:
+            from gpushare_ext.runtime.gate import open_device_gate
+
+            self.device_gate, self.gate_note = open_device_gate(self.control_block)
+        else:
+            self.gate_note = "simulated GPU: launch points wait on the host gate"
+
+    def close(self) -> None:
+        self._closed = True
+        for handle in list(self.leases.values()):
+            with contextlib.suppress(BrokerError):
+                self.release(handle)
+        if self.device_gate is not None:
+            self.device_gate.close()
+            self.device_gate = None
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        if self.control_block is not None:
+            self.control_block.close()
+            self.control_block = None
+
+    # ---- notices from the broker (listener thread)
+
+    def _on_message(self, message: BrokerMessage) -> None:
+        if isinstance(message, Error) and message.code == ErrorCode.UNAVAILABLE and message.reply_to == 0:
+            if not self._closed:
+                self._start_reconnect()
+            return
+        lease_id = getattr(message, "lease_id", None)
+        if not lease_id:
+            return
+        with self._lock:
+            handle = self.leases.get(lease_id)
+            if handle is None:
+                if message.reply_to == 0 and len(self._early) < 256:
+                    self._early.setdefault(lease_id, []).append(message)
+                return
+        self._apply_notice(handle, message)
+
+    def _apply_notice(self, handle: LeaseHandle, message: BrokerMessage) -> None:
+        if isinstance(message, Granted):
+            handle.placement = message.placement
+            handle.state = "granted"
+            handle.note("granted")
+        elif isinstance(message, Queued):
+            handle.queued = message
+            handle.note(f"queued at position {message.position}")
+        elif isinstance(message, Refused):
+            handle.refusal = message.message
+            handle.state = "refused"
+        elif isinstance(message, Preempt):
+            handle.state = "paused"
+            handle.paused_since = time.time()
+            handle.note(f"paused at level {int(message.level)} for {message.for_user}")
+            handle.pause_text = (
+                f"gpushare: paused for a higher-priority session ({message.for_user}) "
+                f"at ladder level {int(message.level)}"
+            )
+            if handle.output is not None:
+                handle.output.show(handle.display_key + "-pause", handle.pause_text + " ...")
+        elif isinstance(message, Resume):
+            handle.state = "running"
+            handle.note(f"resumed after {message.paused_s:.1f} s")
+            if handle.output is not None:
+                handle.output.show(
+                    handle.display_key + "-pause",
+                    f"{handle.pause_text}; resumed after {message.paused_s:.2f} s",
+                )
+        elif isinstance(message, Revoked):
+            handle.revoked = message.reason
+            handle.state = "revoked"
+            if handle.output is not None:
+                handle.output.show(handle.display_key + "-revoked", f"gpushare: lease revoked: {message.reason}")
+        elif isinstance(message, Released):
+            handle.state = "released"
+        handle.changed.set()
+
+    def _start_reconnect(self) -> None:
+        if self._reconnecting.is_set():
+            return
+        self._reconnecting.set()
+        threading.Thread(target=self._reconnect_loop, name="gpushare-reconnect", daemon=True).start()
+
+    def _reconnect_loop(self, deadline_s: float = 120.0) -> None:
+        deadline = time.monotonic() + deadline_s
+        try:
+            while time.monotonic() < deadline and not self._closed:
+                time.sleep(0.5)
+                held = [h.lease_id for h in self.leases.values() if h.state in ("granted", "running", "paused")]
+                try:
+                    with self._lock:
+                        client = self._connect(reclaim=held)
+                except (BrokerError, OSError, Exception):
+                    continue
+                for lease_id in held:
+                    handle = self.leases.get(lease_id)
+                    if handle is None:
+                        continue
+                    if lease_id in client.welcome.reclaimed:
+                        handle.note("reclaimed after a broker restart")
+                    else:
+                        handle.revoked = "the broker restarted and did not give the lease back"
+                        handle.state = "revoked"
+                        handle.changed.set()
+                        if handle.output is not None:
+                            handle.output.show(handle.display_key + "-revoked", f"gpushare: {handle.revoked}")
+                return
+        finally:
+            self._reconnecting.clear()
+
+    # ---- leases
+
+    def merged(self, **overrides) -> LeaseOptions:
+        values = {k: v for k, v in overrides.items() if v is not None}
+        return replace(self.defaults, **values)
+
+    def capabilities(self, options: LeaseOptions) -> Capabilities:
+        mps = bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")) or os.path.exists("/tmp/nvidia-mps/control")
+        return Capabilities(
+            gate=self.control_block is not None,
+            yield_flag=False,
+            instrumented_only=options.instrumented_only,
+            lockable=not mps,
+        )
+
+    def acquire(self, options: LeaseOptions, *, output: CellOutput | None = None, label: str = "") -> LeaseHandle:
+        """Ask for a lease and wait for it, showing the queue; raises on refusal/timeout."""
+        client = self.connect()
+        if output is not None:
+            for line in self.announcements:
+                output.show("gpushare-announce", line)
+            self.announcements.clear()
+        reply = client.request_lease(
+            priority=options.priority,
+            memory_bytes=options.memory_bytes,
+            slice=options.slice,
+            device=options.device,
+            sm_share=options.sm_share,
+            capabilities=self.capabilities(options),
+            label=label,
+        )
+        if isinstance(reply, Refused):
+            raise LeaseRefused(f"gpushare: request refused: {reply.message}")
+        handle = LeaseHandle(lease_id=reply.lease_id, options=options, output=output)
+        if isinstance(reply, Granted):
+            handle.placement = reply.placement
+            handle.state = "granted"
+        else:
+            handle.queued = reply
+        with self._lock:
+            self.leases[reply.lease_id] = handle
+            early = self._early.pop(reply.lease_id, [])
+        for message in early:
+            self._apply_notice(handle, message)
+        try:
+            self._wait_for_grant(handle)
+        except BaseException:
+            self.leases.pop(handle.lease_id, None)
+            with contextlib.suppress(BrokerError):
+                client.release(handle.lease_id)
+            raise
+        self._bind(handle)
+        return handle
+
+    def _wait_for_grant(self, handle: LeaseHandle) -> None:
+        started = time.monotonic()
+        last_shown = -1.0
+        timeout = handle.options.timeout_s
+        while handle.state not in ("granted", "refused", "revoked"):
+            waited = time.monotonic() - started
+            if timeout is not None and waited >= timeout:
+                position = handle.queued.position if handle.queued else "?"
+                raise LeaseTimeout(
+                    f"gpushare: no GPU within {timeout:g} s (still at position {position}); "
+                    "the request was withdrawn and the cell did not run"
+                )
+            if handle.output is not None and (waited - last_shown >= 1.0 or handle.changed.is_set()):
+                handle.output.show(handle.display_key, queue_line(handle, waited))
+                last_shown = waited
+            handle.changed.clear()
+            handle.changed.wait(0.1)  # short waits keep Ctrl-C responsive
+        if handle.state == "refused":
+            raise LeaseRefused(f"gpushare: request refused: {handle.refusal}")
+        if handle.state == "revoked":
+            raise LeaseRefused(f"gpushare: request revoked: {handle.revoked}")
+        if handle.output is not None and handle.queued is not None:
+            handle.output.show(
+                handle.display_key,
+                f"gpushare: granted after {time.monotonic() - started:.1f} s in the queue",
+            )
+
+    def _bind(self, handle: LeaseHandle) -> None:
+        placement = handle.placement
+        assert placement is not None
+        try:
+            applied = binding.bind(placement, simulated=self.simulated)
+        except binding.BindingError:
+            self.release(handle)
+            raise
+        handle.note(applied.how)
+        if not self.simulated:
+            memory.install_cupy_quota()
+            if self.device_gate is None and self.control_block is not None:
+                from gpushare_ext.runtime.gate import open_device_gate
+
+                self.device_gate, self.gate_note = open_device_gate(self.control_block)
+        memory.apply_quota(placement.memory_bytes)
+        handle.state = "running"
+
+    def release(self, handle: LeaseHandle) -> None:
+        self.leases.pop(handle.lease_id, None)
+        memory.apply_quota(None) if not self.leases else None
+        client = self.client
+        if client is None or client.closed.is_set():
+            return
+        try:
+            client.release(handle.lease_id)
+        except BrokerError as exc:
+            if exc.code != ErrorCode.UNKNOWN_LEASE:
+                raise
+
+    def release_all(self) -> list[str]:
+        released = []
+        for handle in list(self.leases.values()):
+            self.release(handle)
+            released.append(handle.lease_id)
+        return released
+
+    @contextlib.contextmanager
+    def lease(
+        self, *, output: CellOutput | None = None, label: str = "", **overrides
+    ) -> Iterator[LeaseHandle]:
+        """``with session.lease(priority="high", memory_bytes=...) as handle:`` -- a scoped lease."""
+        if "priority" in overrides and overrides["priority"] is not None:
+            overrides["priority"] = priority_value(overrides["priority"])
+        handle = self.acquire(self.merged(**overrides), output=output, label=label)
+        try:
+            self.safe_point()
+            if self.device_gate is not None:
+                with self.device_gate.stream:
+                    yield handle
+                    self.device_gate.stream.synchronize()
+            else:
+                yield handle
+        finally:
+            self.release(handle)
+
+    # ---- inside a running cell
+
+    def safe_point(self, timeout: float | None = None) -> bool:
+        """Honour the gate here: on a GPU, queue a wait on the session stream; without one,
+        block while the broker holds this session paused.  Returns False on timeout."""
+        if self.device_gate is not None:
+            self.device_gate.hold_here()
+            return True
+        if self.control_block is not None:
+            return self.control_block.wait_open(timeout)
+        return True
+
+    def describe(self) -> str:
+        lines = []
+        for handle in self.leases.values():
+            where = "?"
+            if handle.placement is not None:
+                where = f"GPU {handle.placement.device_index}"
+                if handle.placement.mig_uuid:
+                    where += f" ({handle.placement.mig_profile} {handle.placement.mig_uuid})"
+                where += f", {format_size(handle.placement.memory_bytes)}"
+            lines.append(f"{handle.lease_id}: {handle.state} on {where}")
+        return "\n".join(lines) or "no lease held"
+
+
+_session: GpuSession | None = None
+_session_lock = threading.Lock()
+
+
+def current_session() -> GpuSession:
+    global _session
+    with _session_lock:
+        if _session is None:
+            _session = GpuSession()
+        return _session
+
+
+def reset_session() -> None:
+    global _session
+    with _session_lock:
+        if _session is not None:
+            _session.close()
+        _session = None
+
+
+def safe_point(timeout: float | None = None) -> bool:
+    """Public: a point where this session may be held while a higher-priority one runs."""
+    if _session is None:
+        return True
+    return _session.safe_point(timeout)
+
+
+__all__ = [
+    "BrokerUnavailable",
+    "CellOutput",
+    "GpuSession",
+    "LeaseOptions",
+    "LeaseRefused",
+    "LeaseTimeout",
+    "current_session",
+    "safe_point",
+]
