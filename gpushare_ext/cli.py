@@ -126,6 +126,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # These subcommands own their options (their --help included): hand them the rest.
+    if argv[:1] == ["classify"]:
+        from gpushare_ext.runtime.kernels.cli import classify_main
+
+        return classify_main(argv[1:])
+    if argv[:2] == ["mig", "plan"]:
+        from gpushare_ext.broker.mig import plan_main
+
+        return plan_main(argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

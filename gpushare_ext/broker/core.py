@@ -659,6 +659,7 @@ class Scheduler:
 
     def _candidate_slots(self, device_wish: str, wish: SliceWish) -> tuple[list[str], str]:
         keys = sorted(self.slots)
+        matching = sorted(self.devices)
         wish_text = (device_wish or "auto").strip()
         if wish_text != "auto":
             if wish_text.isdigit():
@@ -666,30 +667,38 @@ class Scheduler:
                 if index not in self.devices:
                     return [], f"there is no device {index} (devices: {sorted(self.devices)})"
                 keys = [k for k in keys if self.slots[k].device_index == index]
+                matching = [index]
             else:
                 keys = [
                     k for k in keys
                     if wish_text in (self.slots[k].mig_uuid, self.slots[k].device_uuid)
                 ]  # fmt: skip
-                if not keys:
+                matching = [i for i, d in self.devices.items() if d.uuid == wish_text]
+                if not keys and not matching:
                     return [], f"no device or MIG instance has the UUID {wish_text}"
+        # MIG on but nothing cut yet: say so whatever the wish (only an admin can fix it).
+        mig_without_instances = [
+            i for i in matching if self.devices[i].mig_enabled and not self.devices[i].instances
+        ]
+        no_instance_yet = (
+            f"MIG is on for device(s) {mig_without_instances} but no instance exists; "
+            "an admin can create some (gpushare mig plan)"
+        )
         if wish == SliceWish.MIG:
             keys = [k for k in keys if self.slots[k].mig_uuid]
             if not keys:
+                if mig_without_instances:
+                    return [], no_instance_yet
                 return [], "no MIG instance exists on the matching devices (MIG is off)"
         elif wish == SliceWish.SHARED:
             keys = [k for k in keys if not self.slots[k].mig_uuid]
             if not keys:
-                return [], "the matching devices are cut into MIG instances; ask for mig"
+                if any(self.devices[i].instances for i in matching):
+                    return [], "the matching devices are cut into MIG instances; ask for mig"
+                return [], no_instance_yet
         if not keys:
-            mig_without_instances = [
-                d.index for d in self.devices.values() if d.mig_enabled and not d.instances
-            ]
             if mig_without_instances:
-                return [], (
-                    f"MIG is on for device(s) {mig_without_instances} but no instance exists; "
-                    "an admin can create some (gpushare mig plan)"
-                )
+                return [], no_instance_yet
             return [], "no device matches"
         return keys, ""
 
@@ -767,9 +776,12 @@ class Scheduler:
     def _slot_preference(self, lease: Lease, key: str) -> tuple:
         slot = self.slots[key]
         held, running = self.slot_usage(key)
-        if slot.mig_uuid:  # best fit keeps big instances free for big requests
-            return (len(running), slot.memory_bytes, key)
-        return (len(running), -(slot.memory_bytes - held), key)
+        # Least loaded first.  Then an idle MIG instance before a whole GPU (AUTO means "a
+        # MIG instance where MIG is on"), best fit among instances (keeps big ones free for
+        # big requests), and the whole GPU with the most memory free.
+        if slot.mig_uuid:
+            return (len(running), 0, slot.memory_bytes, key)
+        return (len(running), 1, -(slot.memory_bytes - held), key)
 
     def _preemption_plan(self, lease: Lease, key: str, now: float):
         """Victims to pause and to evict so ``lease`` can run on ``key``; None if impossible."""
@@ -847,6 +859,7 @@ class Scheduler:
                 candidates = [
                     k for k in candidates if self.slots[k].memory_bytes >= lease.memory_bytes
                 ]
+            wanted = candidates  # before draining: the queue notice says when drain is why
             candidates = [
                 k for k in candidates
                 if self.slots[k].device_index not in self.drained or lease.state != LeaseState.QUEUED
@@ -876,7 +889,7 @@ class Scheduler:
                 reserved.add(key)
                 continue
             reserved.update(candidates)
-            actions.extend(self._queue_notice(lease, candidates, now))
+            actions.extend(self._queue_notice(lease, candidates or wanted, now))
         return actions
 
     def _start(self, lease: Lease, key: str, now: float) -> list[Action]:
