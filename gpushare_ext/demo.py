@@ -93,8 +93,18 @@ def _value(text: str, key: str) -> str | None:
 
 
 def _start_broker(socket_path: Path, journal: Path, simulate: str | None) -> subprocess.Popen:
-    command = [sys.executable, "-m", "gpushare_ext.cli", "broker", "--socket", str(socket_path),
-               "--journal", str(journal), "--log-level", "warning"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "gpushare_ext.cli",
+        "broker",
+        "--socket",
+        str(socket_path),
+        "--journal",
+        str(journal),
+        "--log-level",
+        "warning",
+    ]
     if simulate:
         command += ["--simulate", simulate]
     log = open(socket_path.parent / "broker.log", "wb")  # noqa: SIM115 - lives as long as the broker
@@ -119,7 +129,12 @@ def _gpu_usable() -> bool:
         "a = cupy.ones(4); assert float(a.sum()) == 4.0"
     )
     try:
-        return subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=120).returncode == 0
+        return (
+            subprocess.run(
+                [sys.executable, "-c", probe], capture_output=True, timeout=120
+            ).returncode
+            == 0
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -153,7 +168,9 @@ class Timeline:
                     self.waited.setdefault(lease.lease_id, lease.waited_s)
                 if self._last.get(lease.lease_id) != lease.state.value:
                     self._last[lease.lease_id] = lease.state.value
-                    self.events.append((snapshot.time, lease.lease_id, lease.state.value, lease.label))
+                    self.events.append(
+                        (snapshot.time, lease.lease_id, lease.state.value, lease.label)
+                    )
             for lease_id in list(self._last):
                 if lease_id not in seen and self._last[lease_id] != "released":
                     self._last[lease_id] = "released"
@@ -193,11 +210,18 @@ def run_demo(*, simulate: str | None = None, steps: int = 40, out: str | None = 
         where = "the real GPU" if not device.simulated else "a SIMULATED GPU (no GPU found)"
         console.rule("[bold]gpushare demo")
         console.print(f"embedded broker on {socket_path}; {snapshot.inventory_description}")
-        console.print(f"device 0: {device.name}, {device.memory_total_mib} MiB, {device.multiprocessor_count} SMs -- {where}")
+        console.print(
+            f"device 0: {device.name}, {device.memory_total_mib} MiB, {device.multiprocessor_count} SMs -- {where}"
+        )
         size = 4096 if use_gpu else 256
         step_seconds = 0.0 if use_gpu else 0.05
-        low_params = {"steps": steps * (40 if use_gpu else 1), "step_seconds": step_seconds, "size": size,
-                      "use_gpu": use_gpu, "seed": 7}  # fmt: skip
+        low_params = {
+            "steps": steps * (40 if use_gpu else 1),
+            "step_seconds": step_seconds,
+            "size": size,
+            "use_gpu": use_gpu,
+            "seed": 7,
+        }
         high_params = {"use_gpu": use_gpu, "repeats": 20, "size": 4096 if use_gpu else 512}
         timeline = Timeline(socket_path)
         results: dict[str, object] = {}
@@ -251,7 +275,9 @@ def run_demo(*, simulate: str | None = None, steps: int = 40, out: str | None = 
         os.environ.pop("GPUSHARE_SOCKET", None)
 
 
-def _report(console: Console, timeline: Timeline, started, high_started, low_text, high_text, same) -> dict:
+def _report(
+    console: Console, timeline: Timeline, started, high_started, low_text, high_text, same
+) -> dict:
     events = timeline.events
     table = Table(title="what happened (seconds from the start)")
     for column in ("t", "lease", "state", "cell"):
@@ -261,7 +287,11 @@ def _report(console: Console, timeline: Timeline, started, high_started, low_tex
     console.print(table)
     pauses = [line for line in low_text.splitlines() if "paused for a higher-priority" in line]
     resumes = [line for line in low_text.splitlines() if "resumed after" in line]
-    high_leases = [lid for _, lid, _, label in events if label.startswith("import time") and lid in timeline.waited]
+    high_leases = [
+        lid
+        for _, lid, _, label in events
+        if label.startswith("import time") and lid in timeline.waited
+    ]
     low_leases = {lid for _, lid, _, label in events if "hashlib" in label}
     high_lease = next((lid for lid in high_leases if lid not in low_leases), None)
     queue_wait = timeline.waited.get(high_lease) if high_lease else None
@@ -272,15 +302,27 @@ def _report(console: Console, timeline: Timeline, started, high_started, low_tex
     summary.add_column("")
     if queue_wait is not None:
         summary.add_row("session B (high) waited in the queue", f"{queue_wait * 1e3:.1f} ms")
-    summary.add_row("session B from kernel start to its cell running", f"{granted_at - high_started:.2f} s")
+    summary.add_row(
+        "session B from kernel start to its cell running", f"{granted_at - high_started:.2f} s"
+    )
     if latencies:
         ordered = sorted(latencies)
-        summary.add_row("session B request latency p50 / max", f"{ordered[len(ordered) // 2]:.2f} / {ordered[-1]:.2f} ms")
-    summary.add_row("session A (low) preempted", "yes: " + pauses[0].removeprefix("gpushare: ") if pauses else "no")
-    summary.add_row("session A result identical to an undisturbed run", "yes (sha256 match)" if same else "NO")
+        summary.add_row(
+            "session B request latency p50 / max",
+            f"{ordered[len(ordered) // 2]:.2f} / {ordered[-1]:.2f} ms",
+        )
+    summary.add_row(
+        "session A (low) preempted",
+        "yes: " + pauses[0].removeprefix("gpushare: ") if pauses else "no",
+    )
+    summary.add_row(
+        "session A result identical to an undisturbed run", "yes (sha256 match)" if same else "NO"
+    )
     console.print(summary)
     return {
-        "events": [{"t": at - started, "lease": lid, "state": st, "cell": lb} for at, lid, st, lb in events],
+        "events": [
+            {"t": at - started, "lease": lid, "state": st, "cell": lb} for at, lid, st, lb in events
+        ],
         "high_queue_wait_s": queue_wait,
         "high_kernel_start_to_run_s": granted_at - high_started,
         "high_latencies_ms": latencies,

@@ -437,6 +437,18 @@ def _peek_type(body: bytes) -> str | None:
     return raw.get("type") if isinstance(raw, dict) and isinstance(raw.get("type"), str) else None
 
 
+def peek_seq(body: bytes) -> int:
+    """The ``seq`` of a client message that did not decode (0 if none), so the error answers it."""
+    try:
+        raw = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return 0
+    seq = raw.get("seq") if isinstance(raw, dict) else None
+    if isinstance(seq, int) and not isinstance(seq, bool) and 0 <= seq <= (1 << 53):
+        return seq
+    return 0
+
+
 def decode_broker_message(body: bytes) -> BrokerMessageUnion:
     try:
         return _broker_decoder.decode(body)

@@ -29,8 +29,11 @@ def _sparkline(values: list[int]) -> str:
 
 
 def build_tables(snapshot: Snapshot) -> list[Table]:
-    head = Table(title=f"gpushare on {snapshot.node} ({snapshot.mode} broker, {snapshot.inventory})",
-                 show_header=True, header_style="bold")  # fmt: skip
+    head = Table(
+        title=f"gpushare on {snapshot.node} ({snapshot.mode} broker, {snapshot.inventory})",
+        show_header=True,
+        header_style="bold",
+    )
     for column in ("GPU", "name", "memory used / leased / total", "SMs", "util", "MIG", "state"):
         head.add_column(column)
     for device in snapshot.devices:
@@ -58,17 +61,27 @@ def build_tables(snapshot: Snapshot) -> list[Table]:
         for column in ("id", "profile", "slices", "memory", "SMs", "max instances"):
             profiles.add_column(column)
         for profile in info.profiles:
-            profiles.add_row(str(profile.id), profile.name, str(profile.slice_count),
-                             format_size(profile.memory_mib << 20), str(profile.multiprocessor_count),
-                             str(profile.instance_count))  # fmt: skip
+            profiles.add_row(
+                str(profile.id),
+                profile.name,
+                str(profile.slice_count),
+                format_size(profile.memory_mib << 20),
+                str(profile.multiprocessor_count),
+                str(profile.instance_count),
+            )
         tables.append(profiles)
         if info.instances:
             instances = Table(title=f"GPU {info.index}: MIG instances")
             for column in ("uuid", "profile", "memory", "SMs", "placement"):
                 instances.add_column(column)
             for inst in info.instances:
-                instances.add_row(inst.uuid, inst.name, format_size(inst.memory_mib << 20),
-                                  str(inst.multiprocessor_count), f"{inst.start}+{inst.size}")  # fmt: skip
+                instances.add_row(
+                    inst.uuid,
+                    inst.name,
+                    format_size(inst.memory_mib << 20),
+                    str(inst.multiprocessor_count),
+                    f"{inst.start}+{inst.size}",
+                )
             tables.append(instances)
     leases = Table(title="leases and queue")
     for column in ("lease", "user", "priority", "state", "where", "memory", "for", "why / label"):
@@ -79,10 +92,16 @@ def build_tables(snapshot: Snapshot) -> list[Table]:
             where += f" {lease.mig_uuid[:14]}…"
         state = lease.state.value + (f" #{lease.position}" if lease.position else "")
         user = Text(lease.user + (" (you)" if lease.own else ""), style="bold" if lease.own else "")
-        leases.add_row(lease.lease_id, user, describe_priority(lease.priority),
-                       Text(state, style=_STATE_STYLE.get(lease.state, "")), where,
-                       format_size(lease.memory_bytes), f"{lease.since_s:.1f}s",
-                       lease.reason or lease.label)  # fmt: skip
+        leases.add_row(
+            lease.lease_id,
+            user,
+            describe_priority(lease.priority),
+            Text(state, style=_STATE_STYLE.get(lease.state, "")),
+            where,
+            format_size(lease.memory_bytes),
+            f"{lease.since_s:.1f}s",
+            lease.reason or lease.label,
+        )
     if not snapshot.leases:
         leases.add_row("-", "-", "-", "idle", "-", "-", "-", "no leases")
     tables.append(leases)

@@ -21,6 +21,7 @@ on it) and records levels 1-4 without touching any process, and says so.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import threading
@@ -331,18 +332,25 @@ class Ladder:
         async with self._serial(target.pid):
             alive = _pid_alive(target.pid)
             if alive and level is not None:
+                failure: ActuatorError | None = None
                 if level == PreemptionLevel.EVICT:
-                    await self._run(self.control.restore, target.pid, target.device_index)
+                    try:
+                        await self._run(self.control.restore, target.pid, target.device_index)
+                    except ActuatorError as exc:
+                        failure = exc  # still unlock below: a locked process helps nobody
                 if level >= PreemptionLevel.LOCK:
                     await self._run(self.control.unlock, target.pid, target.device_index)
                 if target.yield_flag is not None:
                     handle, offset = target.yield_flag
-                    try:
+                    # The flag's owner may have freed it; the gate below opens regardless.
+                    with contextlib.suppress(ActuatorError):
                         await self._run(
                             self.control.write_yield_flag, target.device_index, handle, offset, 0
                         )
-                    except ActuatorError:
-                        pass  # the flag's owner may have freed it; the gate below still opens
+                if failure is not None:
+                    if target.control_block is not None:
+                        target.control_block.publish(gate_closed=False, state=SessionState.RUNNING)
+                    raise failure
             if target.control_block is not None:
                 target.control_block.publish(gate_closed=False, state=SessionState.RUNNING)
 
@@ -351,15 +359,12 @@ class Ladder:
         if not _pid_alive(pid):
             return
         if level >= PreemptionLevel.EVICT:
-            try:
+            # Not checkpointed after all (the crash came first): the unlock is what matters.
+            with contextlib.suppress(ActuatorError):
                 self.control.restore(pid, device_index)
-            except ActuatorError:
-                pass  # not checkpointed after all: the lock below is what matters
         if level >= PreemptionLevel.LOCK:
-            try:
+            with contextlib.suppress(ActuatorError):  # not locked: the crash came before
                 self.control.unlock(pid, device_index)
-            except ActuatorError:
-                pass  # not locked (the crash came before the lock took)
 
 
 def open_process_control(inventory_kind: str, device_count: int) -> ProcessControl:

@@ -108,7 +108,7 @@ class LeaseRequested:
     slice: SliceWish = SliceWish.AUTO
     device: str = "auto"
     sm_share: float = 1.0
-    capabilities: Capabilities = Capabilities()
+    capabilities: Capabilities = Capabilities()  # noqa: RUF009 - frozen, shared safely
     label: str = ""
 
 
@@ -131,7 +131,7 @@ class LeaseReclaimed:
     memory_bytes: int
     slot: str
     sm_share: float = 1.0
-    capabilities: Capabilities = Capabilities()
+    capabilities: Capabilities = Capabilities()  # noqa: RUF009 - frozen, shared safely
     label: str = ""
 
 
@@ -353,10 +353,7 @@ class Scheduler:
 
     def handle(self, event: Event) -> list[Action]:
         """Apply one event; return the actions to carry out, in order."""
-        if event.now < self.now:
-            event_now = self.now  # time never goes backwards inside the core
-        else:
-            event_now = event.now
+        event_now = max(event.now, self.now)  # time never goes backwards inside the core
         handler = getattr(self, f"_on_{type(event).__name__}")
         actions: list[Action] = handler(event, event_now)
         self.now = event_now
@@ -670,9 +667,10 @@ class Scheduler:
                 matching = [index]
             else:
                 keys = [
-                    k for k in keys
+                    k
+                    for k in keys
                     if wish_text in (self.slots[k].mig_uuid, self.slots[k].device_uuid)
-                ]  # fmt: skip
+                ]
                 matching = [i for i, d in self.devices.items() if d.uuid == wish_text]
                 if not keys and not matching:
                     return [], f"no device or MIG instance has the UUID {wish_text}"
@@ -756,9 +754,9 @@ class Scheduler:
             r.slice == SliceWish.EXCLUSIVE for r in running
         ):
             return False
-        if lease.sm_share < 1.0 and all(r.sm_share < 1.0 for r in running):
-            if lease.sm_share + sum(r.sm_share for r in running) <= 1.0 + 1e-9:
-                return True
+        spatial = lease.sm_share < 1.0 and all(r.sm_share < 1.0 for r in running)
+        if spatial and lease.sm_share + sum(r.sm_share for r in running) <= 1.0 + 1e-9:
+            return True
         if self.policy.sharing == "exclusive":
             return False
         band = priority_band(self._effective(lease, now))
@@ -861,9 +859,11 @@ class Scheduler:
                 ]
             wanted = candidates  # before draining: the queue notice says when drain is why
             candidates = [
-                k for k in candidates
-                if self.slots[k].device_index not in self.drained or lease.state != LeaseState.QUEUED
-            ]  # fmt: skip
+                k
+                for k in candidates
+                if self.slots[k].device_index not in self.drained
+                or lease.state != LeaseState.QUEUED
+            ]
             open_slots = [k for k in candidates if k not in reserved]
             placed = [k for k in open_slots if self._fits_now(lease, k, now)]
             if placed:

@@ -20,6 +20,7 @@ the simulated H200, with a message saying so.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from importlib import resources
@@ -458,10 +459,8 @@ class NvmlInventory:
         return out
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(self._nvml.NVMLError):
             self._nvml.nvmlShutdown()
-        except self._nvml.NVMLError:
-            pass
 
 
 def open_inventory(spec: str | None) -> tuple[InventoryBackend, str | None]:

@@ -112,11 +112,18 @@ class Journal:
         self._db.execute(
             "INSERT OR REPLACE INTO leases VALUES(?,?,?,?,?,?,?,?,?,?,NULL,NULL)",
             (
-                lease.lease_id, lease.pid, lease.uid, lease.slot, lease.priority,
-                lease.memory_bytes, lease.sm_share, json.dumps(lease.capabilities), lease.label,
+                lease.lease_id,
+                lease.pid,
+                lease.uid,
+                lease.slot,
+                lease.priority,
+                lease.memory_bytes,
+                lease.sm_share,
+                json.dumps(lease.capabilities),
+                lease.label,
                 at or time.time(),
             ),
-        )  # fmt: skip
+        )
 
     def lease_ended(self, lease_id: str, reason: str, at: float | None = None) -> None:
         self._db.execute(

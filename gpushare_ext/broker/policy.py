@@ -47,12 +47,25 @@ else:  # pragma: no cover
 GIB = 1024**3
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {
-    "": 1, "B": 1,
-    "K": 1024, "KB": 1000, "KIB": 1024, "KI": 1024,
-    "M": 1024**2, "MB": 1000**2, "MIB": 1024**2, "MI": 1024**2,
-    "G": 1024**3, "GB": 1000**3, "GIB": 1024**3, "GI": 1024**3,
-    "T": 1024**4, "TB": 1000**4, "TIB": 1024**4, "TI": 1024**4,
-}  # fmt: skip
+    "": 1,
+    "B": 1,
+    "K": 1024,
+    "KB": 1000,
+    "KIB": 1024,
+    "KI": 1024,
+    "M": 1024**2,
+    "MB": 1000**2,
+    "MIB": 1024**2,
+    "MI": 1024**2,
+    "G": 1024**3,
+    "GB": 1000**3,
+    "GIB": 1024**3,
+    "GI": 1024**3,
+    "T": 1024**4,
+    "TB": 1000**4,
+    "TIB": 1024**4,
+    "TI": 1024**4,
+}
 
 
 class PolicyError(Exception):
@@ -112,9 +125,9 @@ class Policy:
 
     def limits_for(self, user: str, groups: tuple[str, ...]) -> Limits:
         limits = self.defaults
-        for group in groups:
-            if group in self.groups:
-                limits = _apply(limits, self.groups[group], f"groups.{group}")
+        for group, section in self.groups.items():  # file order, as documented
+            if group in groups:
+                limits = _apply(limits, section, f"groups.{group}")
         if user in self.users:
             limits = _apply(limits, self.users[user], f"users.{user}")
         return limits

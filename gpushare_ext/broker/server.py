@@ -83,6 +83,7 @@ from gpushare_ext.protocol import (
     Welcome,
     decode_client_message,
     encode_frame,
+    peek_seq,
     priority_class,
 )
 from gpushare_ext.runtime.control import ControlBlock, SessionState
@@ -332,7 +333,7 @@ class Broker:
 
     def _tick(self) -> None:
         now = time.time()
-        for session_id, conn in list(self.connections.items()):
+        for conn in list(self.connections.values()):
             if not _pid_alive(conn.pid):
                 self._session_gone(conn, "its process ended")
         if self.reclaimable and time.monotonic() > self._reclaim_deadline:
@@ -485,7 +486,7 @@ class Broker:
         if conn.uid != 0 and not bucket.take():
             self._send_error(
                 conn,
-                0,
+                peek_seq(body),
                 ErrorCode.RATE_LIMITED,
                 f"too many requests from {conn.user}; the limit is "
                 f"{self.config.max_requests_per_second:g} per second",
@@ -494,7 +495,7 @@ class Broker:
         try:
             message = decode_client_message(body)
         except ProtocolError as exc:
-            self._send_error(conn, 0, exc.code, exc.message)
+            self._send_error(conn, peek_seq(body), exc.code, exc.message)
             return
         self.metrics.requests.labels(type(message).__struct_config__.tag).inc()
         try:
@@ -766,12 +767,17 @@ class Broker:
             assert lease is not None
             self.journal.lease_granted(
                 JournaledLease(
-                    lease_id=action.lease_id, pid=lease.identity.pid, uid=lease.identity.uid,
-                    slot=lease.slot or "", priority=action.priority, memory_bytes=lease.memory_bytes,
-                    sm_share=lease.sm_share, capabilities=msgspec.to_builtins(lease.capabilities),
+                    lease_id=action.lease_id,
+                    pid=lease.identity.pid,
+                    uid=lease.identity.uid,
+                    slot=lease.slot or "",
+                    priority=action.priority,
+                    memory_bytes=lease.memory_bytes,
+                    sm_share=lease.sm_share,
+                    capabilities=msgspec.to_builtins(lease.capabilities),
                     label=lease.label,
                 )
-            )  # fmt: skip
+            )
             self.metrics.observe_grant(action.priority, lease.waited_s)
             if conn is not None:
                 if conn.control_block is not None:
@@ -779,10 +785,13 @@ class Broker:
                 self._send(
                     conn,
                     Granted(
-                        reply_to=direct_reply, lease_id=action.lease_id, placement=action.placement,
-                        priority=action.priority, notice=action.notice,
+                        reply_to=direct_reply,
+                        lease_id=action.lease_id,
+                        placement=action.placement,
+                        priority=action.priority,
+                        notice=action.notice,
                     ),
-                )  # fmt: skip
+                )
         elif isinstance(action, core.NotifyQueued):
             if conn is not None:
                 holders = [self.scheduler.lease_of(lid) for lid in action.waiting_for]
@@ -796,12 +805,15 @@ class Broker:
                 self._send(
                     conn,
                     Queued(
-                        reply_to=direct_reply, lease_id=action.lease_id, position=action.position,
+                        reply_to=direct_reply,
+                        lease_id=action.lease_id,
+                        position=action.position,
                         waiting_for=", ".join(names) if names else "earlier requests",
-                        holder_priority=action.holder_priority, estimate_s=action.estimate_s,
+                        holder_priority=action.holder_priority,
+                        estimate_s=action.estimate_s,
                         reason=action.reason,
                     ),
-                )  # fmt: skip
+                )
         elif isinstance(action, core.Refuse):
             if conn is not None:
                 self._send(
@@ -982,16 +994,23 @@ class Broker:
                     memory_bytes=lease.memory_bytes,
                     sm_share=lease.sm_share,
                     since_s=round(now - lease.state_since, 3),
-                    waited_s=round(lease.waited_s if lease.granted_at else now - lease.requested_at, 3),
+                    waited_s=round(
+                        lease.waited_s if lease.granted_at else now - lease.requested_at, 3
+                    ),
                     position=queued_positions.get(lease.lease_id),
                     reason=reason,
                     label=lease.label if detailed else "",
                     pid=lease.identity.pid if detailed else None,
                     notebook=(session.notebook if session else "") if detailed else "",
-                    preemption_level=int(lease.applied_level if lease.applied_level is not None else lease.pending_level)
-                    if (lease.applied_level is not None or lease.pending_level is not None) else None,
+                    preemption_level=int(
+                        lease.applied_level
+                        if lease.applied_level is not None
+                        else lease.pending_level
+                    )
+                    if (lease.applied_level is not None or lease.pending_level is not None)
+                    else None,
                 )
-            )  # fmt: skip
+            )
         devices = []
         for device in self.devices:
             reading = self.readings.get(device.index)

@@ -56,7 +56,9 @@ def tokenize(line: str) -> list[tuple[str, str]]:
                 key, value = key.split("=", 1)
             else:
                 if index + 1 >= len(words) or words[index + 1].startswith("--"):
-                    raise ArgumentError(f"--{key} needs a value ({KEYS.get(ALIASES.get(key, key), '?')})")
+                    raise ArgumentError(
+                        f"--{key} needs a value ({KEYS.get(ALIASES.get(key, key), '?')})"
+                    )
                 value = words[index + 1]
                 index += 1
         elif "=" in word:
@@ -97,7 +99,9 @@ def parse_lease_arguments(line: str) -> dict:
                 try:
                     options["slice"] = SliceWish(value.strip().lower())
                 except ValueError:
-                    raise ValueError(f"{value!r} is not one of auto, mig, shared, exclusive") from None
+                    raise ValueError(
+                        f"{value!r} is not one of auto, mig, shared, exclusive"
+                    ) from None
             elif key == "share":
                 share = float(value)
                 if not 0 < share <= 1:

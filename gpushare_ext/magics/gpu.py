@@ -55,7 +55,7 @@ class GpuMagics(Magics):
             %gpu status     live occupancy view (widget, or a text table)
             %gpu release    release every lease this kernel holds
         """
-        __tracebackhide__ = True  # noqa: F841 - IPython hides this frame from user tracebacks
+        __tracebackhide__ = True
         if cell is None:
             return self._gpu_line(line)
         try:
@@ -76,7 +76,7 @@ class GpuMagics(Magics):
     gpu.__doc__ = (gpu.__doc__ or "").replace("{keys}", _KEY_HELP.strip())
 
     def _run_body(self, cell: str):
-        __tracebackhide__ = True  # noqa: F841
+        __tracebackhide__ = True
         shell = self.shell
         source = shell.transform_cell(cell)
         tree = ast.parse(source)

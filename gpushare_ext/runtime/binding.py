@@ -47,7 +47,9 @@ def bind(placement: Placement, *, simulated: bool) -> Binding:
     global _bound_to
     target = placement.cuda_visible_devices
     if simulated:
-        return Binding(visible="", ordinal=placement.device_index, how="simulated GPU: no binding needed")
+        return Binding(
+            visible="", ordinal=placement.device_index, how="simulated GPU: no binding needed"
+        )
     current = os.environ.get("CUDA_VISIBLE_DEVICES")
     if not cuda_initialised():
         os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
@@ -70,7 +72,9 @@ def bind(placement: Placement, *, simulated: bool) -> Binding:
         )
     ordinal = _ordinal_of(placement.device_uuid)
     _select(ordinal)
-    return Binding(visible="", ordinal=ordinal, how=f"selected CUDA device {ordinal} for CuPy/Numba")
+    return Binding(
+        visible="", ordinal=ordinal, how=f"selected CUDA device {ordinal} for CuPy/Numba"
+    )
 
 
 def _ordinal_of(uuid: str) -> int:

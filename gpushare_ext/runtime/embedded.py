@@ -37,7 +37,9 @@ def broker_answers(path: Path, timeout: float = 0.5) -> bool:
     return True
 
 
-def ensure_embedded_broker(socket_path: Path | None = None, *, timeout: float = 20.0) -> tuple[Path, bool]:
+def ensure_embedded_broker(
+    socket_path: Path | None = None, *, timeout: float = 20.0
+) -> tuple[Path, bool]:
     """Make sure this user's broker answers; return (socket, started_now)."""
     runtime = user_runtime_dir() if socket_path is None else socket_path.parent
     socket_path = socket_path or runtime / "broker.sock"
@@ -54,7 +56,11 @@ def ensure_embedded_broker(socket_path: Path | None = None, *, timeout: float = 
         command = [sys.executable, "-m", "gpushare_ext.cli", "broker", "--socket", str(socket_path)]
         inventory = os.environ.get("GPUSHARE_INVENTORY")
         if inventory:
-            command += ["--simulate", inventory] if inventory not in ("auto", "nvml") else ["--inventory", inventory]
+            command += (
+                ["--simulate", inventory]
+                if inventory not in ("auto", "nvml")
+                else ["--inventory", inventory]
+            )
         env = dict(os.environ)
         env.pop("CUDA_VISIBLE_DEVICES", None)  # the broker sees every GPU
         with open(log_path, "ab") as log:

@@ -34,7 +34,7 @@ class DeviceGate:
         self.block = block
         self._host_address = block.address()
         cupy.cuda.Device().use()  # make sure the primary context exists and is current
-        err, = cu.cuMemHostRegister(self._host_address, SIZE, cu.CU_MEMHOSTREGISTER_DEVICEMAP)
+        (err,) = cu.cuMemHostRegister(self._host_address, SIZE, cu.CU_MEMHOSTREGISTER_DEVICEMAP)
         if err != cu.CUresult.CUDA_SUCCESS:
             raise GateError(f"cuMemHostRegister of the control block failed: {err}")
         err, device_pointer = cu.cuMemHostGetDevicePointer(self._host_address, 0)
@@ -49,7 +49,7 @@ class DeviceGate:
         cu = self._cu
         target = self.stream if stream is None else stream
         handle = target.ptr if hasattr(target, "ptr") else int(target)
-        err, = cu.cuStreamWaitValue32(
+        (err,) = cu.cuStreamWaitValue32(
             handle, self._gate_address, 0, cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ
         )
         if err != cu.CUresult.CUDA_SUCCESS:

@@ -117,7 +117,7 @@ def numba_memory_manager():
     class QuotaMemoryManager(NumbaCUDAMemoryManager):
         """Numba's default memory manager with every allocation checked against the lease."""
 
-        def memalloc(self, size):  # noqa: ANN001 - Numba's signature
+        def memalloc(self, size):
             in_use = _cupy_in_use() if _cupy_installed else 0
             LEDGER.take(size, in_use, "Numba")
             try:

@@ -97,7 +97,9 @@ class CellOutput:
             if kernel is not None and hasattr(kernel, "session"):
                 self._kernel = kernel
                 getter = getattr(kernel, "get_parent", None)
-                self._parent = getter("shell") if getter else getattr(kernel, "_parent_header", None)
+                self._parent = (
+                    getter("shell") if getter else getattr(kernel, "_parent_header", None)
+                )
         except ImportError:
             pass
 
@@ -146,7 +148,11 @@ def queue_line(handle: LeaseHandle, waited_s: float) -> str:
     if queued is None:
         return f"queued -- {waited_s:.0f} s"
     holder = queued.waiting_for or "earlier requests"
-    priority = f" (priority {describe_priority(queued.holder_priority)})" if queued.holder_priority is not None else ""
+    priority = (
+        f" (priority {describe_priority(queued.holder_priority)})"
+        if queued.holder_priority is not None
+        else ""
+    )
     estimate = f", about {queued.estimate_s:.0f} s left" if queued.estimate_s else ""
     return (
         f"queued: position {queued.position}, waiting for {holder}{priority}{estimate} -- "
@@ -241,7 +247,11 @@ class GpuSession:
     # ---- notices from the broker (listener thread)
 
     def _on_message(self, message: BrokerMessage) -> None:
-        if isinstance(message, Error) and message.code == ErrorCode.UNAVAILABLE and message.reply_to == 0:
+        if (
+            isinstance(message, Error)
+            and message.code == ErrorCode.UNAVAILABLE
+            and message.reply_to == 0
+        ):
             if not self._closed:
                 self._start_reconnect()
             return
@@ -289,7 +299,9 @@ class GpuSession:
             handle.revoked = message.reason
             handle.state = "revoked"
             if handle.output is not None:
-                handle.output.show(handle.display_key + "-revoked", f"gpushare: lease revoked: {message.reason}")
+                handle.output.show(
+                    handle.display_key + "-revoked", f"gpushare: lease revoked: {message.reason}"
+                )
         elif isinstance(message, Released):
             handle.state = "released"
         handle.changed.set()
@@ -298,14 +310,20 @@ class GpuSession:
         if self._reconnecting.is_set():
             return
         self._reconnecting.set()
-        threading.Thread(target=self._reconnect_loop, name="gpushare-reconnect", daemon=True).start()
+        threading.Thread(
+            target=self._reconnect_loop, name="gpushare-reconnect", daemon=True
+        ).start()
 
     def _reconnect_loop(self, deadline_s: float = 120.0) -> None:
         deadline = time.monotonic() + deadline_s
         try:
             while time.monotonic() < deadline and not self._closed:
                 time.sleep(0.5)
-                held = [h.lease_id for h in self.leases.values() if h.state in ("granted", "running", "paused")]
+                held = [
+                    h.lease_id
+                    for h in self.leases.values()
+                    if h.state in ("granted", "running", "paused")
+                ]
                 try:
                     with self._lock:
                         client = self._connect(reclaim=held)
@@ -322,7 +340,9 @@ class GpuSession:
                         handle.state = "revoked"
                         handle.changed.set()
                         if handle.output is not None:
-                            handle.output.show(handle.display_key + "-revoked", f"gpushare: {handle.revoked}")
+                            handle.output.show(
+                                handle.display_key + "-revoked", f"gpushare: {handle.revoked}"
+                            )
                 return
         finally:
             self._reconnecting.clear()
@@ -334,7 +354,9 @@ class GpuSession:
         return replace(self.defaults, **values)
 
     def capabilities(self, options: LeaseOptions) -> Capabilities:
-        mps = bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")) or os.path.exists("/tmp/nvidia-mps/control")
+        mps = bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")) or os.path.exists(
+            "/tmp/nvidia-mps/control"
+        )
         return Capabilities(
             gate=self.control_block is not None,
             yield_flag=False,
@@ -342,7 +364,9 @@ class GpuSession:
             lockable=not mps,
         )
 
-    def acquire(self, options: LeaseOptions, *, output: CellOutput | None = None, label: str = "") -> LeaseHandle:
+    def acquire(
+        self, options: LeaseOptions, *, output: CellOutput | None = None, label: str = ""
+    ) -> LeaseHandle:
         """Ask for a lease and wait for it, showing the queue; raises on refusal/timeout."""
         client = self.connect()
         if output is not None:
@@ -393,7 +417,9 @@ class GpuSession:
                     f"gpushare: no GPU within {timeout:g} s (still at position {position}); "
                     "the request was withdrawn and the cell did not run"
                 )
-            if handle.output is not None and (waited - last_shown >= 1.0 or handle.changed.is_set()):
+            if handle.output is not None and (
+                waited - last_shown >= 1.0 or handle.changed.is_set()
+            ):
                 handle.output.show(handle.display_key, queue_line(handle, waited))
                 last_shown = waited
             handle.changed.clear()

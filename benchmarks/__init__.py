@@ -1,0 +1,1 @@
+"""gpushare benchmarks: one entry point (``python -m benchmarks``), results under ``results/``."""

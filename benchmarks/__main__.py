@@ -1,0 +1,114 @@
+"""``python -m benchmarks run --suite all --out benchmarks/results/<date>-<device>/`` and
+``python -m benchmarks report DIR [--readme README.md]``.
+
+``run`` executes the suites one after the other as subprocesses (a failing suite is
+recorded and the others go on) and writes each suite's JSON plus its log into DIR:
+
+* ``control``    -- control plane: lease round trip and messages/s, 1..256 clients (CPU);
+* ``kernels``    -- preemptible kernels: overhead over the corpus, yield-to-drain latency,
+                    snapshot/rollback bandwidth against the copy ceiling (GPU);
+* ``contention`` -- interactive latency under contention, low-priority throughput kept (GPU);
+* ``checkpoint`` -- lock / evict / restore times against resident memory (GPU).
+
+``report`` turns a results folder into PNG plots and a markdown table (``report.md``)
+and, with ``--readme``, replaces the README's performance section with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SUITES = {
+    "control": ["benchmarks.control_plane", ["--clients", "1,16,64,256"]],
+    "kernels": ["benchmarks.kernels_bench", []],
+    "contention": ["benchmarks.contention", []],
+    "checkpoint": ["benchmarks.checkpoint", []],
+}
+GPU_SUITES = {"kernels", "contention", "checkpoint"}
+
+
+def _gpu_present() -> bool:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        count = pynvml.nvmlDeviceGetCount()
+        pynvml.nvmlShutdown()
+        return count > 0
+    except Exception:
+        return False
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = list(SUITES) if args.suite == "all" else args.suite.split(",")
+    unknown = [name for name in names if name not in SUITES]
+    if unknown:
+        print(f"unknown suite(s) {unknown}; known: {', '.join(SUITES)}", file=sys.stderr)
+        return 2
+    gpu = _gpu_present()
+    failed = []
+    summary = []
+    for name in names:
+        if name in GPU_SUITES and not gpu:
+            print(f"[{name}] skipped: no GPU here (NVML finds none)")
+            summary.append((name, "skipped (no GPU)", 0.0))
+            continue
+        module, extra = SUITES[name]
+        command = [sys.executable, "-m", module, "--out", str(out), *extra]
+        if args.quick and name != "control":
+            command.append("--quick")
+        if args.quick and name == "control":
+            command = [sys.executable, "-m", module, "--out", str(out), "--clients", "1,16,64"]
+        started = time.monotonic()
+        print(f"[{name}] {' '.join(command[1:])}", flush=True)
+        with open(out / f"{name}.log", "w") as log:
+            process = subprocess.run(
+                command, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout
+            )
+        took = time.monotonic() - started
+        status = "ok" if process.returncode == 0 else f"failed ({process.returncode})"
+        if process.returncode != 0:
+            failed.append(name)
+        summary.append((name, status, took))
+        print(f"[{name}] {status} in {took:.0f} s; log {out / (name + '.log')}", flush=True)
+    print("\nsuite        status              seconds")
+    for name, status, took in summary:
+        print(f"{name:<12} {status:<19} {took:7.0f}")
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    run_parser = sub.add_parser("run", help="run benchmark suites")
+    run_parser.add_argument(
+        "--suite", default="all", help=f"all or a comma list of {', '.join(SUITES)}"
+    )
+    run_parser.add_argument(
+        "--out", required=True, help="results folder, e.g. benchmarks/results/2026-11-30-h200"
+    )
+    run_parser.add_argument("--quick", action="store_true", help="smaller runs (smoke test)")
+    run_parser.add_argument("--timeout", type=int, default=900, help="seconds allowed per suite")
+    report_parser = sub.add_parser("report", help="plots and markdown from a results folder")
+    report_parser.add_argument("folder")
+    report_parser.add_argument("--readme", help="README to update between the bench markers")
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        return run(args)
+    from benchmarks.report import build_report
+
+    return build_report(Path(args.folder), Path(args.readme) if args.readme else None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
