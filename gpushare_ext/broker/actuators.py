@@ -281,9 +281,14 @@ class Ladder:
         self.control = control
         self.lock_timeout_ms = lock_timeout_ms
         self._per_pid: dict[int, asyncio.Lock] = {}
+        self._locked: set[int] = set()  # what was actually applied, whatever level was asked
+        self._checkpointed: set[int] = set()
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    def is_locked(self, pid: int) -> bool:
+        return pid in self._locked
 
     def _serial(self, pid: int) -> asyncio.Lock:
         return self._per_pid.setdefault(pid, asyncio.Lock())
@@ -314,15 +319,20 @@ class Ladder:
                         int(level),
                     )
                 elif level in (PreemptionLevel.YIELD, PreemptionLevel.ABORT):
-                    notes.append("no yield flag registered: gate only")
-            if level >= PreemptionLevel.LOCK and (
-                already is None or already < PreemptionLevel.LOCK
-            ):
+                    # Kernels already in flight would not stop: the lock is what stops them.
+                    notes.append("no yield flag registered: locked instead")
+            needs_lock = level >= PreemptionLevel.LOCK or (
+                level in (PreemptionLevel.YIELD, PreemptionLevel.ABORT)
+                and target.yield_flag is None
+            )
+            if needs_lock and target.pid not in self._locked:
                 await self._run(
                     self.control.lock, target.pid, target.device_index, self.lock_timeout_ms
                 )
+                self._locked.add(target.pid)
             if level == PreemptionLevel.EVICT:
                 await self._run(self.control.checkpoint, target.pid, target.device_index)
+                self._checkpointed.add(target.pid)
             if self.control.kind == "simulated" and level >= PreemptionLevel.LOCK:
                 notes.append("simulated GPU: the process was gated, not locked")
             return "; ".join(notes)
@@ -331,14 +341,18 @@ class Ladder:
         """Resume ``target`` from ``level``: restore, unlock, clear the flag, open the gate."""
         async with self._serial(target.pid):
             alive = _pid_alive(target.pid)
-            if alive and level is not None:
+            checkpointed = target.pid in self._checkpointed
+            locked = target.pid in self._locked
+            self._checkpointed.discard(target.pid)
+            self._locked.discard(target.pid)
+            if alive and (level is not None or locked):
                 failure: ActuatorError | None = None
-                if level == PreemptionLevel.EVICT:
+                if checkpointed:
                     try:
                         await self._run(self.control.restore, target.pid, target.device_index)
                     except ActuatorError as exc:
                         failure = exc  # still unlock below: a locked process helps nobody
-                if level >= PreemptionLevel.LOCK:
+                if locked:
                     await self._run(self.control.unlock, target.pid, target.device_index)
                 if target.yield_flag is not None:
                     handle, offset = target.yield_flag
@@ -362,7 +376,7 @@ class Ladder:
             # Not checkpointed after all (the crash came first): the unlock is what matters.
             with contextlib.suppress(ActuatorError):
                 self.control.restore(pid, device_index)
-        if level >= PreemptionLevel.LOCK:
+        if level >= PreemptionLevel.YIELD:  # a yield without a flag escalates to a lock
             with contextlib.suppress(ActuatorError):  # not locked: the crash came before
                 self.control.unlock(pid, device_index)
 

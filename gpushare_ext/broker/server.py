@@ -65,6 +65,7 @@ from gpushare_ext.protocol import (
     LeaseView,
     Ok,
     Preempt,
+    PreemptionLevel,
     ProtocolError,
     Queued,
     Refused,
@@ -916,10 +917,13 @@ class Broker:
             log.warning(
                 "preemption of %s at level %s failed: %s", action.lease_id, int(action.level), exc
             )
-            # Whatever was applied (the gate) is undone: it keeps running, time-sliced.
-            with contextlib.suppress(ActuatorError):
-                await self.ladder.undo(target, None)
-            self.journal.actuations_undone(action.lease_id)
+            if action.level == PreemptionLevel.EVICT and self.ladder.is_locked(target.pid):
+                pass  # the lock held: it stays paused, only its memory stays on the device
+            else:
+                # Whatever was applied (the gate) is undone: it keeps running, time-sliced.
+                with contextlib.suppress(ActuatorError):
+                    await self.ladder.undo(target, None)
+                self.journal.actuations_undone(action.lease_id)
             self._dispatch(
                 core.PreemptionFailed(
                     now=time.time(), lease_id=action.lease_id, level=action.level, reason=str(exc)
