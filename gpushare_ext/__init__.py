@@ -50,6 +50,16 @@ def stream():
     return gate.stream if gate is not None else None
 
 
+def _jupyter_server_extension_points() -> list[dict[str, str]]:
+    """jupyter_server finds the server extension (the JupyterLab panel's routes) here."""
+    return [{"module": "gpushare_ext.server_ext"}]
+
+
+def _jupyter_labextension_paths() -> list[dict[str, str]]:
+    """JupyterLab finds the prebuilt panel here (for installs without the data files)."""
+    return [{"src": "labextension", "dest": "gpushare-ext"}]
+
+
 def load_ipython_extension(ipython: Any) -> None:
     from gpushare_ext.magics import load
 

@@ -1,15 +1,17 @@
 """Where the broker's socket, control blocks, journal and config live, in both modes.
 
 System mode (a root broker shared by every user of the host):
-``/run/gpushare/broker.sock``, ``/etc/gpushare/broker.toml``,
-``/var/lib/gpushare/journal.sqlite``.  User mode (the embedded per-user broker): a
-0700 directory ``$XDG_RUNTIME_DIR/gpushare`` (or ``/tmp/gpushare-<uid>``) holding the
-socket and control blocks, and ``$XDG_STATE_HOME/gpushare/journal.sqlite``.
+``/run/gpushare/broker.sock``, control blocks in ``/run/gpushare/sessions``,
+``/etc/gpushare/broker.toml``, ``/var/lib/gpushare/journal.sqlite``.  User mode (the
+embedded per-user broker): a 0700 directory ``$XDG_RUNTIME_DIR/gpushare`` (or
+``/tmp/gpushare-<uid>``) holding the socket, control blocks in a 0700 directory under
+``/dev/shm``, and ``$XDG_STATE_HOME/gpushare/journal.sqlite``.
 ``GPUSHARE_SOCKET`` overrides the socket a client connects to.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,23 +47,37 @@ def user_state_dir() -> Path:
     return Path(base) / "gpushare"
 
 
+def sessions_dir_for(mode: str, socket: Path, runtime: Path) -> Path:
+    """Where control blocks live: always on tmpfs, because the GPU can only pin shared
+    memory pages (``cuMemHostRegister`` refuses pages of files on disk)."""
+    if mode == "system" and socket == SYSTEM_SOCKET:
+        return SYSTEM_RUNTIME_DIR / "sessions"  # /run is tmpfs; shared with pods by hostPath
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        tag = hashlib.sha256(str(socket).encode()).hexdigest()[:10]
+        return shm / f"gpushare-{os.getuid()}-{tag}"
+    return runtime / "sessions"
+
+
 def broker_paths(mode: str, socket: str | Path | None = None) -> BrokerPaths:
     if mode == "system":
         runtime = SYSTEM_RUNTIME_DIR if socket is None else Path(socket).parent
+        socket_path = Path(socket) if socket else SYSTEM_SOCKET
         return BrokerPaths(
             mode="system",
             runtime_dir=runtime,
-            socket=Path(socket) if socket else SYSTEM_SOCKET,
-            sessions_dir=runtime / "sessions",
+            socket=socket_path,
+            sessions_dir=sessions_dir_for("system", socket_path, runtime),
             journal=SYSTEM_JOURNAL,
             config=SYSTEM_CONFIG,
         )
     runtime = user_runtime_dir() if socket is None else Path(socket).parent
+    socket_path = Path(socket) if socket else runtime / "broker.sock"
     return BrokerPaths(
         mode="user",
         runtime_dir=runtime,
-        socket=Path(socket) if socket else runtime / "broker.sock",
-        sessions_dir=runtime / "sessions",
+        socket=socket_path,
+        sessions_dir=sessions_dir_for("user", socket_path, runtime),
         journal=user_state_dir() / "journal.sqlite",
         config=None,
     )

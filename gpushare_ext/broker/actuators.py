@@ -133,22 +133,6 @@ def _cuda_worker(device_index: int, conn) -> None:  # pragma: no cover - runs on
             raise RuntimeError(f"{what}: {text}")
         return result[1:] if isinstance(result, tuple) and len(result) > 1 else None
 
-    state: dict[str, object] = {}
-
-    def context():
-        if "ctx" not in state:
-            check(cu.cuInit(0), "cuInit")
-            (dev,) = check(cu.cuDeviceGet(device_index), "cuDeviceGet")
-            (ctx,) = check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
-            check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-            _, greatest = check(cu.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
-            (stream,) = check(
-                cu.cuStreamCreateWithPriority(cu.CUstream_flags.CU_STREAM_NON_BLOCKING, greatest),
-                "cuStreamCreateWithPriority",
-            )
-            state.update(ctx=ctx, stream=stream, handles={})
-        return state
-
     check(cu.cuInit(0), "cuInit")
     while True:
         try:
@@ -179,25 +163,12 @@ def _cuda_worker(device_index: int, conn) -> None:  # pragma: no cover - runs on
                 conn.send(("ok", int(value)))
                 continue
             elif op == "flag":
+                from gpushare_ext.runtime.kernels.launch import write_yield_flag_from_handle
+
                 handle_hex, offset, value = args
-                ctx = context()
-                handles = ctx["handles"]  # type: ignore[index]
-                if handle_hex not in handles:
-                    handle = cu.CUipcMemHandle()
-                    handle.reserved = bytes.fromhex(handle_hex)
-                    (ptr,) = check(
-                        cu.cuIpcOpenMemHandle(
-                            handle, cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
-                        ),
-                        "cuIpcOpenMemHandle",
-                    )
-                    handles[handle_hex] = int(ptr)  # type: ignore[index]
-                address = handles[handle_hex] + offset  # type: ignore[index]
-                check(
-                    cu.cuStreamWriteValue32(ctx["stream"], address, value, 0),
-                    "cuStreamWriteValue32",
-                )
-                check(cu.cuStreamSynchronize(ctx["stream"]), "cuStreamSynchronize")
+                if offset:
+                    raise RuntimeError("yield flags are registered at the start of their allocation")
+                write_yield_flag_from_handle(bytes.fromhex(handle_hex), value, device_index)
             else:
                 raise RuntimeError(f"unknown operation {op}")
             conn.send(("ok", None))
@@ -211,6 +182,9 @@ class CudaProcessControl:
     kind = "cuda"
 
     def __init__(self, device_count: int) -> None:
+        # Worker N must open GPU N as NVML numbers it: PCI bus order, every GPU visible.
+        os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         context = multiprocessing.get_context("spawn")
         self._workers = []
         for index in range(device_count):

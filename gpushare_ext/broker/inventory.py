@@ -335,7 +335,7 @@ class NvmlInventory:
     def _call(self, fn, *args, default=None):
         try:
             return fn(*args)
-        except self._nvml.NVMLError:
+        except (self._nvml.NVMLError, AttributeError, TypeError):
             return default
 
     def _describe(self, index: int, handle) -> DeviceInfo:
@@ -345,11 +345,13 @@ class NvmlInventory:
         uuid = nv.nvmlDeviceGetUUID(handle)
         uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
         memory = nv.nvmlDeviceGetMemoryInfo(handle)
-        sms = self._call(nv.nvmlDeviceGetNumGpuCores, handle, default=None)
-        attrs = self._call(nv.nvmlDeviceGetAttributes_v2, handle, default=None)
-        mp_count = attrs.multiprocessorCount if attrs is not None else 0
-        if not mp_count and sms:
-            mp_count = 0
+        # NVML gives SM counts for MIG devices and for GPU-instance profiles, not for a
+        # whole GPU: the full-GPU profile (7g) has them all; CUDA is the last resort.
+        get_attributes = getattr(nv, "nvmlDeviceGetAttributes_v2", None) or getattr(
+            nv, "nvmlDeviceGetAttributes", None
+        )
+        attrs = self._call(get_attributes, handle, default=None) if get_attributes else None
+        mp_count = int(getattr(attrs, "multiprocessorCount", 0) or 0)
         cc = self._call(nv.nvmlDeviceGetCudaComputeCapability, handle, default=(0, 0))
         driver = nv.nvmlSystemGetDriverVersion()
         driver = driver.decode() if isinstance(driver, bytes) else driver
@@ -357,6 +359,10 @@ class NvmlInventory:
         compute_mode = self._call(nv.nvmlDeviceGetComputeMode, handle, default=0)
         profiles = self._profiles(handle)
         instances = self._instances(handle, profiles) if mig and mig[0] else ()
+        if not mp_count:
+            mp_count = max((p.multiprocessor_count for p in profiles), default=0)
+        if not mp_count:
+            mp_count = _cuda_multiprocessor_count(uuid)
         return DeviceInfo(
             index=index,
             name=name,
@@ -379,13 +385,9 @@ class NvmlInventory:
             info = self._call(nv.nvmlDeviceGetGpuInstanceProfileInfo, handle, pid, default=None)
             if info is None:
                 continue
-            placements = self._call(
-                nv.nvmlDeviceGetGpuInstancePossiblePlacements, handle, info.id, default=None
-            )
+            # Placement rules come from the table of the 8-memory-slice parts: nvidia-ml-py's
+            # nvmlDeviceGetGpuInstancePossiblePlacements wrapper differs between releases.
             slices, starts = _PLACEMENT_RULES.get(pid, (info.sliceCount, (0,)))
-            if placements:
-                starts = tuple(sorted(p.start for p in placements))
-                slices = placements[0].size
             out.append(
                 MigProfile(
                     id=pid,
@@ -461,6 +463,26 @@ class NvmlInventory:
     def close(self) -> None:
         with contextlib.suppress(self._nvml.NVMLError):
             self._nvml.nvmlShutdown()
+
+
+def _cuda_multiprocessor_count(uuid: str) -> int:
+    """SM count through the CUDA driver (no context is created), 0 if that fails."""
+    try:
+        from cuda.bindings import driver as cu
+
+        if cu.cuInit(0)[0] != cu.CUresult.CUDA_SUCCESS:
+            return 0
+        _, count = cu.cuDeviceGetCount()
+        wanted = uuid.removeprefix("GPU-").replace("-", "").lower()
+        for ordinal in range(count):
+            _, device = cu.cuDeviceGet(ordinal)
+            _, raw = cu.cuDeviceGetUuid(device)
+            if bytes(raw.bytes).hex() == wanted:
+                attribute = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+                return int(cu.cuDeviceGetAttribute(attribute, device)[1])
+    except Exception:  # no CUDA here: the count stays unknown
+        return 0
+    return 0
 
 
 def open_inventory(spec: str | None) -> tuple[InventoryBackend, str | None]:

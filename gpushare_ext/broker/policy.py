@@ -235,15 +235,17 @@ class VictimTraits:
 def stopping_level(traits: VictimTraits) -> PreemptionLevel | None:
     """The cheapest ladder level that stops all of a victim's GPU work, or None if none can.
 
-    Gate and yield only stop work the runtime owns; a session that also runs
-    uninstrumented kernels (CuPy, PyTorch) must be locked (level 3).
+    The yield flag stops instrumented kernels in flight, so a session whose GPU work is
+    all instrumented yields (level 1).  Anything else is locked (level 3): the gate
+    alone holds only launches not yet issued, so it is the answer only for a process
+    that cannot be locked (an MPS client), and then it is best effort.
     """
     if traits.instrumented_only and traits.yield_flag:
         return PreemptionLevel.YIELD
-    if traits.instrumented_only and traits.gate:
-        return PreemptionLevel.GATE
     if traits.lockable:
         return PreemptionLevel.LOCK
+    if traits.gate:
+        return PreemptionLevel.GATE  # best effort: holds new launches, not those in flight
     return None
 
 

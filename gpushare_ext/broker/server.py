@@ -204,8 +204,8 @@ class Broker:
         self._recover()
         self._prepare_directories()
         self._server = await asyncio.start_unix_server(
-            self._client_connected, path=str(self.paths.socket), limit=1 << 20
-        )
+            self._client_connected, path=str(self.paths.socket), limit=1 << 20, backlog=1024
+        )  # a hub's kernels reconnect all at once after a restart: 100 (the default) is short
         os.chmod(self.paths.socket, 0o666 if self.paths.mode == "system" else 0o600)
         if self.paths.mode == "system" and self.config.socket_group:
             gid = grp.getgrnam(self.config.socket_group).gr_gid
@@ -284,6 +284,8 @@ class Broker:
         runtime.mkdir(parents=True, exist_ok=True)
         os.chmod(runtime, 0o755 if self.paths.mode == "system" else 0o700)
         self.paths.sessions_dir.mkdir(parents=True, exist_ok=True)
+        if self.paths.sessions_dir.stat().st_uid != os.geteuid():
+            raise RuntimeError(f"{self.paths.sessions_dir} belongs to another user")
         # Others may traverse to their own 0600 block but not list anyone's.
         os.chmod(self.paths.sessions_dir, 0o711 if self.paths.mode == "system" else 0o700)
         for stale in self.paths.sessions_dir.glob("*.cb"):
@@ -442,7 +444,17 @@ class Broker:
         self.per_uid_connections[conn.uid] = max(0, self.per_uid_connections.get(conn.uid, 1) - 1)
         if conn.watch_task is not None:
             conn.watch_task.cancel()
-        if conn.session_id is not None:
+        if conn.session_id is not None and self.should_exit:
+            # The broker is stopping, not the session: its leases stay open in the journal
+            # so that the session reclaims them from the next broker (Hello.reclaim).
+            self.connections.pop(conn.session_id, None)
+            conn.session_id = None
+            if conn.control_block is not None:
+                conn.control_block.close()
+                with contextlib.suppress(OSError):
+                    conn.control_block.path.unlink()
+                conn.control_block = None
+        elif conn.session_id is not None:
             self._session_gone(conn, "its connection closed")
         with contextlib.suppress(Exception):
             conn.writer.close()

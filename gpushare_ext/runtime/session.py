@@ -179,6 +179,7 @@ class GpuSession:
         self._early: dict[str, list[BrokerMessage]] = {}  # notices that beat their lease handle
         self._closed = False
         self.simulated = False
+        self.yield_flag = None  # the device flag instrumented kernels poll (levels 1-2)
 
     # ---- connection
 
@@ -359,7 +360,7 @@ class GpuSession:
         )
         return Capabilities(
             gate=self.control_block is not None,
-            yield_flag=False,
+            yield_flag=self.yield_flag is not None,
             instrumented_only=options.instrumented_only,
             lockable=not mps,
         )
@@ -449,8 +450,31 @@ class GpuSession:
                 from gpushare_ext.runtime.gate import open_device_gate
 
                 self.device_gate, self.gate_note = open_device_gate(self.control_block)
+            self._connect_kernels(handle)
         memory.apply_quota(placement.memory_bytes)
         handle.state = "running"
+
+    def _connect_kernels(self, handle: LeaseHandle) -> None:
+        """Give preemptible kernels the session's gate and yield flag, and tell the broker
+        where the flag is (a CUDA IPC handle), so it can stop them at level 1 or 2."""
+        try:
+            from gpushare_ext.runtime.kernels import launch
+        except ImportError:  # the kernel toolchain is optional
+            return
+        try:
+            if self.yield_flag is None:
+                self.yield_flag = launch.YieldFlag()
+                launch.set_session_yield_flag(self.yield_flag)
+            gate = self.device_gate
+            if gate is not None:
+                launch.before_launch = gate.hold_here
+            assert handle.placement is not None and self.client is not None
+            self.client.register_yield_flag(
+                handle.lease_id, handle.placement.device_index, self.yield_flag.ipc_handle().hex()
+            )
+            handle.note("yield flag registered")
+        except Exception as exc:  # no flag: the broker stops this session by locking it
+            handle.note(f"no yield flag: {exc}")
 
     def release(self, handle: LeaseHandle) -> None:
         self.leases.pop(handle.lease_id, None)

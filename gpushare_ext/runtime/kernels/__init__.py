@@ -1,0 +1,65 @@
+"""Preemptible kernels: parse -> analyse -> classify -> transform -> assemble -> launch.
+
+What it is for: the notebook-facing API (``kernel``, ``jit``) and the pieces the runtime
+and broker use (``YieldFlag``, ``write_yield_flag_from_handle``, the ``before_launch``
+hook in ``launch``). See ``docs/kernels.md``.
+
+What it must not do: import CUDA, CuPy or Numba at import time (``import gpushare_ext``
+stays cheap and works without a GPU); everything heavy is imported where it is used.
+"""
+
+from __future__ import annotations
+
+from gpushare_ext.runtime.kernels.analysis import (
+    Access,
+    Classification,
+    Idempotence,
+    KernelReport,
+    analyse_entry,
+    analyse_module,
+    classify_launch,
+)
+from gpushare_ext.runtime.kernels.frontends import Kernel, NumbaKernel, compile_cuda, jit, kernel
+from gpushare_ext.runtime.kernels.launch import (
+    LaunchMode,
+    LaunchReport,
+    YieldFlag,
+    set_session_yield_flag,
+    write_yield_flag_from_handle,
+)
+from gpushare_ext.runtime.kernels.ptx import KernelError, PtxModule, parse_ptx
+from gpushare_ext.runtime.kernels.transform import (
+    PreemptibleKernel,
+    TransformOptions,
+    assemble,
+    find_ptxas,
+    make_preemptible,
+)
+
+__all__ = [
+    "Access",
+    "Classification",
+    "Idempotence",
+    "Kernel",
+    "KernelError",
+    "KernelReport",
+    "LaunchMode",
+    "LaunchReport",
+    "NumbaKernel",
+    "PreemptibleKernel",
+    "PtxModule",
+    "TransformOptions",
+    "YieldFlag",
+    "analyse_entry",
+    "analyse_module",
+    "assemble",
+    "classify_launch",
+    "compile_cuda",
+    "find_ptxas",
+    "jit",
+    "kernel",
+    "make_preemptible",
+    "parse_ptx",
+    "set_session_yield_flag",
+    "write_yield_flag_from_handle",
+]

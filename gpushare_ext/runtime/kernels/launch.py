@@ -1,0 +1,803 @@
+"""Transactional launch of preemptible kernels: resume, restart or snapshot.
+
+What it is for: running one kernel launch as a *transaction* on the current CuPy stream
+(or a given one) through the CUDA driver API (``cuModuleLoadData`` of the transformed
+PTX, ``cuLaunchKernel``), so that a yield, an abort, a Ctrl-C or an error never leaves a
+notebook's arrays half updated by a non-idempotent kernel:
+
+* *resume*: the kernel yields between logical blocks; the launch is continued from the
+  progress record's counter (all-or-nothing blocks, see ``transform.py``).
+* *restart* (idempotent kernels only): an abort mid-block throws the launch away and it
+  is run again from logical block 0.
+* *snapshot*: the write-set (buffers the analysis says the kernel writes, as actually
+  passed) is copied device-to-device before the first launch; an abort, Ctrl-C or error
+  restores it. Yields between blocks still resume.
+
+The mode comes from the classification (idempotent -> resume, otherwise snapshot) and
+can be forced. Hooks for the runtime: :data:`before_launch` (called with the stream
+handle before every launch, e.g. to enqueue ``cuStreamWaitValue32`` on the gate) and
+:data:`wait_for_resume` (called after a yield; default: poll the flag until it is 0).
+
+Also here: :class:`YieldFlag`, a device int32 the broker writes through a CUDA IPC
+handle, and :func:`write_yield_flag_from_handle`, which the broker's actuator calls from
+its own process (``cuStreamWriteValue32`` on a high-priority stream: no SM needed).
+
+What it must not do: decide *when* to preempt (the broker does) or import CuPy/CUDA at
+module import time (CPU-only machines import this module).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, ClassVar
+
+from gpushare_ext.runtime.kernels.analysis import Classification, Idempotence, classify_launch
+from gpushare_ext.runtime.kernels.ptx import KernelError, Param, set_version
+from gpushare_ext.runtime.kernels.transform import (
+    NO_BLOCK,
+    PROGRESS_RECORD_BYTES,
+    PreemptibleKernel,
+    RecordLayout,
+)
+
+__all__ = [
+    "LaunchMode",
+    "LaunchReport",
+    "YieldFlag",
+    "before_launch",
+    "launch_kernel",
+    "set_session_yield_flag",
+    "wait_for_resume",
+    "write_yield_flag_from_handle",
+]
+
+# Hooks the runtime may replace. ``before_launch(stream_handle: int)`` runs before each
+# launch (and relaunch); ``wait_for_resume(flag)`` runs after a kernel yielded and must
+# return when it may continue.
+before_launch: Callable[[int], None] = lambda stream: None  # noqa: E731
+
+
+def _default_wait_for_resume(flag: YieldFlag) -> None:
+    delay = 1e-4
+    while flag.read() != 0:
+        time.sleep(delay)
+        delay = min(delay * 2, 5e-3)
+
+
+wait_for_resume: Callable[[YieldFlag], None] = _default_wait_for_resume
+
+
+class LaunchMode(str, Enum):
+    RESUME = "resume"
+    RESTART = "restart"
+    SNAPSHOT = "snapshot"
+    OFF = "off"  # the original kernel, not instrumented
+
+
+# ---------------------------------------------------------------------------------------
+# Driver helpers
+# ---------------------------------------------------------------------------------------
+
+
+def _driver() -> Any:
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise KernelError("no-cuda", "cuda-bindings is not installed", step="launch") from exc
+    return driver
+
+
+def _check(result: Any, what: str) -> Any:
+    drv = _driver()
+    if isinstance(result, tuple):
+        err, rest = result[0], result[1:]
+    else:
+        err, rest = result, ()
+    if err != drv.CUresult.CUDA_SUCCESS:
+        _, name = drv.cuGetErrorName(err)
+        name = name.decode() if isinstance(name, bytes) else str(err)
+        raise KernelError("cuda-error", f"{what} failed: {name}", step="launch")
+    if len(rest) == 1:
+        return rest[0]
+    return rest or None
+
+
+def _ensure_context(device: int | None = None) -> Any:
+    """Make the device's primary context current (CuPy's context when CuPy is in use)."""
+    drv = _driver()
+    _check(drv.cuInit(0), "cuInit")
+    ctx = _check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    if ctx is not None and int(ctx) != 0 and device is None:
+        return ctx
+    dev = _check(drv.cuDeviceGet(device or 0), "cuDeviceGet")
+    ctx = _check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+    _check(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    return ctx
+
+
+_ISA_FOR_DRIVER = {
+    12000: "8.0", 12010: "8.1", 12020: "8.2", 12030: "8.3", 12040: "8.4", 12050: "8.5",
+    12060: "8.5", 12080: "8.7", 12090: "8.8", 13000: "9.0", 13010: "9.1", 13020: "9.2",
+}  # fmt: skip
+
+
+def driver_ptx_isa() -> str:
+    """The newest PTX ISA version the installed driver's JIT accepts."""
+    drv = _driver()
+    version = _check(drv.cuDriverGetVersion(), "cuDriverGetVersion")
+    best = "8.0"
+    for v, isa in sorted(_ISA_FOR_DRIVER.items()):
+        if version >= v:
+            best = isa
+    return best
+
+
+def _fit_version(ptx: str) -> str:
+    import re
+
+    m = re.search(r"^\s*\.version\s+(\d+)\.(\d+)", ptx, re.M)
+    if not m:
+        return ptx
+    have = (int(m.group(1)), int(m.group(2)))
+    isa = driver_ptx_isa()
+    cap = tuple(int(x) for x in isa.split("."))
+    return set_version(ptx, isa) if have > cap else ptx
+
+
+class _ModuleCache:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._mods: dict[tuple[int, str], Any] = {}
+
+    def function(self, ptx: str, name: str) -> Any:
+        drv = _driver()
+        ctx = _ensure_context()
+        key = (int(ctx), ptx)
+        with self._lock:
+            mod = self._mods.get(key)
+            if mod is None:
+                image = _fit_version(ptx).encode() + b"\0"
+                result = drv.cuModuleLoadData(image)
+                if result[0] != drv.CUresult.CUDA_SUCCESS:
+                    _, err = drv.cuGetErrorName(result[0])
+                    raise KernelError(
+                        "module-load-failed",
+                        f"the driver rejected the PTX of {name}: {err.decode() if err else result[0]}",
+                        step="launch",
+                    )
+                mod = result[1]
+                self._mods[key] = mod
+        return _check(drv.cuModuleGetFunction(mod, name.encode()), f"cuModuleGetFunction({name})")
+
+
+_modules = _ModuleCache()
+
+
+# ---------------------------------------------------------------------------------------
+# The yield flag
+# ---------------------------------------------------------------------------------------
+
+
+def _side_stream() -> Any:
+    """A non-blocking stream of the highest priority (never waits on the legacy stream)."""
+    drv = _driver()
+    _, greatest = _check(drv.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
+    return _check(
+        drv.cuStreamCreateWithPriority(drv.CUstream_flags.CU_STREAM_NON_BLOCKING, greatest),
+        "cuStreamCreateWithPriority",
+    )
+
+
+def _write_word(stream: Any, address: int, value: int) -> None:
+    drv = _driver()
+    err = drv.cuStreamWriteValue32(
+        stream,
+        drv.CUdeviceptr(address),
+        value,
+        drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT,
+    )
+    err = err[0] if isinstance(err, tuple) else err
+    if err != drv.CUresult.CUDA_SUCCESS:  # stream memory operations unsupported: a memset
+        _check(drv.cuMemsetD32Async(drv.CUdeviceptr(address), value, 1, stream), "cuMemsetD32Async")
+    _check(drv.cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+
+class YieldFlag:
+    """A device-memory int32 the persistent kernels poll; nonzero means "yield now".
+
+    Allocated with ``cuMemAlloc`` so it can be shared through a CUDA IPC handle. Written
+    with ``cuStreamWriteValue32`` on a private high-priority non-blocking stream, never with
+    a kernel (a kernel would queue behind the very kernel it should stop).
+    """
+
+    def __init__(self, device_ptr: int | None = None) -> None:
+        drv = _driver()
+        _ensure_context()
+        self._owned = device_ptr is None
+        if device_ptr is None:
+            ptr = _check(drv.cuMemAlloc(4), "cuMemAlloc")
+            _check(drv.cuMemsetD32(ptr, 0, 1), "cuMemsetD32")
+            device_ptr = int(ptr)
+        self.device_ptr = int(device_ptr)
+        self._stream = _side_stream()
+
+    def set(self, value: int = 1) -> None:
+        _write_word(self._stream, self.device_ptr, value)
+
+    def clear(self) -> None:
+        self.set(0)
+
+    def read(self) -> int:
+        drv = _driver()
+        buf = (ctypes.c_uint32 * 1)()
+        _check(
+            drv.cuMemcpyDtoHAsync(
+                ctypes.addressof(buf), drv.CUdeviceptr(self.device_ptr), 4, self._stream
+            ),
+            "cuMemcpyDtoHAsync",
+        )
+        _check(drv.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
+        return int(buf[0])
+
+    def ipc_handle(self) -> bytes:
+        """64 bytes another process passes to :func:`write_yield_flag_from_handle`."""
+        drv = _driver()
+        handle = _check(
+            drv.cuIpcGetMemHandle(drv.CUdeviceptr(self.device_ptr)), "cuIpcGetMemHandle"
+        )
+        return ctypes.string_at(handle.getPtr(), 64)
+
+    def close(self) -> None:
+        drv = _driver()
+        if self._owned and self.device_ptr:
+            drv.cuMemFree(drv.CUdeviceptr(self.device_ptr))
+            self.device_ptr = 0
+        with contextlib.suppress(Exception):
+            drv.cuStreamDestroy(self._stream)
+
+
+_opened: dict[tuple[bytes, int], tuple[int, Any]] = {}
+_opened_lock = threading.Lock()
+
+
+def write_yield_flag_from_handle(handle_bytes: bytes, value: int, device: int = 0) -> None:
+    """Write ``value`` into another process's yield flag (the broker's actuator calls this).
+
+    Opens the IPC handle once per (handle, device) and keeps it open; the write is a
+    ``cuStreamWriteValue32`` on a high-priority non-blocking stream, then a sync.
+    """
+    if len(handle_bytes) != 64:
+        raise KernelError("bad-ipc-handle", "a CUDA IPC memory handle has 64 bytes", step="launch")
+    drv = _driver()
+    with _opened_lock:
+        key = (bytes(handle_bytes), device)
+        if key not in _opened:
+            _ensure_context(device)
+            handle = drv.CUipcMemHandle()
+            ctypes.memmove(handle.getPtr(), bytes(handle_bytes), 64)
+            ptr = _check(
+                drv.cuIpcOpenMemHandle(
+                    handle, drv.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+                ),
+                "cuIpcOpenMemHandle",
+            )
+            _opened[key] = (int(ptr), _side_stream())
+        ptr, stream = _opened[key]
+    _write_word(stream, ptr, value)
+
+
+_session_flag: Any = None
+
+
+def set_session_yield_flag(flag: Any) -> None:
+    """The runtime's control block registers the session's flag here (an object with
+    ``.device_ptr`` or a device address)."""
+    global _session_flag
+    _session_flag = flag
+
+
+def _as_flag(flag: Any) -> YieldFlag:
+    if flag is None:
+        global _session_flag
+        if _session_flag is None:
+            _session_flag = YieldFlag()
+        flag = _session_flag
+    if isinstance(flag, YieldFlag):
+        return flag
+    ptr = flag.device_ptr if hasattr(flag, "device_ptr") else int(flag)
+    return YieldFlag(device_ptr=int(ptr))
+
+
+# ---------------------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------------------
+
+_PACK = {
+    "u8": "B", "s8": "b", "b8": "B", "u16": "H", "s16": "h", "b16": "H", "f16": "e",
+    "u32": "I", "s32": "i", "b32": "I", "f32": "f",
+    "u64": "Q", "s64": "q", "b64": "Q", "f64": "d",
+}  # fmt: skip
+
+
+def _is_array(value: Any) -> bool:
+    return hasattr(value, "__cuda_array_interface__")
+
+
+def _array_extent(value: Any) -> tuple[int, int]:
+    """(lowest address, bytes spanned) of a device array, any strides."""
+    cai = value.__cuda_array_interface__
+    ptr = int(cai["data"][0])
+    shape = tuple(cai["shape"])
+    import numpy as np
+
+    itemsize = np.dtype(cai["typestr"]).itemsize
+    if any(s == 0 for s in shape):
+        return ptr, 0
+    strides = cai.get("strides") or None
+    if strides is None:
+        n = itemsize
+        for s in shape:
+            n *= s
+        return ptr, n
+    lo = hi = 0
+    for s, st in zip(shape, strides, strict=True):
+        if st >= 0:
+            hi += (s - 1) * st
+        else:
+            lo += (s - 1) * st
+    return ptr + lo, hi - lo + itemsize
+
+
+def _scalar(value: Any, p: Param) -> bytes:
+    fmt = _PACK.get(p.type)
+    if fmt is None or p.array is not None:
+        if isinstance(value, (bytes, bytearray)) and len(value) == p.size:
+            return bytes(value)
+        raise KernelError(
+            "bad-argument", f"parameter {p.name} ({p.type}[{p.array}]) needs {p.size} raw bytes"
+        )
+    if hasattr(value, "item"):
+        value = value.item()
+    if fmt in "efd":
+        return struct.pack("<" + fmt, float(value))
+    v = int(value)
+    if fmt.isupper():
+        v &= (1 << (8 * struct.calcsize(fmt))) - 1
+    return struct.pack("<" + fmt, v)
+
+
+@dataclass
+class BoundArgs:
+    values: list[bytes]  # one per original PTX parameter
+    extents: dict[str, tuple[int, int]]  # pointer param -> (address, nbytes)
+    arrays: dict[str, Any]  # pointer param -> the user's array
+
+
+def bind_arguments(kernel: Any, args: Sequence[Any]) -> BoundArgs:
+    entry = kernel.entry
+    bindings = kernel.bindings
+    if len(args) != len(bindings):
+        names = ", ".join(b.name for b in bindings)
+        raise KernelError(
+            "bad-argument",
+            f"{entry.name} takes {len(bindings)} arguments ({names}), got {len(args)}",
+        )
+    values: dict[str, bytes] = {}
+    extents: dict[str, tuple[int, int]] = {}
+    arrays: dict[str, Any] = {}
+    for b, a in zip(bindings, args, strict=True):
+        if b.kind == "numba-array":
+            if not _is_array(a):
+                raise KernelError("bad-argument", f"argument {b.name} must be a device array")
+            cai = a.__cuda_array_interface__
+            import numpy as np
+
+            itemsize = np.dtype(cai["typestr"]).itemsize
+            shape = tuple(cai["shape"])
+            strides = cai.get("strides") or _c_strides(shape, itemsize)
+            nitems = 1
+            for s in shape:
+                nitems *= s
+            ptr = int(cai["data"][0])
+            fields = [0, 0, nitems, itemsize, ptr, *shape, *strides]
+            for p, v in zip(b.params, fields, strict=True):
+                values[p] = _scalar(v, entry.param(p))
+            extents[b.data_param] = _array_extent(a)
+            arrays[b.data_param] = a
+        else:
+            p = entry.param(b.params[0])
+            if _is_array(a):
+                ptr, n = _array_extent(a)
+                values[p.name] = struct.pack("<Q", int(a.__cuda_array_interface__["data"][0]))
+                extents[p.name] = (ptr, n)
+                arrays[p.name] = a
+            else:
+                values[p.name] = _scalar(a, p)
+    return BoundArgs([values[p.name] for p in entry.params], extents, arrays)
+
+
+def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    out = []
+    acc = itemsize
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(out))
+
+
+def _param_array(values: Sequence[bytes]) -> tuple[Any, list[Any]]:
+    bufs = [ctypes.create_string_buffer(v, max(len(v), 1)) for v in values]
+    ptrs = (ctypes.c_void_p * max(len(bufs), 1))(*[ctypes.addressof(b) for b in bufs])
+    return ptrs, bufs
+
+
+def _dim3(v: Any) -> tuple[int, int, int]:
+    if isinstance(v, int):
+        return (v, 1, 1)
+    t = tuple(int(x) for x in v)
+    return (*t, 1, 1, 1)[:3]  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------------------
+# The transaction
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class LaunchReport:
+    """What happened in one transactional launch (``kernel.last_launch``)."""
+
+    kernel: str
+    mode: LaunchMode
+    classification: Classification
+    logical_blocks: int
+    persistent_blocks: int
+    launches: int = 0
+    yields: int = 0
+    aborts: int = 0
+    fenced_accesses: int = 0
+    snapshot_bytes: int = 0
+    restored: bool = False
+    first_yield_ns: int | None = None
+    last_exit_ns: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _stream_handle(stream: Any) -> int:
+    if stream is None:
+        try:
+            import cupy
+
+            return int(cupy.cuda.get_current_stream().ptr)
+        except ImportError:
+            return 0
+    if hasattr(stream, "ptr"):
+        return int(stream.ptr)
+    if hasattr(stream, "handle"):
+        return int(stream.handle)
+    return int(stream)
+
+
+def _choose_mode(kernel: Any, cls: Classification, forced: Any) -> LaunchMode:
+    if forced is not None:
+        mode = LaunchMode(forced)
+        if mode is LaunchMode.RESTART and cls.verdict is not Idempotence.IDEMPOTENT:
+            raise KernelError(
+                "not-idempotent",
+                f"restart mode needs an idempotent kernel; {kernel.entry.name} is "
+                f"{cls.verdict.value}: {cls.reasons[0] if cls.reasons else ''}",
+                step="launch",
+            )
+        return mode
+    return LaunchMode.RESUME if cls.verdict is Idempotence.IDEMPOTENT else LaunchMode.SNAPSHOT
+
+
+class _Device:
+    """The few device facts the launcher needs, read once per context."""
+
+    _cache: ClassVar[dict[int, tuple[int, str]]] = {}
+
+    @classmethod
+    def sm_count(cls) -> int:
+        drv = _driver()
+        ctx = _ensure_context()
+        dev = _check(drv.cuCtxGetDevice(), "cuCtxGetDevice")
+        key = int(ctx)
+        if key not in cls._cache:
+            n = _check(
+                drv.cuDeviceGetAttribute(
+                    drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev
+                ),
+                "cuDeviceGetAttribute",
+            )
+            cls._cache[key] = (int(n), "")
+        return cls._cache[key][0]
+
+
+def _read_record(record: Any) -> dict[str, int]:
+    import numpy as np
+
+    host = record.get()  # a small D2H copy on the current stream (after a sync)
+    raw = np.asarray(host, dtype=np.uint8).tobytes()
+    L = RecordLayout
+    (nxt,) = struct.unpack_from("<I", raw, L.NEXT_BLOCK)
+    (fin,) = struct.unpack_from("<I", raw, L.FINISHED)
+    (first,) = struct.unpack_from("<Q", raw, L.FIRST_YIELD_NS)
+    (last,) = struct.unpack_from("<Q", raw, L.LAST_EXIT_NS)
+    (fenced,) = struct.unpack_from("<Q", raw, L.FENCED)
+    (aborted,) = struct.unpack_from("<I", raw, L.ABORTED)
+    (yexits,) = struct.unpack_from("<I", raw, L.YIELD_EXITS)
+    return {
+        "next": nxt, "finished": fin, "first_yield_ns": first, "last_exit_ns": last,
+        "fenced": fenced, "aborted": aborted, "yield_exits": yexits,
+    }  # fmt: skip
+
+
+def initial_record(start_block: int = 0) -> bytes:
+    raw = bytearray(PROGRESS_RECORD_BYTES)
+    struct.pack_into("<I", raw, RecordLayout.NEXT_BLOCK, start_block)
+    struct.pack_into("<Q", raw, RecordLayout.FIRST_YIELD_NS, (1 << 64) - 1)
+    return bytes(raw)
+
+
+def _write_record(record: Any, start_block: int, stream: Any) -> None:
+    import numpy as np
+
+    host = np.frombuffer(initial_record(start_block), dtype=np.uint8)
+    record.set(host, stream=stream)
+
+
+def _wait(stream_handle: int) -> None:
+    """Wait for the stream with short sleeps so that Ctrl-C can land meanwhile."""
+    drv = _driver()
+    event = _check(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+    try:
+        _check(drv.cuEventRecord(event, drv.CUstream(stream_handle)), "cuEventRecord")
+        delay = 2e-5
+        while True:
+            err = drv.cuEventQuery(event)
+            err = err[0] if isinstance(err, tuple) else err
+            if err == drv.CUresult.CUDA_SUCCESS:
+                return
+            if err != drv.CUresult.CUDA_ERROR_NOT_READY:
+                _check(err, "kernel execution")
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+    finally:
+        drv.cuEventDestroy(event)
+
+
+def _launch_raw(
+    function: Any,
+    grid: tuple[int, int, int],
+    block: tuple[int, int, int],
+    shared: int,
+    stream_handle: int,
+    values: Sequence[bytes],
+) -> None:
+    drv = _driver()
+    before_launch(stream_handle)
+    ptrs, keep = _param_array(values)
+    _check(
+        drv.cuLaunchKernel(
+            function, *grid, *block, shared, drv.CUstream(stream_handle), ctypes.addressof(ptrs), 0
+        ),
+        "cuLaunchKernel",
+    )
+    del keep
+
+
+def launch_kernel(
+    kernel: Any,
+    grid: Any,
+    block: Any,
+    args: Sequence[Any],
+    *,
+    stream: Any = None,
+    shared_mem: int = 0,
+    mode: LaunchMode | str | None = None,
+    fence: bool = False,
+    abort_checks: bool | None = None,
+    sm_share: float | None = None,
+    max_blocks: int | None = None,
+    yield_flag: Any = None,
+    preempt_at: Sequence[int] = (),
+    abort_at: Sequence[int] = (),
+    preemptible: bool = True,
+    sync: bool = True,
+) -> LaunchReport:
+    """Run one launch as a transaction. See the module docstring for the modes.
+
+    ``preempt_at``: logical block ids at which the launch is cut and resumed (a
+    deterministic yield); ``abort_at``: ids at which a run is stopped and undone (restart or
+    rollback) before the launch runs to the end. Both are for tests and benchmarks.
+    """
+    import cupy
+
+    kernel = kernel.bind(args)
+    bound = bind_arguments(kernel, args)
+    g = _dim3(grid)
+    b = _dim3(block)
+    total = g[0] * g[1] * g[2]
+    if total >= NO_BLOCK:
+        raise KernelError(
+            "grid-too-large", f"{total} blocks exceed the 32-bit logical id", step="launch"
+        )
+    report = kernel.report
+    cls = classify_launch(report, bound.extents)
+    sh = _stream_handle(stream)
+    stream_obj = cupy.cuda.ExternalStream(sh) if sh else cupy.cuda.Stream.null
+
+    if not preemptible or mode in (LaunchMode.OFF, "off"):
+        fn = _modules.function(kernel.ptx, kernel.entry.name)
+        _launch_raw(fn, g, b, shared_mem, sh, bound.values)
+        out = LaunchReport(kernel.entry.name, LaunchMode.OFF, cls, total, total, launches=1)
+        kernel.last_launch = out
+        if sync:
+            _wait(sh)
+        return out
+
+    chosen = _choose_mode(kernel, cls, mode)
+    if chosen is LaunchMode.OFF:  # pragma: no cover - handled above
+        raise AssertionError
+    use_abort = (
+        abort_checks
+        if abort_checks is not None
+        else (chosen is not LaunchMode.RESUME and bool(report.loops))
+    )
+    try:
+        variant: PreemptibleKernel = kernel.preemptible(abort_checks=use_abort, fence=fence)
+    except KernelError as exc:
+        # Not transformable (grid sync, early exit before a barrier ...): run it as is.
+        fn = _modules.function(kernel.ptx, kernel.entry.name)
+        _launch_raw(fn, g, b, shared_mem, sh, bound.values)
+        out = LaunchReport(kernel.entry.name, LaunchMode.OFF, cls, total, total, launches=1)
+        out.notes.append(f"not instrumented: {exc.message}")
+        kernel.last_launch = out
+        if sync:
+            _wait(sh)
+        return out
+
+    fn = _modules.function(variant.ptx, kernel.entry.name)
+    # Persistent grid: the SM share, else what fits on the device at once.
+    sms = _Device.sm_count()
+    drv = _driver()
+    per_sm = _check(
+        drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, b[0] * b[1] * b[2], shared_mem),
+        "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+    )
+    if per_sm < 1:
+        raise KernelError("does-not-fit", "the block does not fit on one SM", step="launch")
+    k_blocks = sms * int(per_sm)
+    if sm_share is not None:
+        k_blocks = max(1, int(sm_share * sms))
+    if max_blocks is not None:
+        k_blocks = max(1, min(k_blocks, int(max_blocks)))
+    persistent = max(1, min(k_blocks, total))
+
+    flag = _as_flag(yield_flag)
+    record = cupy.zeros(PROGRESS_RECORD_BYTES, dtype=cupy.uint8)
+    out = LaunchReport(kernel.entry.name, chosen, cls, total, persistent)
+    if use_abort:
+        out.notes.append("flag checks at loop back-edges (abort mode)")
+
+    # Write-set and snapshot.
+    if report.classification.verdict is Idempotence.UNKNOWN:
+        write_params = list(bound.extents)
+        out.notes.append("unknown kernel: every array argument is snapshotted")
+    else:
+        write_params = [p for p in report.write_set if p in bound.extents]
+    snapshots: list[tuple[int, Any, int]] = []  # (address, copy, nbytes)
+
+    def take_snapshot() -> None:
+        for p in write_params:
+            addr, n = bound.extents[p]
+            if n == 0:
+                continue
+            copy = cupy.empty(n, dtype=cupy.uint8)
+            cupy.cuda.runtime.memcpyAsync(copy.data.ptr, addr, n, 3, stream_obj.ptr)
+            snapshots.append((addr, copy, n))
+            out.snapshot_bytes += n
+
+    def restore() -> None:
+        for addr, copy, n in snapshots:
+            cupy.cuda.runtime.memcpyAsync(addr, copy.data.ptr, n, 3, stream_obj.ptr)
+        out.restored = True
+
+    def fence_values() -> list[bytes]:
+        vals = []
+        for p in variant.fenced_params:
+            addr, n = bound.extents.get(p, (0, 0))
+            vals += [struct.pack("<Q", addr), struct.pack("<Q", n)]
+        return vals
+
+    def run_slice(stop: int) -> dict[str, int]:
+        extra = [
+            struct.pack("<Q", record.data.ptr),
+            struct.pack("<Q", flag.device_ptr),
+            struct.pack("<I", g[0]),
+            struct.pack("<I", g[1]),
+            struct.pack("<I", g[2]),
+            struct.pack("<I", stop),
+            *fence_values(),
+        ]
+        _launch_raw(fn, (persistent, 1, 1), b, shared_mem, sh, [*bound.values, *extra])
+        out.launches += 1
+        _wait(sh)
+        return _read_record(record)
+
+    def undo() -> None:
+        """Abort: put the buffers back as they were before the launch."""
+        if chosen is LaunchMode.SNAPSHOT:
+            restore()
+        elif chosen is LaunchMode.RESUME and cls.verdict is not Idempotence.IDEMPOTENT:
+            raise KernelError(
+                "cannot-undo",
+                f"{kernel.entry.name} was stopped mid-block in resume mode but is "
+                f"{cls.verdict.value}; use snapshot mode",
+                step="launch",
+            )
+        out.aborts += 1
+
+    cuts = sorted({int(x) for x in preempt_at if 0 < int(x) < total})
+    aborts = sorted(int(x) for x in abort_at if 0 <= int(x) <= total)
+    try:
+        if chosen is LaunchMode.SNAPSHOT:
+            take_snapshot()
+        # Simulated aborts: run a prefix, then undo it and start again.
+        for cut in aborts:
+            _write_record(record, 0, stream_obj)
+            run_slice(cut)
+            undo()
+        _write_record(record, 0, stream_obj)
+        start = 0
+        pending = list(cuts)
+        while start < total:
+            stop = pending.pop(0) if pending and pending[0] > start else total
+            while pending and pending[0] <= start:
+                pending.pop(0)
+            state = run_slice(stop)
+            fenced = state["fenced"]
+            out.fenced_accesses += fenced
+            if state["first_yield_ns"] != (1 << 64) - 1:
+                out.first_yield_ns = out.first_yield_ns or state["first_yield_ns"]
+                out.last_exit_ns = state["last_exit_ns"]
+            if state["aborted"]:
+                undo()
+                wait_for_resume(flag)
+                _write_record(record, 0, stream_obj)
+                out.fenced_accesses = 0
+                start = 0
+                pending = []
+                continue
+            done_to = min(state["next"], stop)
+            if done_to < stop:  # the flag was seen: a real yield
+                out.yields += 1
+                wait_for_resume(flag)
+            elif stop < total:
+                out.yields += 1  # a deterministic cut
+            start = done_to
+            if start < total:
+                _write_record(record, start, stream_obj)
+        kernel.last_launch = out
+        return out
+    except BaseException:
+        # Ctrl-C or an error: stop the kernel, wait for it to drain, undo its writes.
+        with contextlib.suppress(BaseException):
+            before = flag.read()
+            flag.set(1)
+            _wait(sh)
+            flag.set(before)
+        if snapshots:
+            with contextlib.suppress(BaseException):
+                restore()
+                _wait(sh)
+        kernel.last_launch = out
+        raise

@@ -1,0 +1,587 @@
+// @ts-check
+/**
+ * The occupancy view of gpushare: one picture per GPU (MIG layout or "MIG off: whole GPU"
+ * with its profiles, memory per user, a utilisation sparkline, who holds it) plus the queue
+ * and the viewer's own sessions.
+ *
+ * One ES module, two users:
+ *  - the notebook widget (anywidget loads this file as `_esm`; see occupancy.py), which
+ *    uses the default export `{ render }`;
+ *  - the JupyterLab panel (labextension/src/panel.ts), which imports `renderSnapshot` and
+ *    `renderMessage` so the panel and the widget draw the same thing.
+ *
+ * It only draws: no network, no timers, no imports. Data comes in as the JSON form of
+ * `gpushare_ext.protocol.Snapshot` (`protocol.snapshot_to_builtins`). Anonymisation is
+ * the broker's job; this file shows `LeaseView.user` as it arrives.
+ */
+
+/** Memory slices of the MIG layout of A100/H100/H200 (what profiles' placements index). */
+export const MEMORY_SLICES = 8;
+
+/**
+ * @typedef {{id: number, name: string, slice_count: number, memory_mib: number,
+ *   multiprocessor_count: number, instance_count: number, memory_slices: number,
+ *   placements: number[], media_extensions: boolean}} MigProfile
+ * @typedef {{uuid: string, profile_id: number, name: string, gpu_instance_id: number,
+ *   compute_instance_id: number, memory_mib: number, multiprocessor_count: number,
+ *   start: number, size: number}} MigInstance
+ * @typedef {{index: number, name: string, uuid: string, memory_total_mib: number,
+ *   multiprocessor_count: number, compute_capability: number[], driver_version: string,
+ *   mig_enabled: boolean, mig_pending: boolean, compute_mode: number,
+ *   profiles: MigProfile[], instances: MigInstance[], simulated: boolean}} DeviceInfo
+ * @typedef {{info: DeviceInfo, drained: boolean, memory_used_mib: number,
+ *   memory_leased_mib: number, utilization_pct: number, utilization_history: number[],
+ *   holders: string[]}} DeviceView
+ * @typedef {"queued"|"running"|"paused"|"evicted"|"released"|"refused"|"revoked"} LeaseState
+ * @typedef {{lease_id: string, user: string, own: boolean, priority: number,
+ *   state: LeaseState, device_index: number|null, mig_uuid: string|null,
+ *   memory_bytes: number, sm_share: number, since_s: number, waited_s: number,
+ *   position?: number|null, reason?: string, label?: string, pid?: number|null,
+ *   notebook?: string, preemption_level?: number|null}} LeaseView
+ * @typedef {{host: string, node: string, broker_pid: number, mode: string,
+ *   inventory: string, inventory_description: string, time: number, you: string,
+ *   is_admin: boolean, devices: DeviceView[], leases: LeaseView[],
+ *   queue_by_priority: Record<string, number>, notes?: string[]}} Snapshot
+ * @typedef {{action: "drain"|"undrain"|"cancel", device?: number, lease_id?: string}} AdminRequest
+ * @typedef {{onAdmin?: (request: AdminRequest) => void, adminHint?: string}} RenderOptions
+ */
+
+const MIB = 1024 * 1024;
+/** @type {Record<string, number>} */
+const PRIORITY_CLASSES = { low: 50, normal: 150, high: 250 };
+const ACTIVE_STATES = new Set(["running", "paused", "evicted"]);
+
+/**
+ * Create an element with a class, text and children.
+ * @param {string} tag
+ * @param {string} [cls]
+ * @param {string} [text]
+ * @param {(Node|null|undefined)[]} [children]
+ * @returns {HTMLElement}
+ */
+function h(tag, cls, text, children) {
+  const node = document.createElement(tag);
+  if (cls) node.className = cls;
+  if (text !== undefined) node.textContent = text;
+  for (const child of children || []) if (child) node.appendChild(child);
+  return node;
+}
+
+const SVG_NS = "http://www.w3.org/2000/svg";
+
+/**
+ * @param {string} tag
+ * @param {Record<string, string|number>} attrs
+ * @returns {SVGElement}
+ */
+function svg(tag, attrs) {
+  const node = document.createElementNS(SVG_NS, tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, String(v));
+  return node;
+}
+
+/**
+ * Priority number as the user says it: "high", or "high (260)" off the class's middle.
+ * @param {number} value
+ * @returns {string}
+ */
+export function describePriority(value) {
+  const name = ["low", "normal", "high"][
+    Math.floor(Math.min(Math.max(value, 0), 299) / 100)
+  ];
+  return PRIORITY_CLASSES[name] === value ? name : `${name} (${value})`;
+}
+
+/**
+ * @param {number} seconds
+ * @returns {string}
+ */
+export function formatDuration(seconds) {
+  const s = Math.max(0, Math.round(seconds));
+  if (s < 60) return `${s} s`;
+  if (s < 3600) return `${Math.floor(s / 60)} min ${s % 60} s`;
+  return `${Math.floor(s / 3600)} h ${Math.floor((s % 3600) / 60)} min`;
+}
+
+/**
+ * @param {number} mib
+ * @returns {string}
+ */
+export function formatMiB(mib) {
+  return mib >= 1024
+    ? `${(mib / 1024).toFixed(mib >= 10240 ? 0 : 1)} GiB`
+    : `${mib} MiB`;
+}
+
+/**
+ * One line for the status bar: "GPU: running, 2 queued" from the viewer's point of view.
+ * @param {Snapshot} snapshot
+ * @returns {string}
+ */
+export function statusSummary(snapshot) {
+  const own = snapshot.leases.filter((l) => l.own);
+  const queued = snapshot.leases.filter((l) => l.state === "queued").length;
+  /** @type {LeaseState[]} */
+  const order = ["running", "paused", "evicted", "queued"];
+  const mine = order.find((state) => own.some((l) => l.state === state));
+  const held = snapshot.leases.some((l) => ACTIVE_STATES.has(l.state));
+  const head = mine ? mine : held ? "busy" : "idle";
+  return queued ? `GPU: ${head}, ${queued} queued` : `GPU: ${head}`;
+}
+
+/**
+ * Replace the view with one message (connecting, no broker reachable ...).
+ * @param {HTMLElement} root
+ * @param {string} text
+ * @param {"info"|"error"} [kind]
+ */
+export function renderMessage(root, text, kind = "info") {
+  root.classList.add("gpushare-view");
+  root.replaceChildren(
+    h("div", `gpushare-message gpushare-message-${kind}`, text),
+  );
+}
+
+/**
+ * Draw the whole view for one snapshot, replacing what `root` showed before.
+ * @param {HTMLElement} root
+ * @param {Snapshot} snapshot
+ * @param {RenderOptions} [options]
+ */
+export function renderSnapshot(root, snapshot, options = {}) {
+  const admin = snapshot.is_admin && typeof options.onAdmin === "function";
+  root.classList.add("gpushare-view");
+  const parts = [
+    renderHeader(snapshot),
+    renderOwnSessions(snapshot),
+    ...snapshot.devices.map((d) =>
+      renderDevice(d, snapshot, admin ? options : {}),
+    ),
+    renderQueue(snapshot, admin ? options : {}),
+  ];
+  if (snapshot.is_admin && !admin && options.adminHint) {
+    parts.push(h("div", "gpushare-note", options.adminHint));
+  }
+  for (const note of snapshot.notes || [])
+    parts.push(h("div", "gpushare-note", note));
+  root.replaceChildren(...parts.filter((p) => p !== null));
+}
+
+/**
+ * @param {Snapshot} s
+ * @returns {HTMLElement}
+ */
+function renderHeader(s) {
+  const who = s.is_admin ? `${s.you} (admin)` : s.you;
+  return h("div", "gpushare-header", undefined, [
+    h("span", "gpushare-node", `node ${s.node || s.host}`),
+    h("span", "gpushare-you", `you: ${who}`),
+    h(
+      "span",
+      "gpushare-broker",
+      `broker: ${s.mode} mode, ${s.inventory_description}`,
+    ),
+  ]);
+}
+
+/**
+ * The viewer's own sessions with their state, highlighted; null when there are none.
+ * @param {Snapshot} s
+ * @returns {HTMLElement|null}
+ */
+function renderOwnSessions(s) {
+  const own = s.leases.filter((l) => l.own && l.state !== "released");
+  if (!own.length) return null;
+  const rows = own.map((l) => {
+    const where = l.device_index === null ? "" : ` on GPU ${l.device_index}`;
+    const detail =
+      l.state === "queued"
+        ? `#${l.position ?? "?"} in queue, waiting ${formatDuration(l.since_s)}`
+        : `${l.state}${where} for ${formatDuration(l.since_s)}`;
+    const reason = l.reason ? ` (${l.reason})` : "";
+    return h("li", `gpushare-own gpushare-state-${l.state}`, undefined, [
+      h("span", `gpushare-badge gpushare-badge-${l.state}`, l.state),
+      h("span", "gpushare-own-label", l.label || l.lease_id),
+      h(
+        "span",
+        "gpushare-own-detail",
+        `${describePriority(l.priority)}, ${detail}${reason}`,
+      ),
+    ]);
+  });
+  return h("div", "gpushare-section gpushare-own-sessions", undefined, [
+    h("div", "gpushare-section-title", "Your sessions"),
+    h("ul", "gpushare-list", undefined, rows),
+  ]);
+}
+
+/**
+ * @param {DeviceView} d
+ * @param {Snapshot} s
+ * @param {RenderOptions} options
+ * @returns {HTMLElement}
+ */
+function renderDevice(d, s, options) {
+  const info = d.info;
+  const leases = s.leases.filter(
+    (l) => l.device_index === info.index && ACTIVE_STATES.has(l.state),
+  );
+  const title = h("div", "gpushare-device-title", undefined, [
+    h("span", "gpushare-device-name", `GPU ${info.index} · ${info.name}`),
+    h(
+      "span",
+      "gpushare-device-spec",
+      `${formatMiB(info.memory_total_mib)} · ${info.multiprocessor_count} SMs`,
+    ),
+    info.simulated
+      ? h("span", "gpushare-badge gpushare-badge-simulated", "simulated")
+      : null,
+    d.drained
+      ? h("span", "gpushare-badge gpushare-badge-drained", "drained")
+      : null,
+    options.onAdmin ? adminButton(d, options.onAdmin) : null,
+  ]);
+  return h("div", "gpushare-device", undefined, [
+    title,
+    renderLayout(info, leases),
+    renderMemory(d, leases),
+    renderUtilization(d),
+    renderHolders(d, s),
+  ]);
+}
+
+/**
+ * @param {DeviceView} d
+ * @param {(request: AdminRequest) => void} onAdmin
+ * @returns {HTMLElement}
+ */
+function adminButton(d, onAdmin) {
+  const action = d.drained ? "undrain" : "drain";
+  const button = /** @type {HTMLButtonElement} */ (
+    h("button", "gpushare-admin-button", d.drained ? "Undrain" : "Drain")
+  );
+  button.title = d.drained
+    ? `Accept new sessions on GPU ${d.info.index} again`
+    : `Stop granting new sessions on GPU ${d.info.index}; running ones finish`;
+  button.addEventListener("click", () =>
+    onAdmin({ action, device: d.info.index }),
+  );
+  return button;
+}
+
+/**
+ * The MIG layout to scale on the 8 memory slices, or the whole GPU and what it could be cut into.
+ * @param {DeviceInfo} info
+ * @param {LeaseView[]} leases
+ * @returns {HTMLElement}
+ */
+function renderLayout(info, leases) {
+  if (!info.mig_enabled) {
+    const profiles = [...info.profiles].sort(
+      (a, b) =>
+        a.memory_slices - b.memory_slices ||
+        a.slice_count - b.slice_count ||
+        a.id - b.id,
+    );
+    const whole = h("div", "gpushare-slices", undefined, [
+      slot(
+        0,
+        MEMORY_SLICES,
+        "gpushare-slot gpushare-slot-whole",
+        "MIG off: whole GPU",
+      ),
+    ]);
+    const list = profiles.map((p) => {
+      const strip = h(
+        "div",
+        "gpushare-slices gpushare-slices-mini",
+        undefined,
+        [
+          ...Array.from({ length: MEMORY_SLICES }, (_, i) =>
+            slot(i, 1, "gpushare-slot-grid", ""),
+          ),
+          ...packedPlacements(p).map((start) =>
+            slot(start, p.memory_slices, "gpushare-slot-possible", ""),
+          ),
+        ],
+      );
+      strip.title =
+        `${p.name}: ${p.memory_slices} of ${MEMORY_SLICES} memory slices each; ` +
+        `may start at slice ${p.placements.join(", ")}`;
+      return h("li", "gpushare-profile", undefined, [
+        h("span", "gpushare-profile-name", p.name),
+        strip,
+        h(
+          "span",
+          "gpushare-profile-spec",
+          `${formatMiB(p.memory_mib)}, ${p.multiprocessor_count} SMs, up to ${p.instance_count}×`,
+        ),
+      ]);
+    });
+    return h("div", "gpushare-layout gpushare-mig-off", undefined, [
+      whole,
+      h(
+        "div",
+        "gpushare-section-title",
+        `Could be cut into (${profiles.length} MIG profiles)`,
+      ),
+      h("ul", "gpushare-profiles", undefined, list),
+    ]);
+  }
+  const used = new Set();
+  const cells = info.instances.map((inst) => {
+    for (let i = inst.start; i < inst.start + inst.size; i++) used.add(i);
+    const users = leases.filter((l) => l.mig_uuid === inst.uuid);
+    const who = users.map((l) => l.user).join(", ");
+    const cls = users.some((l) => l.own)
+      ? "gpushare-slot gpushare-slot-instance gpushare-slot-own"
+      : users.length
+        ? "gpushare-slot gpushare-slot-instance gpushare-slot-busy"
+        : "gpushare-slot gpushare-slot-instance";
+    const cell = slot(
+      inst.start,
+      inst.size,
+      cls,
+      who ? `${inst.name} · ${who}` : inst.name,
+    );
+    cell.title = `${inst.name}: ${formatMiB(inst.memory_mib)}, ${inst.multiprocessor_count} SMs`;
+    return cell;
+  });
+  for (let i = 0; i < MEMORY_SLICES; i++) {
+    if (!used.has(i))
+      cells.push(slot(i, 1, "gpushare-slot gpushare-slot-free", "free"));
+  }
+  const pending =
+    info.mig_pending !== info.mig_enabled ? " (MIG mode change pending)" : "";
+  return h("div", "gpushare-layout gpushare-mig-on", undefined, [
+    h(
+      "div",
+      "gpushare-section-title",
+      `MIG on: ${info.instances.length} instances${pending}`,
+    ),
+    h("div", "gpushare-slices", undefined, cells),
+  ]);
+}
+
+/**
+ * Where the instances go when the whole GPU is cut into `p` only: non-overlapping
+ * placements, first fit, at most `instance_count` of them.
+ * @param {MigProfile} p
+ * @returns {number[]}
+ */
+export function packedPlacements(p) {
+  const taken = new Set();
+  const starts = [];
+  for (const start of [...p.placements].sort((a, b) => a - b)) {
+    if (starts.length >= p.instance_count) break;
+    const span = Array.from({ length: p.memory_slices }, (_, i) => start + i);
+    if (span.some((i) => taken.has(i) || i >= MEMORY_SLICES)) continue;
+    span.forEach((i) => taken.add(i));
+    starts.push(start);
+  }
+  return starts;
+}
+
+/**
+ * A cell of the slice strip placed at `start`, `size` slices wide (CSS grid columns).
+ * @param {number} start
+ * @param {number} size
+ * @param {string} cls
+ * @param {string} text
+ * @returns {HTMLElement}
+ */
+function slot(start, size, cls, text) {
+  const cell = h("div", cls, text);
+  cell.style.gridColumn = `${start + 1} / span ${Math.max(1, size)}`;
+  cell.style.gridRow = "1";
+  return cell;
+}
+
+/**
+ * Memory of the device, one segment per lease (own name, others as the broker names them).
+ * @param {DeviceView} d
+ * @param {LeaseView[]} leases
+ * @returns {HTMLElement}
+ */
+function renderMemory(d, leases) {
+  const total = Math.max(1, d.info.memory_total_mib);
+  const bar = h("div", "gpushare-membar");
+  const legend = h("ul", "gpushare-legend");
+  for (const l of leases) {
+    const mib = Math.round(l.memory_bytes / MIB);
+    const width = Math.min(100, (100 * mib) / total);
+    const cls = `gpushare-memseg ${l.own ? "gpushare-memseg-own" : "gpushare-memseg-other"}`;
+    const seg = h("div", `${cls} gpushare-state-${l.state}`);
+    seg.style.width = `${width}%`;
+    seg.title = `${l.user}: ${formatMiB(mib)} (${l.state})`;
+    bar.appendChild(seg);
+    legend.appendChild(
+      h(
+        "li",
+        l.own ? "gpushare-legend-own" : "",
+        `${l.user} ${formatMiB(mib)} ${l.state}`,
+      ),
+    );
+  }
+  const caption = `memory: ${formatMiB(d.memory_leased_mib)} leased, ${formatMiB(
+    d.memory_used_mib,
+  )} in use of ${formatMiB(d.info.memory_total_mib)}`;
+  return h("div", "gpushare-memory", undefined, [
+    h("div", "gpushare-caption", caption),
+    bar,
+    leases.length ? legend : null,
+  ]);
+}
+
+/**
+ * Utilisation now and a sparkline of its recent history (0-100 %).
+ * @param {DeviceView} d
+ * @returns {HTMLElement}
+ */
+function renderUtilization(d) {
+  const history = d.utilization_history.length
+    ? d.utilization_history
+    : [d.utilization_pct];
+  const width = 120;
+  const height = 24;
+  const step = history.length > 1 ? width / (history.length - 1) : width;
+  const points = history
+    .map((v, i) => {
+      const y =
+        height - (Math.min(100, Math.max(0, v)) / 100) * (height - 2) - 1;
+      return `${(i * step).toFixed(1)},${y.toFixed(1)}`;
+    })
+    .join(" ");
+  const spark = svg("svg", {
+    class: "gpushare-sparkline",
+    width,
+    height,
+    viewBox: `0 0 ${width} ${height}`,
+  });
+  spark.appendChild(
+    svg("polyline", {
+      points: history.length > 1 ? points : `0,${height - 1} ${points}`,
+    }),
+  );
+  return h("div", "gpushare-utilization", undefined, [
+    h("span", "gpushare-caption", `utilization ${d.utilization_pct} %`),
+    spark,
+  ]);
+}
+
+/**
+ * Who holds the device now.
+ * @param {DeviceView} d
+ * @param {Snapshot} s
+ * @returns {HTMLElement}
+ */
+function renderHolders(d, s) {
+  const byId = new Map(s.leases.map((l) => [l.lease_id, l]));
+  const holders = d.holders
+    .map((id) => byId.get(id))
+    .filter((l) => l !== undefined);
+  if (!holders.length)
+    return h(
+      "div",
+      "gpushare-holder gpushare-holder-none",
+      "free: nobody holds it",
+    );
+  const text = holders
+    .map(
+      (l) =>
+        `${l.user} (${describePriority(l.priority)}, ${l.state} ${formatDuration(l.since_s)})`,
+    )
+    .join("; ");
+  return h("div", "gpushare-holder", `held by ${text}`);
+}
+
+/**
+ * The queue in order, with priority, waiting time and what each waits for.
+ * @param {Snapshot} s
+ * @param {RenderOptions} options
+ * @returns {HTMLElement}
+ */
+function renderQueue(s, options) {
+  const queued = s.leases
+    .filter((l) => l.state === "queued")
+    .sort(
+      (a, b) =>
+        (a.position ?? 1e9) - (b.position ?? 1e9) || b.priority - a.priority,
+    );
+  const title = h(
+    "div",
+    "gpushare-section-title",
+    `Queue: ${queued.length} waiting`,
+  );
+  if (!queued.length)
+    return h("div", "gpushare-section gpushare-queue", undefined, [title]);
+  const head = h(
+    "tr",
+    undefined,
+    undefined,
+    ["#", "who", "priority", "waiting", "for"].map((t) =>
+      h("th", undefined, t),
+    ),
+  );
+  if (options.onAdmin) head.appendChild(h("th", undefined, ""));
+  const rows = queued.map((l) => {
+    const row = h(
+      "tr",
+      `gpushare-queue-row${l.own ? " gpushare-queue-own" : ""}`,
+      undefined,
+      [
+        h("td", undefined, String(l.position ?? "")),
+        h("td", undefined, l.user),
+        h("td", undefined, describePriority(l.priority)),
+        h("td", undefined, formatDuration(l.since_s)),
+        h("td", undefined, l.reason || l.label || ""),
+      ],
+    );
+    if (options.onAdmin) {
+      const onAdmin = options.onAdmin;
+      const button = h("button", "gpushare-admin-button", "Cancel");
+      button.title = `Cancel ${l.user}'s queued request ${l.lease_id}`;
+      button.addEventListener("click", () =>
+        onAdmin({ action: "cancel", lease_id: l.lease_id }),
+      );
+      row.appendChild(h("td", undefined, undefined, [button]));
+    }
+    return row;
+  });
+  return h("div", "gpushare-section gpushare-queue", undefined, [
+    title,
+    h("table", "gpushare-queue-table", undefined, [
+      h("thead", undefined, undefined, [head]),
+      h("tbody", undefined, undefined, rows),
+    ]),
+  ]);
+}
+
+/**
+ * anywidget entry point: draw the model's `snapshot` (or its `error`) and redraw on change.
+ * @param {{model: {get: (name: string) => any, on: (event: string, cb: () => void) => void,
+ *   off: (event: string, cb: () => void) => void}, el: HTMLElement}} context
+ * @returns {() => void} cleanup that stops listening
+ */
+function render({ model, el }) {
+  const draw = () => {
+    const error = model.get("error");
+    const snapshot = model.get("snapshot");
+    if (error) renderMessage(el, error, "error");
+    else if (snapshot && Array.isArray(snapshot.devices)) {
+      renderSnapshot(el, snapshot, {
+        adminHint:
+          "Admin controls (drain, cancel) are in the JupyterLab GPU panel.",
+      });
+    } else renderMessage(el, "Connecting to the GPU broker…");
+  };
+  draw();
+  model.on("change:snapshot", draw);
+  model.on("change:error", draw);
+  return () => {
+    model.off("change:snapshot", draw);
+    model.off("change:error", draw);
+  };
+}
+
+export default { render };

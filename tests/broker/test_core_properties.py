@@ -1,0 +1,480 @@
+"""Properties of the scheduler core over generated days of a busy hub (hypothesis).
+
+A generated *script* opens and closes sessions, requests leases of random priority,
+memory, SM share, slice and device wish (some instrumented, some not lockable),
+releases them, confirms or fails the preemptions the core asked for, reports memory
+use to the watchdog, drains devices and lets time pass.  After every event we check:
+
+* never over capacity: the memory of the running and paused leases of a slot fits it;
+* a higher band never waits behind a lower one longer than one preemption: no queued
+  lease has a slot it could take by preempting (every holder is of a lower band,
+  stoppable, evictable and not already being stopped, and no waiter ranked ahead of it
+  wants that slot) -- such a lease is granted, or waits for exactly one eviction;
+* every request ends granted, refused with a reason, or with its session;
+* replaying the same events gives the same actions.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from scheduler_helpers import GIB, LOW, NORMAL, fingerprint, h200_document
+
+from gpushare_ext.broker import core
+from gpushare_ext.broker.inventory import parse_inventory
+from gpushare_ext.broker.policy import Limits, Policy, priority_band
+from gpushare_ext.protocol import Capabilities, LeaseState, PreemptionLevel, SliceWish
+
+PROPERTY_SETTINGS = settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+def two_devices() -> list:
+    """Device 0: a whole H200.  Device 1: an H200 cut into 3g + 2g + 1g MIG instances."""
+    document = h200_document()
+    whole = document["devices"][0]
+    cut = dict(whole)
+    cut.update(
+        index=1,
+        uuid="GPU-11111111-1111-1111-1111-111111111111",
+        mig_mode={"current": 1, "pending": 1},
+        mig_instances=[
+            {"profile_id": 2, "start": 0, "gpu_instance_id": 1},
+            {"profile_id": 1, "start": 4, "gpu_instance_id": 5},
+            {"profile_id": 0, "start": 6, "gpu_instance_id": 6},
+        ],
+    )
+    return parse_inventory({"devices": [whole, cut]}, simulated=True)
+
+
+DEVICES = two_devices()
+USERS = [("ada", ("staff",)), ("bo", ("students",)), ("cy", ("students", "staff")), ("di", ())]
+MEMORY_CHOICES = [None, 1 * GIB, 8 * GIB, 15 * GIB, 30 * GIB, 60 * GIB, 100 * GIB, 139 * GIB]
+CAPABILITIES = [
+    Capabilities(),
+    Capabilities(instrumented_only=True, yield_flag=True, gate=True),
+    Capabilities(instrumented_only=True, gate=True),
+    Capabilities(lockable=False),
+    Capabilities(gate=True),
+]
+DEVICE_WISHES = ["auto", "auto", "auto", "0", "1", DEVICES[1].instances[1].uuid, "9"]
+
+policies = st.builds(
+    lambda sharing, aging, quota, students_max: Policy(
+        sharing=sharing,
+        defaults=Limits(aging_per_minute=aging, memory_quota=quota, max_leases=6),
+        groups={"students": {"max_priority": students_max}},
+    ),
+    sharing=st.sampled_from(["timeslice", "timeslice", "exclusive"]),
+    aging=st.sampled_from([0.0, 10.0, 120.0]),
+    quota=st.sampled_from([1 << 50, 64 * GIB]),
+    students_max=st.sampled_from(["normal", "high", 120]),
+)
+
+gaps = st.sampled_from([0.0, 0.0, 0.5, 5.0, 30.0, 120.0])
+requests = st.tuples(
+    st.just("request"),
+    gaps,
+    st.integers(0, 50),  # which open session
+    st.one_of(st.sampled_from([LOW, NORMAL, 250]), st.integers(0, 299)),
+    st.sampled_from(MEMORY_CHOICES),
+    st.sampled_from([1.0, 1.0, 0.5, 0.25]),
+    st.sampled_from([SliceWish.AUTO] * 3 + list(SliceWish)),
+    st.sampled_from(DEVICE_WISHES),
+    st.sampled_from(CAPABILITIES),
+)
+ops = st.one_of(
+    requests,
+    requests,
+    requests,
+    st.tuples(st.just("open"), gaps, st.integers(0, len(USERS) - 1)),
+    st.tuples(st.just("close"), gaps, st.integers(0, 50)),
+    st.tuples(st.just("release"), gaps, st.integers(0, 50)),
+    st.tuples(st.just("release"), gaps, st.integers(0, 50)),
+    st.tuples(st.just("release_unknown"), gaps),
+    st.tuples(st.just("confirm"), gaps, st.integers(0, 50), st.booleans()),
+    st.tuples(st.just("confirm"), gaps, st.integers(0, 50), st.just(True)),
+    st.tuples(st.just("confirm"), gaps, st.integers(0, 50), st.just(True)),
+    st.tuples(st.just("tick"), gaps),
+    st.tuples(st.just("memory"), gaps, st.integers(0, 50)),
+    st.tuples(st.just("drain"), gaps, st.integers(0, 1), st.booleans()),
+)
+openings = st.lists(
+    st.tuples(st.just("open"), st.just(0.0), st.integers(0, len(USERS) - 1)), min_size=2, max_size=5
+)
+scripts = st.builds(
+    lambda first, rest: first + rest, openings, st.lists(ops, min_size=20, max_size=80)
+)
+
+
+# ------------------------------------------------------------------ the invariants
+
+
+def check_capacity(scheduler: core.Scheduler) -> None:
+    for key, slot in scheduler.slots.items():
+        held = sum(
+            lease.memory_bytes
+            for lease in scheduler.leases.values()
+            if lease.slot == key and lease.state in (LeaseState.RUNNING, LeaseState.PAUSED)
+        )
+        assert held <= slot.memory_bytes, f"slot {key} over capacity: {held} > {slot.memory_bytes}"
+
+
+def _wanted_slots(scheduler: core.Scheduler, lease: core.Lease) -> set[str]:
+    """The slots a waiter keeps lower-ranked waiters off (what the core reserves for it)."""
+    if lease.pending_level is not None:
+        return {lease.slot} if lease.slot else set()
+    if lease.awaiting_memory_from:
+        return {lease.target_slot} if lease.target_slot else set()
+    if lease.slot is not None:
+        return {lease.slot}
+    keys, _ = scheduler._candidate_slots(lease.device_wish, lease.slice)
+    return {
+        k
+        for k in keys
+        if scheduler.slots[k].memory_bytes >= lease.memory_bytes
+        and scheduler.slots[k].device_index not in scheduler.drained
+    }
+
+
+def check_no_needless_wait(scheduler: core.Scheduler) -> None:
+    """A queued lease never waits behind lower-band leases it could simply preempt."""
+    now = scheduler.now
+    waiters = scheduler.queue()
+    for lease in waiters:
+        if lease.state != LeaseState.QUEUED:
+            continue
+        if lease.awaiting_memory_from:
+            # Waiting for exactly one round of evictions, all of lower-band leases.
+            band = priority_band(scheduler._effective(lease, now))
+            for victim_id in lease.awaiting_memory_from:
+                victim = scheduler.leases[victim_id]
+                assert priority_band(victim.running_priority()) < band
+                assert victim.pending_level == PreemptionLevel.EVICT
+            continue
+        key = scheduler._queue_key(lease, now)
+        band = priority_band(scheduler._effective(lease, now))
+        reserved: set[str] = set()
+        for other in waiters:
+            if (
+                other is not lease
+                and not other.held_by_watchdog
+                and scheduler._queue_key(other, now) < key
+            ):
+                reserved |= _wanted_slots(scheduler, other)
+        for slot in _wanted_slots(scheduler, lease) - reserved:
+            holders = [
+                other
+                for other in scheduler.leases.values()
+                if other.slot == slot and other.state in (LeaseState.RUNNING, LeaseState.PAUSED)
+            ]
+            takeable = all(
+                priority_band(h.running_priority()) < band
+                and h.pending_level is None
+                and h.lockable
+                and h.evictable
+                for h in holders
+            )
+            assert not takeable, (
+                f"lease {lease.lease_id} (effective band {band}) waits although slot {slot} "
+                f"is held only by preemptable lower-band leases "
+                f"{[(h.lease_id, h.state, h.running_priority()) for h in holders]}"
+            )
+
+
+def check_bookkeeping(scheduler: core.Scheduler) -> None:
+    for lease in scheduler.leases.values():
+        assert lease.state in core.ACTIVE_STATES
+        assert lease.session_id in scheduler.sessions
+        assert lease.lease_id in scheduler.sessions[lease.session_id].leases
+        if lease.state in (LeaseState.RUNNING, LeaseState.PAUSED, LeaseState.EVICTED):
+            assert lease.slot in scheduler.slots
+
+
+def check_all(scheduler: core.Scheduler) -> None:
+    check_bookkeeping(scheduler)
+    check_capacity(scheduler)
+    check_no_needless_wait(scheduler)
+
+
+# ------------------------------------------------------------------ running a script
+
+
+@dataclass
+class Run:
+    scheduler: core.Scheduler
+    now: float = 10_000.0
+    sessions: list[str] = field(default_factory=list)
+    pids: dict[str, int] = field(default_factory=dict)
+    pending: list[tuple[str, PreemptionLevel]] = field(default_factory=list)
+    events: list[core.Event] = field(default_factory=list)
+    outcomes: list[object] = field(default_factory=list)  # actions, or the error, per event
+    requested: list[str] = field(default_factory=list)
+    counter: int = 0
+
+    def feed(self, event: core.Event) -> list[core.Action]:
+        self.events.append(event)
+        actions = self.scheduler.handle(event)
+        self.outcomes.append(actions)
+        for action in actions:
+            if isinstance(action, core.Preempt):
+                self.pending.append((action.lease_id, action.level))
+        check_all(self.scheduler)
+        return actions
+
+    def active(self) -> list[core.Lease]:
+        return sorted(self.scheduler.active_leases(), key=lambda lease: lease.arrival)
+
+
+def play(script, policy: Policy) -> Run:
+    run = Run(core.Scheduler(DEVICES, policy))
+    for op in script:
+        kind, gap = op[0], op[1]
+        run.now += gap
+        now = run.now
+        if kind == "open":
+            user, groups = USERS[op[2]]
+            run.counter += 1
+            session = f"S{run.counter}"
+            pid = 50_000 + run.counter
+            identity = core.Identity(uid=2000 + op[2], gid=100, pid=pid, user=user, groups=groups)
+            run.feed(core.SessionOpened(now=now, session_id=session, identity=identity))
+            run.sessions.append(session)
+            run.pids[session] = pid
+        elif kind == "close" and run.sessions:
+            session = run.sessions.pop(op[2] % len(run.sessions))
+            run.feed(core.SessionClosed(now=now, session_id=session))
+        elif kind == "request" and run.sessions:
+            _, _, pick, priority, memory, share, wish, device, capabilities = op
+            run.counter += 1
+            lease_id = f"L{run.counter}"
+            run.requested.append(lease_id)
+            run.feed(
+                core.LeaseRequested(
+                    now=now, session_id=run.sessions[pick % len(run.sessions)], lease_id=lease_id,
+                    priority=priority, memory_bytes=memory, slice=wish, device=device,
+                    sm_share=share, capabilities=capabilities,
+                )
+            )  # fmt: skip
+        elif kind == "release" and run.active():
+            lease = run.active()[op[2] % len(run.active())]
+            run.feed(
+                core.LeaseReleased(now=now, session_id=lease.session_id, lease_id=lease.lease_id)
+            )
+        elif kind == "release_unknown" and run.sessions:
+            event = core.LeaseReleased(now=now, session_id=run.sessions[0], lease_id="L-unknown")
+            before = fingerprint(run.scheduler)
+            run.events.append(event)
+            with pytest.raises(core.SchedulerError):
+                run.scheduler.handle(event)
+            run.outcomes.append("SchedulerError")
+            assert fingerprint(run.scheduler) == before
+        elif kind == "confirm" and run.pending:
+            lease_id, level = run.pending.pop(op[2] % len(run.pending))
+            if op[3]:
+                run.feed(core.PreemptionApplied(now=now, lease_id=lease_id, level=level))
+            else:
+                run.feed(
+                    core.PreemptionFailed(now=now, lease_id=lease_id, level=level, reason="test")
+                )
+        elif kind == "memory" and run.active():
+            lease = run.active()[op[2] % len(run.active())]
+            used = lease.memory_bytes + (op[2] % 3) * GIB
+            run.feed(core.MemoryObserved(now=now, pid=lease.identity.pid, used_bytes=used))
+        elif kind == "drain":
+            run.feed(core.DeviceDrained(now=now, device_index=op[2], drained=op[3]))
+        else:
+            run.feed(core.Tick(now=now))
+    return run
+
+
+def finish(run: Run) -> None:
+    """Everyone finishes their work: confirm preemptions, release running leases, wait."""
+    for index in sorted(run.scheduler.drained):
+        run.feed(core.DeviceDrained(now=run.now, device_index=index, drained=False))
+    for _ in range(2_000):
+        while run.pending:
+            lease_id, level = run.pending.pop(0)
+            run.feed(core.PreemptionApplied(now=run.now, lease_id=lease_id, level=level))
+        active = run.active()
+        if not active:
+            return
+        run.now += 7.0
+        running = [lease for lease in active if lease.state == LeaseState.RUNNING]
+        stuck = [lease for lease in active if lease.held_by_watchdog]
+        if running or stuck:
+            lease = (running or stuck)[0]
+            run.feed(
+                core.LeaseReleased(
+                    now=run.now, session_id=lease.session_id, lease_id=lease.lease_id
+                )
+            )
+        else:
+            before = [(lease.lease_id, lease.state) for lease in active]
+            run.feed(core.Tick(now=run.now))
+            after = [(lease.lease_id, lease.state) for lease in run.active()]
+            assert after != before or run.pending, (
+                f"no lease runs and nothing moves: {before} "
+                f"(reasons {[lease.reason for lease in run.active()]})"
+            )
+    raise AssertionError("the hub never emptied")
+
+
+def lease_outcomes(run: Run) -> dict[str, list[core.Action]]:
+    by_lease: dict[str, list[core.Action]] = {lease_id: [] for lease_id in run.requested}
+    for outcome in run.outcomes:
+        if isinstance(outcome, list):
+            for action in outcome:
+                if getattr(action, "lease_id", None) in by_lease:
+                    by_lease[action.lease_id].append(action)
+    return by_lease
+
+
+# ------------------------------------------------------------------ the properties
+
+
+@PROPERTY_SETTINGS
+@given(script=scripts, policy=policies)
+def test_capacity_and_priority_hold_after_every_event(script, policy):
+    run = play(script, policy)  # check_all runs after each event
+    actions = [a for outcome in run.outcomes if isinstance(outcome, list) for a in outcome]
+    for kind in (core.Grant, core.Preempt, core.ResumeLease, core.NotifyQueued, core.Refuse):
+        if any(isinstance(a, kind) for a in actions):
+            event(f"has {kind.__name__}")
+
+
+@PROPERTY_SETTINGS
+@given(script=scripts, policy=policies)
+def test_every_request_is_granted_refused_with_a_reason_or_ends_with_its_session(script, policy):
+    run = play(script, policy)
+    finish(run)
+
+    assert not run.scheduler.queue()
+    closed_sessions = {e.session_id for e in run.events if isinstance(e, core.SessionClosed)}
+    withdrawn = {e.lease_id for e in run.events if isinstance(e, core.LeaseReleased)}
+    for lease_id, actions in lease_outcomes(run).items():
+        granted = [a for a in actions if isinstance(a, core.Grant)]
+        refused = [a for a in actions if isinstance(a, core.Refuse)]
+        ended = [a for a in actions if isinstance(a, core.LeaseEnded)]
+        if refused:
+            assert refused[0].message, f"{lease_id} refused without a reason"
+            assert not granted
+        elif granted:
+            assert len(granted) == 1, f"{lease_id} granted twice"
+            assert len(ended) == 1, f"{lease_id} granted but never ended"
+        else:
+            assert ended, f"{lease_id} was neither granted, refused nor ended"
+            session = run.scheduler.ended[lease_id].session_id
+            assert session in closed_sessions or lease_id in withdrawn, (
+                f"{lease_id} ended unserved although nobody withdrew it"
+            )
+
+
+@PROPERTY_SETTINGS
+@given(script=scripts, policy=policies)
+def test_replaying_the_same_events_gives_the_same_actions(script, policy):
+    first = play(script, policy)
+    finish(first)
+
+    replay = core.Scheduler(DEVICES, policy)
+    outcomes: list[object] = []
+    for recorded in first.events:
+        try:
+            outcomes.append(replay.handle(recorded))
+        except core.SchedulerError:
+            outcomes.append("SchedulerError")
+
+    assert outcomes == first.outcomes
+    assert fingerprint(replay) == fingerprint(first.scheduler)
+
+
+# ------------------------------------------------------------------ aging
+
+
+def _stream_with_low_waiting(aging_per_minute: float, minutes: int) -> float | None:
+    scheduler = core.Scheduler(
+        DEVICES[:1], Policy(defaults=Limits(aging_per_minute=aging_per_minute, max_leases=50))
+    )
+    for index in range(3):
+        scheduler.handle(
+            core.SessionOpened(
+                now=0.0,
+                session_id=f"S{index}",
+                identity=core.Identity(
+                    uid=3000 + index, gid=100, pid=60_000 + index, user=f"u{index}"
+                ),
+            )
+        )
+    # A normal cell is already running when the low request arrives.
+    scheduler.handle(core.LeaseRequested(now=0.0, session_id="S1", lease_id="N0", priority=NORMAL))
+    actions = scheduler.handle(
+        core.LeaseRequested(now=1.0, session_id="S0", lease_id="low", priority=LOW)
+    )
+    assert not any(isinstance(a, core.Grant) for a in actions)
+    running = [(30.0, "S1", "N0")]
+    now, number = 1.0, 0
+    while now < minutes * 60:
+        now += 10.0
+        granted = []
+        for item in [r for r in running if r[0] <= now]:
+            running.remove(item)
+            granted += scheduler.handle(
+                core.LeaseReleased(now=now, session_id=item[1], lease_id=item[2])
+            )
+        number += 1
+        lease_id = f"N{number}"
+        granted += scheduler.handle(
+            core.LeaseRequested(
+                now=now, session_id=f"S{1 + number % 2}", lease_id=lease_id, priority=NORMAL
+            )
+        )
+        running.append((now + 30.0, f"S{1 + number % 2}", lease_id))
+        if any(isinstance(a, core.Grant) and a.lease_id == "low" for a in granted):
+            return now
+    return None
+
+
+def test_aging_lets_a_low_request_through_a_stream_of_normal_requests():
+    # 10 points a minute lift a low (50) into the normal band (100) after 5 minutes.
+    granted_at = _stream_with_low_waiting(aging_per_minute=10.0, minutes=30)
+    assert granted_at is not None, "the low request starved"
+    assert granted_at <= 5 * 60 + 20
+
+
+def test_without_aging_the_same_stream_starves_the_low_request():
+    assert _stream_with_low_waiting(aging_per_minute=0.0, minutes=30) is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(aging=st.sampled_from([5.0, 10.0, 30.0, 60.0]))
+def test_aging_bounds_the_wait_of_a_low_request(aging):
+    bound = (100 - LOW) / aging * 60 + 20  # reach the normal band, then the next 10 s step
+    granted_at = _stream_with_low_waiting(aging_per_minute=aging, minutes=30)
+    assert granted_at is not None and granted_at <= bound
+
+
+# ------------------------------------------------------------------ import hygiene
+
+
+def test_the_core_and_policy_import_no_io_and_no_gpu_library():
+    code = (
+        "import sys, json\n"
+        "import gpushare_ext.broker.core, gpushare_ext.broker.policy\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    loaded = set(json.loads(result.stdout))
+    forbidden = {"asyncio", "socket", "cuda", "pynvml", "numba", "cupy", "sqlite3"}
+    assert not loaded & forbidden, f"core pulls in {sorted(loaded & forbidden)}"
+    assert not [m for m in loaded if m.startswith(("cuda.", "numba.", "cupy."))]

@@ -1,0 +1,417 @@
+"""Kernel pipeline without a GPU: parse -> analyse -> classify -> transform -> assemble.
+
+Uses NVRTC, Numba's compile_ptx and ptxas from the toolchain wheels; a missing tool is a
+failure here, not a skip (CI installs them).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from functools import cache
+
+import pytest
+from corpus_specs import CASES, CORPUS, TRANSFORMABLE, Case
+from numba_corpus import NUMBA_CASES
+
+from gpushare_ext.runtime.kernels import (
+    Idempotence,
+    KernelError,
+    TransformOptions,
+    assemble,
+    classify_launch,
+    compile_cuda,
+    find_ptxas,
+    kernel,
+    make_preemptible,
+    parse_ptx,
+)
+from gpushare_ext.runtime.kernels.cli import classify_main
+from gpushare_ext.runtime.kernels.frontends import compile_numba
+from gpushare_ext.runtime.kernels.launch import _array_extent, bind_arguments, initial_record
+from gpushare_ext.runtime.kernels.transform import PROGRESS_RECORD_BYTES, RecordLayout
+
+VARIANTS = [
+    TransformOptions(),
+    TransformOptions(abort_checks=True),
+    TransformOptions(fence=True),
+    TransformOptions(abort_checks=True, fence=True),
+]
+
+
+@cache
+def load(file: str, name: str, arch: str = "sm_90"):
+    return kernel((CORPUS / file).read_text(), name, arch=arch)
+
+
+def entry_text(ptx: str, name: str) -> str:
+    start = ptx.index(f".entry {name}(")
+    return ptx[start : ptx.index("\n}\n", start) + 3]
+
+
+# -- parsing -------------------------------------------------------------------------
+
+
+def test_parser_reads_params_labels_and_lines():
+    k = load("saxpy.cu", "saxpy")
+    e = k.entry
+    assert [p.type for p in e.params] == ["f32", "u64", "u64", "u32"]
+    assert [e.display_name(p.name) for p in e.params] == ["a", "x", "y", "n"]
+    labels = [s.text for s in e.body if s.kind == "label"]
+    assert labels and all(lab.startswith("$L__BB") for lab in labels)
+    lines = k.ptx.splitlines()
+    for ins in e.instructions:
+        assert ins.opcode in lines[ins.line - 1], (ins.line, ins.opcode)
+    st = next(i for i in e.instructions if i.opcode.startswith("st.global"))
+    assert st.src_line == 4  # the .loc of "y[i] = a * x[i] + y[i];"
+
+
+def test_parser_rejects_non_ptx():
+    with pytest.raises(KernelError) as exc:
+        parse_ptx("int main() { return 0; }")
+    assert exc.value.code == "bad-ptx"
+
+
+def test_module_with_several_entries_and_mangled_names():
+    src = (
+        "template<typename T> __global__ void twice(const T* a, T* b) { b[threadIdx.x] = 2 * a[threadIdx.x]; }\n"
+        "template __global__ void twice<float>(const float*, float*);\n"
+    )
+    k = kernel(src, "twice<float>")
+    assert k.entry.name.startswith("_Z5twiceIfE")
+    assert {b.display for b in k.report.buffers.values()} == {"a", "b"}
+
+
+# -- classification ------------------------------------------------------------------
+
+
+def test_corpus_has_at_least_twenty_kernels():
+    assert len(CASES) >= 20
+    assert len({c.file for c in CASES}) >= 15
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_classification_matches_expectation(case: Case):
+    k = load(case.file, case.kernel)
+    r = k.report
+    assert r.classification.verdict.value == case.verdict, r.describe()
+    got = {b.display: b.access.value for b in r.buffers.values()}
+    assert got == case.access, r.describe()
+    assert bool(r.loops) == case.loops, r.loops
+    assert bool(r.barriers) == case.barriers
+    assert bool(r.atomics) == case.atomics
+    if case.early_return:  # (`if (i < n) {...}` and `if (i >= n) return;` are the same PTX)
+        assert r.early_exits, "early return not found"
+    if case.refuse is None:
+        assert r.uses_ctaid <= case.uses_ctaid
+    if case.verdict != "idempotent":
+        # The reasons name the parameter and a PTX line.
+        culprit = [p for p, a in case.access.items() if a == "read-written"] or ["rows"]
+        text = " ".join(r.classification.reasons)
+        assert any(f"`{p}`" in text for p in culprit) or "loaded from memory" in text, text
+        assert re.search(r"PTX line \d+", text), text
+
+
+def test_reasons_point_at_the_offending_instructions():
+    k = load("saxpy.cu", "saxpy")
+    (reason,) = k.report.classification.reasons
+    lines = k.ptx.splitlines()
+    read_line, write_line = (int(x) for x in re.findall(r"PTX line (\d+)", reason))
+    assert lines[read_line - 1].strip().startswith("ld.global.f32")
+    assert lines[write_line - 1].strip().startswith("st.global.f32")
+    assert "`y`" in reason and "`x`" not in reason
+
+
+def test_pointer_loaded_from_memory_is_unknown():
+    r = load("pointer_table.cu", "pointer_table").report
+    assert r.classification.verdict is Idempotence.UNKNOWN
+    assert r.loaded_pointers and all(a.origin == "loaded" for a in r.loaded_pointers)
+    assert {a.kind for a in r.loaded_pointers} == {"read", "write"}
+
+
+def test_spin_loop_is_detected_as_grid_sync():
+    r = load("spin_barrier.cu", "spin_barrier").report
+    assert not r.resumable
+    assert "spin loop on global memory" in r.grid_sync[0]
+
+
+def test_replay_safe_atomic_max_is_idempotent():
+    r = load("atomic_max.cu", "max_reduce").report
+    assert r.classification.idempotent
+    assert "replay-safe" in " ".join(r.classification.reasons)
+
+
+def test_aliasing_at_launch_turns_idempotent_into_in_place():
+    r = load("copy_shift.cu", "copy_shift").report
+    src, dst, _ = (p.name for p in r.entry.params)
+    assert classify_launch(r, {src: (0x1000, 400), dst: (0x9000, 400)}).idempotent
+    same = classify_launch(r, {src: (0x1000, 400), dst: (0x1000, 400)})
+    assert same.verdict is Idempotence.NON_IDEMPOTENT
+    assert "`src`" in same.reasons[0] and "`dst`" in same.reasons[0]
+    overlap = classify_launch(r, {src: (0x1000, 400), dst: (0x1100, 400)})
+    assert overlap.verdict is Idempotence.NON_IDEMPOTENT
+    touching = classify_launch(r, {src: (0x1000, 0x100), dst: (0x1100, 400)})
+    assert touching.idempotent
+
+
+@pytest.mark.parametrize("name", sorted(NUMBA_CASES))
+def test_numba_kernels_classify_and_transform(name: str):
+    fn, sig, verdict, access = NUMBA_CASES[name]
+    k = compile_numba(fn, sig)
+    r = k.report
+    assert r.classification.verdict.value == verdict, r.describe()
+    assert {b.display: b.access.value for b in r.buffers.values()} == access
+    for opts in VARIANTS:
+        assemble(k.preemptible(abort_checks=opts.abort_checks, fence=opts.fence).ptx, "sm_90")
+
+
+# -- transform: structure ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", TRANSFORMABLE, ids=lambda c: c.id)
+def test_transformed_entry_structure(case: Case):
+    k = load(case.file, case.kernel)
+    pk = k.preemptible()
+    body = entry_text(pk.ptx, k.entry.name)
+    # Block ids and grid dims come from the logical id, never from the hardware.
+    assert not re.search(r"%n?ctaid\.[xyz]", body), "hardware block ids left in the body"
+    # One ret, at the uniform exit; original returns branch to the end of the block.
+    assert body.count("ret;") == 1 and "$__gs_exit:\n\tret;" in body
+    # The leader checks the flag before it takes an id.
+    flag = body.index("ld.volatile.global.u32 %gs_flagv, [%gs_flag]")
+    grab = body.index("atom.global.add.u32 %gs_id, [%gs_prog+0], 1")
+    assert flag < grab
+    assert body.index("@!%gs_leader bra $__gs_wait") < flag
+    # The id reaches every thread through shared memory after a barrier; exit is uniform.
+    wait = body.index("$__gs_wait:")
+    assert body.index("barrier.sync 0;", wait) < body.index("ld.shared.u32 %gs_id, [__gs_slot]")
+    assert "setp.ge.u32 %gs_pend, %gs_id, %gs_stop;" in body
+    # A barrier closes each logical block before the next id is taken.
+    done = body.index("$__gs_done:")
+    assert body[done:].index("barrier.sync 0;") < body[done:].index("bra $__gs_next;")
+    # Extra parameters, in the documented order, after the original ones.
+    names = [p.name for p in pk.extra_params]
+    assert names == [
+        "__gs_progress",
+        "__gs_yieldflag",
+        "__gs_gridx",
+        "__gs_gridy",
+        "__gs_gridz",
+        "__gs_stop",
+    ]
+    assert [p.name for p in pk.original_params] == [p.name for p in k.entry.params]
+    # .version and .target are the input's.
+    assert re.search(r"^\.version (\S+)", pk.ptx, re.M).group(1) == k.module.version
+    assert re.search(r"^\.target (\S+)", pk.ptx, re.M).group(1) == k.module.target
+
+
+def test_original_returns_become_branches_to_the_block_end():
+    k = load("early_return.cu", "clamp_copy")
+    n_ret = sum(1 for i in k.entry.instructions if i.base == "ret")
+    body = entry_text(k.preemptible().ptx, k.entry.name)
+    assert body.count("bra\t$__gs_done;") + body.count("bra $__gs_done;") >= n_ret
+
+
+def test_ctaid_decomposition_for_3d_grids():
+    body = entry_text(load("grids.cu", "fill_3d").preemptible().ptx, "fill_3d")
+    assert "rem.u32 %gs_cx, %gs_id, %gs_nx;" in body
+    assert "rem.u32 %gs_cy, %gs_t, %gs_ny;" in body
+    assert "div.u32 %gs_cz, %gs_id, %gs_nxy;" in body
+    for reg in ("%gs_cx", "%gs_cy", "%gs_cz", "%gs_nx", "%gs_ny", "%gs_nz"):
+        assert re.search(rf"mov\.u32\s+%r\d+, {reg};", body), reg
+
+
+def test_back_edge_checks_per_loop_and_uniform_where_loops_have_barriers():
+    k = load("matmul_tiled.cu", "matmul_tiled")
+    body = entry_text(k.preemptible(abort_checks=True).ptx, k.entry.name)
+    assert body.count("back-edge yield check") == len(k.report.loops) == 2
+    # The tile loop has barriers: its check is block-uniform. The inner k loop has none.
+    assert body.count("block-uniform: the loop has barriers") == 1
+    assert body.count("(per thread)") == 1
+    k2 = load("long_loop.cu", "long_loop")
+    b2 = entry_text(k2.preemptible(abort_checks=True).ptx, k2.entry.name)
+    assert b2.count("(per thread)") == len(k2.report.loops) >= 1
+    assert "$__gs_abort:" in b2 and f"[%gs_prog+{RecordLayout.ABORTED}]" in b2
+    # Plain yield mode has no back-edge checks.
+    assert "back-edge" not in entry_text(k2.preemptible().ptx, k2.entry.name)
+
+
+def test_fencing_neutralises_the_planted_out_of_bounds_store():
+    k = load("oob_store.cu", "oob_store")
+    pk = k.preemptible(fence=True)
+    assert pk.fenced_params == (k.entry.params[0].name,)
+    body = entry_text(pk.ptx, "oob_store")
+    lines = body.splitlines()
+    stores = [
+        i
+        for i, ln in enumerate(lines)
+        if ln.strip().startswith("st.global") and "%gs_prog" not in ln
+    ]
+    assert len(stores) == 2  # a[i] = 1 and the planted a[n + bad] = 42
+    for i in stores:
+        assert "[%gs_fa]" in lines[i], lines[i]
+        window = "\n".join(lines[max(0, i - 12) : i])
+        assert "sub.s64 %gs_fo, %gs_fa, %gs_fg0;" in window  # offset from a's base
+        assert "setp.lt.u64 %gs_fok, %gs_fo, %gs_fs0;" in window  # below a's size
+        assert "setp.lt.and.u64 %gs_fok, %gs_fe, %gs_fs0, %gs_fok;" in window  # last byte too
+        assert "selp.b64 %gs_fa, %gs_fa, %gs_scratch_g, %gs_fok;" in window  # else: scratch
+        assert f"@%gs_fbad red.global.add.u64 [%gs_prog+{RecordLayout.FENCED}], 1;" in window
+    assert [p.name for p in pk.extra_params][-2:] == ["__gs_fbase0", "__gs_fsize0"]
+    assemble(pk.ptx, "sm_90")
+
+
+@pytest.mark.parametrize("case", TRANSFORMABLE, ids=lambda c: c.id)
+def test_every_global_access_is_fenced(case: Case):
+    k = load(case.file, case.kernel)
+    body = entry_text(k.preemptible(fence=True).ptx, k.entry.name)
+    for ln in body.splitlines():
+        s = ln.strip()
+        if (
+            re.match(r"(@!?%\w+\s+)?(ld|st|atom|red)\.global", s)
+            and "%gs_prog" not in s
+            and "%gs_flag" not in s
+        ):
+            assert "[%gs_fa]" in s, s
+
+
+def test_guarded_fenced_access_counts_only_when_it_would_run():
+    ptx = compile_cuda((CORPUS / "vector_add.cu").read_text())[0]
+    # Make the store conditional through a guard and check the count honours it.
+    m = parse_ptx(ptx.replace("st.global.f32", "@%p1 st.global.f32"))
+    body = entry_text(
+        make_preemptible(m, "vector_add", TransformOptions(fence=True)).ptx, "vector_add"
+    )
+    assert "and.pred %gs_fbad, %gs_fbad, %p1;" in body
+
+
+# -- transform: assembling -----------------------------------------------------------
+
+
+def test_ptxas_comes_from_the_toolchain_wheel_when_installed():
+    path = find_ptxas()
+    assert path.endswith("ptxas")
+
+
+@pytest.mark.parametrize("case", TRANSFORMABLE, ids=lambda c: c.id)
+@pytest.mark.parametrize("opts", VARIANTS, ids=lambda o: o.key)
+def test_transformed_kernels_assemble_for_sm90(case: Case, opts: TransformOptions):
+    k = load(case.file, case.kernel)
+    assemble(k.preemptible(abort_checks=opts.abort_checks, fence=opts.fence).ptx, "sm_90")
+
+
+SM80 = ["vector_add.cu:vector_add", "matmul_tiled.cu:matmul_tiled", "reduce_atomic.cu:reduce_sum",
+        "grids.cu:fill_3d", "long_loop.cu:long_loop_inplace", "oob_store.cu:oob_store"]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", [c for c in TRANSFORMABLE if c.id in SM80], ids=lambda c: c.id)
+@pytest.mark.parametrize("opts", VARIANTS, ids=lambda o: o.key)
+def test_transformed_kernels_assemble_for_sm80(case: Case, opts: TransformOptions):
+    k = load(case.file, case.kernel, "sm_80")
+    pk = k.preemptible(abort_checks=opts.abort_checks, fence=opts.fence)
+    assert ".target sm_80" in pk.ptx
+    assemble(pk.ptx, "sm_80")
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.refuse], ids=lambda c: c.id)
+def test_transform_refuses_with_the_failing_step(case: Case):
+    k = load(case.file, case.kernel)
+    with pytest.raises(KernelError) as exc:
+        k.preemptible()
+    assert exc.value.code == case.refuse
+    assert exc.value.step == "preemptible[yield]:check-supported"
+
+
+def test_ptxas_failure_carries_the_log_and_the_line():
+    k = load("vector_add.cu", "vector_add")
+    broken = k.preemptible().ptx.replace("barrier.sync 0;", "barrier.sync %nope;", 1)
+    with pytest.raises(KernelError) as exc:
+        assemble(broken, "sm_90")
+    assert exc.value.code == "ptxas-failed" and exc.value.step == "assemble"
+    assert "%nope" in exc.value.log
+
+
+# -- launch-side logic that needs no GPU ---------------------------------------------
+
+
+class FakeArray:
+    """Enough of a CuPy array for argument binding: the CUDA array interface."""
+
+    def __init__(self, ptr, shape, typestr="<f4", strides=None):
+        self.__cuda_array_interface__ = {
+            "data": (ptr, False), "shape": shape, "typestr": typestr, "strides": strides, "version": 3,
+        }  # fmt: skip
+
+
+def test_binding_packs_pointers_and_scalars_in_ptx_order():
+    k = load("saxpy.cu", "saxpy")
+    x, y = FakeArray(0x7000, (100,)), FakeArray(0x9000, (100,))
+    bound = bind_arguments(k, (2.5, x, y, 100))
+    assert bound.values == [struct.pack("<f", 2.5), struct.pack("<Q", 0x7000),
+                            struct.pack("<Q", 0x9000), struct.pack("<I", 100)]  # fmt: skip
+    names = {k.entry.display_name(p): e for p, e in bound.extents.items()}
+    assert names == {"x": (0x7000, 400), "y": (0x9000, 400)}
+    with pytest.raises(KernelError, match="takes 4 arguments"):
+        bind_arguments(k, (x, y))
+
+
+def test_binding_flattens_numba_arrays():
+    fn, sig, *_ = NUMBA_CASES["nb_add_2d"]
+    k = compile_numba(fn, sig)
+    a = FakeArray(0x10000, (4, 8), "<f4", None)
+    out = FakeArray(0x20000, (4, 8), "<f4", (32, 4))
+    bound = bind_arguments(k, (a, out))
+    q = lambda v: struct.pack("<Q", v)  # noqa: E731
+    # meminfo, parent, nitems, itemsize, data, shape[0..1], strides[0..1]
+    assert bound.values[:9] == [q(0), q(0), q(32), q(4), q(0x10000), q(4), q(8), q(32), q(4)]
+    assert bound.extents[k.bindings[1].data_param] == (0x20000, 128)
+
+
+def test_extent_of_strided_views():
+    assert _array_extent(FakeArray(1000, (10,), "<f4", (-4,))) == (964, 40)
+    assert _array_extent(FakeArray(1000, (3, 4), "<f4", (32, 4))) == (1000, 80)
+    assert _array_extent(FakeArray(1000, (0,), "<f4", None)) == (1000, 0)
+
+
+def test_initial_progress_record_layout():
+    raw = initial_record(7)
+    assert len(raw) == PROGRESS_RECORD_BYTES
+    assert struct.unpack_from("<I", raw, RecordLayout.NEXT_BLOCK) == (7,)
+    assert struct.unpack_from("<Q", raw, RecordLayout.FIRST_YIELD_NS) == ((1 << 64) - 1,)
+    assert struct.unpack_from("<Q", raw, RecordLayout.FENCED) == (0,)
+
+
+# -- CLI -----------------------------------------------------------------------------
+
+
+def test_classify_cli_prints_a_table_per_kernel(capsys):
+    assert classify_main([str(CORPUS / "saxpy.cu")]) == 0
+    out = capsys.readouterr().out
+    assert "saxpy" in out and "saxpy_out" in out
+    assert "non-idempotent" in out and "read-written" in out
+
+
+def test_classify_cli_json(capsys, tmp_path):
+    ptx = load("histogram.cu", "histogram").ptx
+    f = tmp_path / "h.ptx"
+    f.write_text(ptx)
+    assert classify_main([str(f), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    (k,) = data["kernels"]
+    assert k["verdict"] == "non-idempotent"
+    assert {p["access"] for p in k["parameters"]} == {"read", "read-written"}
+    assert k["atomics"] == 1
+
+
+def test_classify_cli_errors(capsys, tmp_path):
+    assert classify_main([str(tmp_path / "missing.cu")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    bad = tmp_path / "bad.cu"
+    bad.write_text('extern "C" __global__ void f(float* x) { x[0] = undefined_name; }')
+    assert classify_main([str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "NVRTC could not compile" in err and "undefined_name" in err
+    other = tmp_path / "k.txt"
+    other.write_text("hello")
+    assert classify_main([str(other)]) == 2
+    assert "expected a .cu, .cuh or .ptx file" in capsys.readouterr().err

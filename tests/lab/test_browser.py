@@ -1,0 +1,278 @@
+"""The GPU panel and the notebook widget in a real JupyterLab, driven by headless Chromium.
+
+The test starts everything itself: a broker on the simulated H200, ``jupyter lab`` with the
+installed extension (random port, token), and Debian's Chromium through pip playwright (no
+browser download).  It then does what a user does: opens the panel, watches two sessions
+contend (one high, one low priority), and runs a notebook whose widget keeps moving while
+a cell is still running.  Screenshots land in ``test-output/``.
+
+Needs ``/usr/bin/chromium`` (``apt-get install chromium``); without it the test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from gpushare_ext.protocol import PRIORITY_CLASSES
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+REPO = Path(__file__).resolve().parents[2]
+OUTPUT = REPO / "test-output"
+SERVER_CONFIG = REPO / "jupyter-config" / "server-config" / "gpushare_ext.json"
+LIVE_S = 3.0  # what the user sees must follow the broker within this many seconds
+HIGH = PRIORITY_CLASSES["high"]
+LOW = PRIORITY_CLASSES["low"]
+
+WIDGET_NOTEBOOK_CELLS = [
+    "import gpushare_ext.widgets\nview = gpushare_ext.widgets.widget()\nview",
+    # A long cell: while it runs, the widget above must keep updating.
+    "import time\n"
+    "from gpushare_ext.runtime.client import BrokerClient\n"
+    "client = BrokerClient()\n"
+    f"grant = client.request_lease(priority={HIGH}, label='notebook-cell')\n"
+    "time.sleep(8)\n"
+    "client.release(grant.lease_id)",
+]
+
+pytestmark = pytest.mark.browser
+
+
+@dataclass
+class Lab:
+    url: str
+    token: str
+    root: Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def lab(running_broker, short_tmp: Path) -> Iterator[Lab]:
+    """``jupyter lab`` as installed (labextension + server extension), on a random port."""
+    root = short_tmp / "notebooks"
+    root.mkdir()
+    config = short_tmp / "config"
+    (config / "jupyter_server_config.d").mkdir(parents=True)
+    shutil.copy(SERVER_CONFIG, config / "jupyter_server_config.d" / SERVER_CONFIG.name)
+    (config / "labconfig").mkdir()
+    (config / "labconfig" / "page_config.json").write_text(
+        json.dumps({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}})
+    )
+    notebook = nbformat.v4.new_notebook(
+        cells=[nbformat.v4.new_code_cell(src) for src in WIDGET_NOTEBOOK_CELLS],
+        metadata={
+            "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}
+        },
+    )
+    nbformat.write(notebook, root / "widget.ipynb")
+
+    port, token = free_port(), "gpushare-browser-test"
+    env = {
+        **os.environ,
+        "GPUSHARE_SOCKET": str(running_broker.socket),  # for the notebook's kernel
+        "JUPYTER_CONFIG_DIR": str(config),
+        "JUPYTER_RUNTIME_DIR": str(short_tmp / "runtime"),
+    }
+    log = (short_tmp / "lab.log").open("wb")
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.port={port}",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={root}",
+            f"--GpushareServerExtension.socket_path={running_broker.socket}",
+            f"--LabApp.user_settings_dir={short_tmp / 'settings'}",
+            f"--LabApp.workspaces_dir={short_tmp / 'workspaces'}",
+            "--LabApp.expose_app_in_browser=True",
+            "--LabApp.extension_manager=readonly",
+            *(["--allow-root"] if os.geteuid() == 0 else []),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=root,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_server(url, token, process, short_tmp / "lab.log")
+        yield Lab(url=url, token=token, root=root)
+    finally:
+        process.terminate()
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)
+        log.close()
+        OUTPUT.mkdir(exist_ok=True)
+        shutil.copy(short_tmp / "lab.log", OUTPUT / "lab.log")
+
+
+def wait_for_server(url: str, token: str, process: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"jupyter lab exited at start:\n{log.read_text(errors='replace')}")
+        try:
+            with urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.3)
+    pytest.fail(f"jupyter lab did not answer in 60 s:\n{log.read_text(errors='replace')}")
+
+
+@pytest.fixture
+def page(lab: Lab):
+    """A Chromium page with JupyterLab loaded."""
+    if not CHROMIUM.exists():
+        pytest.fail(f"{CHROMIUM} is missing: install it with `apt-get install -y chromium`")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"{lab.url}/lab?token={lab.token}")
+            page.wait_for_selector("#jp-main-statusbar", timeout=60_000)
+            yield page
+        finally:
+            browser.close()
+
+
+def widen_left_sidebar(page, by_px: int) -> None:
+    """Drag the handle between the left sidebar and the main area, as a user would."""
+    handle = page.locator("#jp-main-split-panel > .lm-SplitPanel-handle").first
+    box = handle.bounding_box()
+    assert box is not None
+    x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+    page.mouse.move(x, y)
+    page.mouse.down()
+    page.mouse.move(x + by_px, y, steps=5)
+    page.mouse.up()
+
+
+def test_panel_shows_the_h200_and_follows_the_queue_live(page, sessions):
+    from playwright.sync_api import expect
+
+    status_item = page.locator(".gpushare-statusbar")
+    expect(status_item).to_have_text("GPU: idle", timeout=15_000)
+    page.locator('.jp-SideBar .lm-TabBar-tab[data-id="gpushare-panel"]').click()
+    panel = page.locator("#gpushare-panel")
+    expect(panel).to_be_visible()
+    widen_left_sidebar(page, by_px=160)
+
+    # One H200, MIG off, the seven profiles it could be cut into, the node.
+    expect(panel.locator(".gpushare-device")).to_have_count(1)
+    expect(panel.locator(".gpushare-device-name")).to_have_text("GPU 0 · NVIDIA H200")
+    expect(panel.locator(".gpushare-slot-whole")).to_have_text("MIG off: whole GPU")
+    expect(panel.locator(".gpushare-profile")).to_have_count(7)
+    expect(panel.locator(".gpushare-profile-name").first).to_have_text("1g.18gb")
+    expect(panel.locator(".gpushare-node")).to_have_text(f"node {socket.gethostname()}")
+    expect(panel.locator(".gpushare-holder")).to_have_text("free: nobody holds it")
+
+    # A high-priority session takes the GPU; a low-priority one queues behind it.
+    high = sessions()
+    high_grant = high.request_lease(priority=HIGH, label="explore")
+    expect(panel.locator(".gpushare-holder")).to_contain_text(
+        "(high, running", timeout=LIVE_S * 1000
+    )
+    low = sessions()
+    low.request_lease(priority=LOW, label="train")
+    queue = panel.locator(".gpushare-queue-row")
+    expect(queue).to_have_count(1, timeout=LIVE_S * 1000)
+    expect(queue.first).to_contain_text("low")
+    expect(panel.locator(".gpushare-queue .gpushare-section-title")).to_have_text(
+        "Queue: 1 waiting"
+    )
+    expect(status_item).to_have_text("GPU: running, 1 queued", timeout=LIVE_S * 1000)
+    OUTPUT.mkdir(exist_ok=True)
+    panel.screenshot(path=str(OUTPUT / "panel.png"))
+    page.screenshot(path=str(OUTPUT / "lab.png"))
+
+    # The high session ends: the low one becomes the holder and the queue empties.
+    high.release(high_grant.lease_id)
+    expect(panel.locator(".gpushare-holder")).to_contain_text(
+        "(low, running", timeout=LIVE_S * 1000
+    )
+    expect(queue).to_have_count(0, timeout=LIVE_S * 1000)
+    expect(status_item).to_have_text("GPU: running", timeout=LIVE_S * 1000)
+
+    # The viewer is an admin here (the broker runs as the same user): drain through the panel.
+    panel.locator(".gpushare-device-title .gpushare-admin-button").click()
+    expect(panel.locator(".gpushare-badge-drained")).to_have_text("drained", timeout=LIVE_S * 1000)
+    assert sessions().status().devices[0].drained
+
+
+def test_panel_says_clearly_when_no_broker_is_reachable(page, running_broker):
+    from playwright.sync_api import expect
+
+    running_broker.stop()
+    page.locator('.jp-SideBar .lm-TabBar-tab[data-id="gpushare-panel"]').click()
+    message = page.locator("#gpushare-panel .gpushare-message-error")
+    expect(message).to_contain_text("No GPU broker reachable", timeout=10_000)
+    expect(page.locator(".gpushare-statusbar")).to_have_text("GPU: no broker")
+
+
+def test_widget_updates_in_a_notebook_while_a_cell_runs(page, lab):
+    from playwright.sync_api import expect
+
+    page.evaluate("window.jupyterapp.commands.execute('docmanager:open', {path: 'widget.ipynb'})")
+    notebook = page.locator(".jp-NotebookPanel")
+    expect(notebook.locator(".jp-Notebook-cell")).to_have_count(2, timeout=30_000)
+    expect(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")).to_have_count(
+        1, timeout=60_000
+    )
+    # Fire and forget: the command's promise settles only when every cell has finished.
+    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+
+    view = notebook.locator(".jp-OutputArea .gpushare-view")
+    expect(view.locator(".gpushare-device-name")).to_have_text(
+        "GPU 0 · NVIDIA H200", timeout=30_000
+    )
+    expect(view.locator(".gpushare-profile")).to_have_count(7)
+
+    # The second cell holds a lease and sleeps; the widget shows it while the cell runs.
+    running_prompt = notebook.locator(".jp-Notebook-cell").nth(1).locator(".jp-InputPrompt")
+    own = view.locator(".gpushare-own")
+    expect(own).to_contain_text("notebook-cell", timeout=10_000)
+    expect(own.locator(".gpushare-badge")).to_have_text("running")
+    expect(running_prompt).to_have_text("[*]:")
+    first = view.locator(".gpushare-own-detail").text_content()
+    time.sleep(2.5)
+    expect(running_prompt).to_have_text("[*]:")  # still running, and the view moved on
+    assert view.locator(".gpushare-own-detail").text_content() != first
+    OUTPUT.mkdir(exist_ok=True)
+    notebook.screenshot(path=str(OUTPUT / "widget.png"))
+
+    # When the cell releases its lease, the widget shows that too.
+    expect(own).to_have_count(0, timeout=15_000)
+    expect(view.locator(".gpushare-holder")).to_have_text("free: nobody holds it")

@@ -1,0 +1,196 @@
+"""The server extension as the JupyterLab panel uses it: REST, stream and admin over HTTP.
+
+Runs a real jupyter_server (pytest-jupyter) with the extension enabled the way an install
+enables it, against a real broker on the simulated H200.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tornado.httpclient import HTTPClientError
+
+from gpushare_ext.protocol import PRIORITY_CLASSES
+
+HIGH = PRIORITY_CLASSES["high"]
+LOW = PRIORITY_CLASSES["low"]
+
+
+@pytest.fixture
+def jp_server_config(running_broker) -> dict:
+    return {
+        "ServerApp": {"jpserver_extensions": {"gpushare_ext": True}},
+        "GpushareServerExtension": {"socket_path": str(running_broker.socket)},
+    }
+
+
+def cli_status_json(socket_path: Path) -> dict:
+    """What ``gpushare status --json`` prints."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpushare_ext.cli",
+            "status",
+            "--json",
+            "--socket",
+            str(socket_path),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return json.loads(out.stdout)
+
+
+def lease_rows(snapshot: dict) -> list[tuple]:
+    return sorted(
+        (lease["lease_id"], lease["user"], lease["state"], lease["priority"], lease["position"])
+        for lease in snapshot["leases"]
+    )
+
+
+async def get_json(jp_fetch, *path: str) -> dict:
+    response = await jp_fetch("gpushare", *path)
+    assert response.headers["Content-Type"].startswith("application/json")
+    return json.loads(response.body)
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("GET", "snapshot", None),
+        ("GET", "stream", None),
+        ("POST", "admin", json.dumps({"action": "drain", "device": 0})),
+    ],
+)
+async def test_requests_without_a_token_are_refused(jp_fetch, sessions, method, path, body):
+    with pytest.raises(HTTPClientError) as refused:
+        await jp_fetch("gpushare", path, method=method, body=body, headers={"Authorization": ""})
+    assert refused.value.code in (401, 403)
+    assert not sessions().status().devices[0].drained
+
+
+async def test_snapshot_matches_gpushare_status_json(jp_fetch, running_broker, sessions):
+    high, low = sessions(), sessions()
+    high.request_lease(priority=HIGH, label="explore")
+    low.request_lease(priority=LOW, label="train")
+
+    snapshot = await get_json(jp_fetch, "snapshot")
+    status = cli_status_json(running_broker.socket)
+
+    assert [d["info"] for d in snapshot["devices"]] == [d["info"] for d in status["devices"]]
+    assert snapshot["devices"][0]["info"]["name"] == "NVIDIA H200"
+    assert len(snapshot["devices"][0]["info"]["profiles"]) == 7
+    assert [d["holders"] for d in snapshot["devices"]] == [d["holders"] for d in status["devices"]]
+    assert lease_rows(snapshot) == lease_rows(status)
+    states = {lease["priority"]: lease["state"] for lease in snapshot["leases"]}
+    assert states == {HIGH: "running", LOW: "queued"}
+    assert (snapshot["node"], snapshot["you"]) == (status["node"], status["you"])
+
+
+async def test_no_broker_is_a_503_with_a_clear_message(jp_fetch, running_broker):
+    running_broker.stop()
+    for path in ("snapshot", "stream"):
+        with pytest.raises(HTTPClientError) as unavailable:
+            await jp_fetch("gpushare", path)
+        assert unavailable.value.code == 503
+        body = json.loads(unavailable.value.response.body)
+        assert body["error"] == "unavailable"
+        assert body["message"].startswith("No GPU broker reachable at ")
+        assert str(running_broker.socket) in body["message"]
+
+
+async def test_stream_shows_a_new_session_within_a_few_seconds(jp_fetch, sessions):
+    events: list[tuple[str, dict]] = []
+    buffer = b""
+
+    def on_chunk(chunk: bytes) -> None:
+        nonlocal buffer
+        buffer += chunk
+        while b"\n\n" in buffer:
+            block, buffer = buffer.split(b"\n\n", 1)
+            lines = dict(line.split(b": ", 1) for line in block.split(b"\n"))
+            events.append((lines[b"event"].decode(), json.loads(lines[b"data"])))
+
+    stream = jp_fetch("gpushare", "stream", streaming_callback=on_chunk, request_timeout=6)
+    await asyncio.sleep(1.0)
+    assert events and events[0][0] == "snapshot"
+    assert events[-1][1]["leases"] == []
+
+    session = sessions()
+    await asyncio.get_running_loop().run_in_executor(
+        None, lambda: session.request_lease(priority=HIGH, label="explore")
+    )
+    await asyncio.sleep(3.0)
+    with pytest.raises(HTTPClientError):  # the stream never ends by itself: it times out
+        await stream
+    assert {e[0] for e in events} == {"snapshot"}
+    latest = events[-1][1]
+    assert [(lease["state"], lease["label"]) for lease in latest["leases"]] == [
+        ("running", "explore")
+    ]
+    assert latest["devices"][0]["holders"] == [latest["leases"][0]["lease_id"]]
+
+
+async def test_admin_drains_and_undrains_a_device(jp_fetch, running_broker):
+    response = await jp_fetch(
+        "gpushare", "admin", method="POST", body=json.dumps({"action": "drain", "device": 0})
+    )
+    assert json.loads(response.body)["ok"] is True
+    assert (await get_json(jp_fetch, "snapshot"))["devices"][0]["drained"] is True
+
+    await jp_fetch(
+        "gpushare", "admin", method="POST", body=json.dumps({"action": "undrain", "device": 0})
+    )
+    assert (await get_json(jp_fetch, "snapshot"))["devices"][0]["drained"] is False
+
+
+async def test_admin_cancels_a_queued_request(jp_fetch, sessions):
+    high, low = sessions(), sessions()
+    high.request_lease(priority=HIGH)
+    queued = low.request_lease(priority=LOW)
+
+    await jp_fetch(
+        "gpushare",
+        "admin",
+        method="POST",
+        body=json.dumps({"action": "cancel", "lease_id": queued.lease_id}),
+    )
+
+    snapshot = await get_json(jp_fetch, "snapshot")
+    assert [lease["priority"] for lease in snapshot["leases"]] == [HIGH]
+    assert snapshot["queue_by_priority"]["low"] == 0
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"action": "reboot", "device": 0}, "invalid admin request"),
+        ({"action": "drain"}, "drain needs a device index"),
+        ({"action": "cancel"}, "cancel needs a lease_id"),
+    ],
+)
+async def test_admin_explains_a_bad_request(jp_fetch, running_broker, body, expected):
+    with pytest.raises(HTTPClientError) as bad:
+        await jp_fetch("gpushare", "admin", method="POST", body=json.dumps(body))
+    assert bad.value.code == 400
+    assert expected in json.loads(bad.value.response.body)["message"]
+
+
+async def test_cancelling_an_unknown_request_says_so(jp_fetch, running_broker):
+    with pytest.raises(HTTPClientError) as unknown:
+        await jp_fetch(
+            "gpushare",
+            "admin",
+            method="POST",
+            body=json.dumps({"action": "cancel", "lease_id": "L999"}),
+        )
+    assert unknown.value.code == 404
+    assert "L999" in json.loads(unknown.value.response.body)["message"]

@@ -1,0 +1,114 @@
+"""``%%gpu`` / ``%gpuconfig`` arguments: both spellings parse alike; every bad value is one line
+naming the argument (what the user reads above an unrun cell)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpushare_ext.magics.arguments import ArgumentError, parse_duration, parse_lease_arguments
+from gpushare_ext.protocol import PRIORITY_CLASSES, SliceWish
+from gpushare_ext.runtime.session import LeaseOptions
+
+GIB = 1024**3
+
+
+def test_key_value_and_dash_dash_forms_mean_the_same():
+    assert parse_lease_arguments("priority=high mem=8GiB timeout=30s") == parse_lease_arguments(
+        "--priority high --mem 8GiB --timeout 30s"
+    )
+    assert parse_lease_arguments("--mem=512MiB") == {"memory_bytes": 512 * 1024**2}
+
+
+def test_every_key_is_understood():
+    options = parse_lease_arguments(
+        "priority=high --mem 8GiB device=0 --timeout=2m slice=mig share=0.5 instrumented=yes"
+    )
+    assert options == {
+        "priority": PRIORITY_CLASSES["high"],
+        "memory_bytes": 8 * GIB,
+        "device": "0",
+        "timeout_s": 120.0,
+        "slice": SliceWish.MIG,
+        "sm_share": 0.5,
+        "instrumented_only": True,
+    }
+    # and the result is what LeaseOptions takes
+    LeaseOptions(**options)
+
+
+def test_aliases_numbers_and_uuids():
+    options = parse_lease_arguments(
+        "prio=120 memory=1.5GiB wait=none sm_share=1 device=MIG-4f0c-aa"
+    )
+    assert options == {
+        "priority": 120,
+        "memory_bytes": int(1.5 * GIB),
+        "timeout_s": None,
+        "sm_share": 1.0,
+        "device": "MIG-4f0c-aa",
+    }
+    assert parse_lease_arguments("device=auto device=GPU-1234")["device"] == "GPU-1234"
+
+
+def test_an_empty_line_changes_nothing():
+    assert parse_lease_arguments("") == {}
+    assert parse_lease_arguments("   ") == {}
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("30s", 30.0), ("1.5s", 1.5), ("250ms", 0.25), ("5m", 300.0), ("1h", 3600.0), ("7", 7.0),
+     ("none", None), ("never", None), ("inf", None)],
+)  # fmt: skip
+def test_durations(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize(
+    ("line", "named"),
+    [
+        ("priority=urgent", "priority"),
+        ("priority=400", "priority"),
+        ("priority=-3", "priority"),
+        ("priority=", "priority"),
+        ("mem=-1", "mem"),
+        ("mem=8XB", "mem"),
+        ("mem=0", "mem"),
+        ("mem=lots", "mem"),
+        ("device=gpu0", "device"),
+        ("device=-1", "device"),
+        ("timeout=soon", "timeout"),
+        ("timeout=-5s", "timeout"),
+        ("slice=half", "slice"),
+        ("share=2", "share"),
+        ("share=0", "share"),
+        ("share=abc", "share"),
+        ("share=nan", "share"),
+        ("instrumented=maybe", "instrumented"),
+        ("colour=red", "colour"),  # unknown key
+        ("--mem", "--mem"),  # missing value
+        ("--priority --mem 1GiB", "--priority"),  # missing value before the next key
+        ("priority=high now", "now"),  # stray word
+        ('priority="high', "arguments"),  # unbalanced quote
+    ],
+)
+def test_every_bad_argument_is_one_line_naming_it(line, named):
+    with pytest.raises(ArgumentError) as caught:
+        parse_lease_arguments(line)
+    message = str(caught.value)
+    assert "\n" not in message, message
+    assert named in message, message
+
+
+def test_bad_values_say_what_would_be_accepted():
+    with pytest.raises(ArgumentError, match=r"priority.*low \| normal \| high \| 0-299"):
+        parse_lease_arguments("priority=urgent")
+    with pytest.raises(ArgumentError, match=r"unknown argument 'colour'; known: priority, mem"):
+        parse_lease_arguments("colour=red")
+    with pytest.raises(ArgumentError, match=r"unexpected argument 'now'; use key=value or --key"):
+        parse_lease_arguments("priority=high now")
+
+
+def test_a_bad_argument_is_reported_even_after_good_ones():
+    with pytest.raises(ArgumentError, match="timeout"):
+        parse_lease_arguments("priority=high mem=1GiB timeout=soon")
