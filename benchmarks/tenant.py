@@ -25,8 +25,9 @@ def _lease(mode: str, priority: str, instrumented: bool = False):
         return contextlib.nullcontext()
     import gpushare_ext
 
+    # Both tenants on GPU 0: this measures contention, not late binding.
     return gpushare_ext.lease(
-        priority=priority, memory_bytes=16 << 30, instrumented_only=instrumented
+        priority=priority, memory_bytes=16 << 30, instrumented_only=instrumented, device="0"
     )
 
 

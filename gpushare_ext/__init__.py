@@ -7,6 +7,7 @@ gpushare_ext`` stays cheap inside every notebook kernel:
 * ``gpushare_ext.lease(priority=..., memory_bytes=...)`` -- a scoped lease outside magics;
 * ``gpushare_ext.safe_point()`` -- where a long loop may be held for a higher-priority session;
 * ``gpushare_ext.stream()`` -- the session's CUDA stream (CuPy), gated by the broker;
+* ``gpushare_ext.device()`` -- the CUDA device of the current lease (for PyTorch);
 * ``gpushare_ext.widget()`` -- the live occupancy widget;
 * ``gpushare_ext.kernel(src, name)`` / ``@gpushare_ext.jit`` -- preemptible kernels.
 """
@@ -40,6 +41,13 @@ def lease(**options: Any):
     from gpushare_ext.runtime.session import current_session
 
     return current_session().lease(**options)
+
+
+def device() -> int | None:
+    """CUDA ordinal of the GPU this kernel's current lease is on (``torch.device("cuda", n)``)."""
+    from gpushare_ext.runtime import binding
+
+    return binding.current_ordinal
 
 
 def stream():

@@ -67,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     broker.add_argument("--journal", metavar="PATH", help="SQLite journal path")
     broker.add_argument(
+        "--devices",
+        metavar="LIST",
+        help="GPU indices to manage, e.g. 0 or 0,1 (default: all; also $GPUSHARE_DEVICES)",
+    )
+    broker.add_argument(
         "--metrics-port",
         type=int,
         metavar="PORT",
@@ -193,6 +198,12 @@ def _cmd_broker(args: argparse.Namespace) -> int:
     overrides = {}
     if args.journal:
         overrides["journal"] = args.journal
+    devices_text = args.devices or os.environ.get("GPUSHARE_DEVICES")
+    if devices_text:
+        try:
+            overrides["devices"] = [int(part) for part in devices_text.split(",") if part.strip()]
+        except ValueError:
+            return _fail(f"--devices {devices_text!r} is not a list of GPU indices like 0,1", 2)
     if args.metrics_port is not None:
         if not 0 < args.metrics_port < 65536:
             return _fail(f"--metrics-port {args.metrics_port} is not a port number", 2)

@@ -167,7 +167,9 @@ def _cuda_worker(device_index: int, conn) -> None:  # pragma: no cover - runs on
 
                 handle_hex, offset, value = args
                 if offset:
-                    raise RuntimeError("yield flags are registered at the start of their allocation")
+                    raise RuntimeError(
+                        "yield flags are registered at the start of their allocation"
+                    )
                 write_yield_flag_from_handle(bytes.fromhex(handle_hex), value, device_index)
             else:
                 raise RuntimeError(f"unknown operation {op}")
@@ -181,13 +183,13 @@ class CudaProcessControl:
 
     kind = "cuda"
 
-    def __init__(self, device_count: int) -> None:
+    def __init__(self, device_indices: list[int]) -> None:
         # Worker N must open GPU N as NVML numbers it: PCI bus order, every GPU visible.
         os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         context = multiprocessing.get_context("spawn")
-        self._workers = []
-        for index in range(device_count):
+        self._workers: dict[int, tuple] = {}
+        for index in device_indices:
             parent, child = context.Pipe()
             process = context.Process(
                 target=_cuda_worker,
@@ -197,9 +199,11 @@ class CudaProcessControl:
             )
             process.start()
             child.close()
-            self._workers.append((process, parent, threading.Lock()))
+            self._workers[index] = (process, parent, threading.Lock())
 
     def _call(self, device_index: int, op: str, *args):
+        if device_index not in self._workers:
+            raise ActuatorError(f"this broker does not manage GPU {device_index}")
         process, conn, lock = self._workers[device_index]
         with lock:
             if not process.is_alive():
@@ -230,7 +234,7 @@ class CudaProcessControl:
         return int(self._call(device_index, "state", pid))
 
     def close(self) -> None:
-        for process, conn, lock in self._workers:
+        for process, conn, lock in self._workers.values():
             try:
                 with lock:
                     conn.send(("stop", ()))
@@ -355,7 +359,7 @@ class Ladder:
                 self.control.unlock(pid, device_index)
 
 
-def open_process_control(inventory_kind: str, device_count: int) -> ProcessControl:
+def open_process_control(inventory_kind: str, device_indices: list[int]) -> ProcessControl:
     if inventory_kind == "nvml":
-        return CudaProcessControl(device_count)
+        return CudaProcessControl(device_indices)
     return SimulatedProcessControl()

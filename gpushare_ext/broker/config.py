@@ -35,6 +35,7 @@ _BROKER_KEYS = {
     "sharing": str,
     "evict_when_memory_needed": bool,
     "node_name": str,
+    "devices": list,
 }
 
 
@@ -51,6 +52,7 @@ class BrokerConfig:
     watchdog_interval_s: float = 2.0
     socket_group: str | None = None
     node_name: str | None = None
+    devices: list[int] | None = None  # GPU indices this broker manages (None: all)
     policy: Policy = field(default_factory=Policy)
 
 
@@ -68,6 +70,9 @@ def parse_config(text: str, source: str = "config") -> BrokerConfig:
             )
         if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
             raise PolicyError(f"{source}: broker.{key} has the wrong type ({type(value).__name__})")
+    devices = broker.get("devices")
+    if devices is not None and not all(isinstance(i, int) and i >= 0 for i in devices):
+        raise PolicyError(f"{source}: broker.devices must list GPU indices, e.g. [0, 1]")
     policy = policy_from_document(document)
     values = {k: v for k, v in broker.items() if k in BrokerConfig.__dataclass_fields__}
     return BrokerConfig(policy=policy, **values)

@@ -164,10 +164,17 @@ class Broker:
         self.paths = paths
         self.inventory = inventory
         self.inventory_note = inventory_note
-        self.devices = inventory.devices()
+        self.devices = [
+            d for d in inventory.devices() if config.devices is None or d.index in config.devices
+        ]
+        if not self.devices:
+            raise RuntimeError(
+                f"none of the devices {config.devices} exists here "
+                f"(the inventory has {[d.index for d in inventory.devices()]})"
+            )
         self.scheduler = core.Scheduler(self.devices, config.policy)
         self.metrics = BrokerMetrics()
-        self.control = open_process_control(inventory.kind, len(self.devices))
+        self.control = open_process_control(inventory.kind, [d.index for d in self.devices])
         self.ladder = Ladder(self.control, lock_timeout_ms=config.lock_timeout_ms)
         self.journal = Journal(config.journal or paths.journal)
         self.connections: dict[str, Connection] = {}  # session id -> connection
@@ -179,7 +186,7 @@ class Broker:
         self.history: dict[int, deque[int]] = {
             d.index: deque(maxlen=HISTORY_POINTS) for d in self.devices
         }
-        self.readings = {r.index: r for r in inventory.readings()}
+        self.readings = {r.index: r for r in inventory.readings() if r.index in self.history}
         self.reclaimable: dict[str, JournaledLease] = {}
         self.yield_flags: dict[str, tuple[str, int]] = {}  # lease id -> (handle, offset)
         self.salt = ""
@@ -360,6 +367,8 @@ class Broker:
             log.warning("device readings failed: %s", exc)
             readings = []
         for reading in readings:
+            if reading.index not in self.history:
+                continue  # a GPU this broker does not manage
             self.readings[reading.index] = reading
             self.history[reading.index].append(reading.utilization_pct)
             if self.inventory.kind == "nvml":

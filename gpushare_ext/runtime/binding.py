@@ -1,11 +1,11 @@
 """Device binding: make this kernel process use the GPU or MIG instance its lease names.
 
-Before the process's first CUDA call the binding is an environment variable
-(``CUDA_VISIBLE_DEVICES=<GPU or MIG UUID>``); CUDA reads it once, at initialisation.
-If CUDA is already initialised with every device visible, the binding selects the
-device for CuPy and Numba instead.  If neither can honour the lease (CUDA already
-bound to another device, or a MIG instance that the process cannot see) the binding
-says why and how to fix it: restart the kernel.
+A MIG instance is reached through ``CUDA_VISIBLE_DEVICES=MIG-…``, which CUDA reads once
+at initialisation, so it must be set before the process's first CUDA call.  A whole GPU
+is selected for CuPy, Numba and PyTorch instead, with every GPU visible and numbered in
+PCI order (as NVML numbers them), so a later cell may run on another GPU.  If the lease
+cannot be honoured (a MIG instance after CUDA started, GPUs hidden by the environment)
+the binding says why and how to fix it.
 
 Whether CUDA was initialised is read from ``/proc/self/maps``: if ``libcuda`` is not
 mapped, nothing in this process has called the driver yet.
@@ -18,6 +18,8 @@ import sys
 from dataclasses import dataclass
 
 from gpushare_ext.protocol import Placement
+
+current_ordinal: int | None = None  # the CUDA device of the lease in force
 
 
 class BindingError(Exception):
@@ -39,41 +41,54 @@ def cuda_initialised() -> bool:
         return "cupy" in sys.modules or "torch" in sys.modules
 
 
-_bound_to: str | None = None
-
-
 def bind(placement: Placement, *, simulated: bool) -> Binding:
-    """Apply ``placement`` to this process; raise BindingError if it cannot be honoured."""
-    global _bound_to
-    target = placement.cuda_visible_devices
+    """Apply ``placement`` to this process; raise BindingError if it cannot be honoured.
+
+    A MIG instance can only be reached through ``CUDA_VISIBLE_DEVICES``, set before CUDA
+    starts; the process is then pinned to it.  A whole GPU is *selected* instead (every
+    GPU stays visible, numbered in PCI order like NVML), so the next cell's lease may
+    land on another GPU: late binding.
+    """
     if simulated:
         return Binding(
             visible="", ordinal=placement.device_index, how="simulated GPU: no binding needed"
         )
-    current = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if not cuda_initialised():
-        os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-        os.environ["CUDA_VISIBLE_DEVICES"] = target
-        _bound_to = target
-        return Binding(visible=target, ordinal=0, how=f"CUDA_VISIBLE_DEVICES={target}")
-    if current is not None and current.strip():
+    current = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    initialised = cuda_initialised()
+    if placement.mig_uuid:
+        target = placement.mig_uuid
         if current == target:
             return Binding(visible=target, ordinal=0, how=f"already bound to {target}")
-        raise BindingError(
-            f"this kernel already uses CUDA on {current}, but the lease is on {target}; "
-            "CUDA cannot switch devices once initialised with a fixed set: restart the kernel "
-            "(Kernel > Restart) and run the %%gpu cell before any other CUDA code"
-        )
-    if placement.mig_uuid:
-        raise BindingError(
-            f"the lease is on MIG instance {placement.mig_uuid}, which this process cannot see "
-            "because CUDA was initialised before the lease; restart the kernel and run the "
-            "%%gpu cell before any other CUDA code"
-        )
-    ordinal = _ordinal_of(placement.device_uuid)
-    _select(ordinal)
+        if initialised:
+            raise BindingError(
+                f"the lease is on MIG instance {target}, which this process cannot reach "
+                "because CUDA was initialised before the lease; restart the kernel "
+                "(Kernel > Restart) and run the %%gpu cell before any other CUDA code"
+            )
+        os.environ["CUDA_VISIBLE_DEVICES"] = target
+        return Binding(visible=target, ordinal=0, how=f"CUDA_VISIBLE_DEVICES={target}")
+    if current:
+        # Someone (an admin, a container runtime) restricted the GPUs: use what we see.
+        if current in (placement.device_uuid, str(placement.device_index)) and "," not in current:
+            return Binding(visible=current, ordinal=0, how=f"CUDA_VISIBLE_DEVICES={current}")
+        if not initialised:
+            raise BindingError(
+                f"CUDA_VISIBLE_DEVICES={current} hides {placement.device_uuid}, the GPU of the "
+                "lease; unset it in the kernel's environment or ask for device=0"
+            )
+        ordinal = _ordinal_of(placement.device_uuid)
+        _select(ordinal)
+        return Binding(visible=current, ordinal=ordinal, how=f"selected CUDA device {ordinal}")
+    if not initialised:
+        os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA ordinals = NVML indices
+        ordinal = placement.device_index
+    else:
+        ordinal = _ordinal_of(placement.device_uuid)
+    _select(ordinal, import_cupy=True)
     return Binding(
-        visible="", ordinal=ordinal, how=f"selected CUDA device {ordinal} for CuPy/Numba"
+        visible="",
+        ordinal=ordinal,
+        how=f"selected GPU {placement.device_index} (CUDA device {ordinal})",
     )
 
 
@@ -92,11 +107,18 @@ def _ordinal_of(uuid: str) -> int:
     raise BindingError(f"no CUDA device of this process has UUID {uuid}; restart the kernel")
 
 
-def _select(ordinal: int) -> None:
-    if "cupy" in sys.modules:
-        import cupy
-
-        cupy.cuda.Device(ordinal).use()
+def _select(ordinal: int, import_cupy: bool = False) -> None:
+    """Make ``ordinal`` the current device of the frameworks this process uses (the cell
+    runs on this thread).  PyTorch code should use ``gpushare_ext.device()``."""
+    global current_ordinal
+    current_ordinal = ordinal
+    if "cupy" in sys.modules or import_cupy:
+        try:
+            import cupy
+        except ImportError:
+            cupy = None
+        if cupy is not None:
+            cupy.cuda.Device(ordinal).use()
     if "numba.cuda" in sys.modules:
         from numba import cuda
 

@@ -18,6 +18,8 @@ from typing import Any
 
 from gpushare_ext.runtime.control import GATE_OFFSET, SIZE, ControlBlock
 
+_REGISTERED: set[int] = set()  # host pages registered with CUDA (once per process)
+
 
 class GateError(Exception):
     """The device gate could not be set up; the session falls back to the host gate."""
@@ -33,13 +35,16 @@ class DeviceGate:
         self._cu = cu
         self.block = block
         self._host_address = block.address()
-        cupy.cuda.Device().use()  # make sure the primary context exists and is current
-        (err,) = cu.cuMemHostRegister(self._host_address, SIZE, cu.CU_MEMHOSTREGISTER_DEVICEMAP)
-        if err != cu.CUresult.CUDA_SUCCESS:
-            raise GateError(f"cuMemHostRegister of the control block failed: {err}")
+        cupy.cuda.Device().use()  # make sure the current device's context exists
+        if self._host_address not in _REGISTERED:
+            # Portable: one registration serves every GPU this session moves to.
+            flags = cu.CU_MEMHOSTREGISTER_DEVICEMAP | cu.CU_MEMHOSTREGISTER_PORTABLE
+            (err,) = cu.cuMemHostRegister(self._host_address, SIZE, flags)
+            if err != cu.CUresult.CUDA_SUCCESS:
+                raise GateError(f"cuMemHostRegister of the control block failed: {err}")
+            _REGISTERED.add(self._host_address)
         err, device_pointer = cu.cuMemHostGetDevicePointer(self._host_address, 0)
         if err != cu.CUresult.CUDA_SUCCESS:
-            cu.cuMemHostUnregister(self._host_address)
             raise GateError(f"cuMemHostGetDevicePointer failed: {err}")
         self._gate_address = int(device_pointer) + GATE_OFFSET
         self.stream = cupy.cuda.Stream(non_blocking=True)
@@ -58,8 +63,10 @@ class DeviceGate:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.stream.synchronize()
-        with contextlib.suppress(Exception):
-            self._cu.cuMemHostUnregister(self._host_address)
+        if self._host_address in _REGISTERED:
+            _REGISTERED.discard(self._host_address)
+            with contextlib.suppress(Exception):
+                self._cu.cuMemHostUnregister(self._host_address)
 
 
 def open_device_gate(block: ControlBlock) -> tuple[DeviceGate | None, str]:

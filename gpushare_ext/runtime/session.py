@@ -180,6 +180,8 @@ class GpuSession:
         self._closed = False
         self.simulated = False
         self.yield_flag = None  # the device flag instrumented kernels poll (levels 1-2)
+        self.gates: dict[int, object] = {}  # CUDA ordinal -> DeviceGate
+        self._retired: list = []
 
     # ---- connection
 
@@ -212,32 +214,32 @@ class GpuSession:
         return client
 
     def _open_control_block(self, path: str) -> None:
-        if self.device_gate is not None:
-            self.device_gate.close()
-            self.device_gate = None
         if self.control_block is not None:
-            self.control_block.close()
+            # A GPU may still have the old page registered: keep it mapped, just unused.
+            self._retired.append((self.control_block, dict(self.gates)))
+        self.gates = {}
+        self.device_gate = None
         try:
             self.control_block = ControlBlock.open(path)
         except ControlBlockError as exc:
             self.control_block = None
             self.gate_note = f"no control block ({exc}): the session cannot be gated"
             return
-        if not self.simulated:
-            from gpushare_ext.runtime.gate import open_device_gate
-
-            self.device_gate, self.gate_note = open_device_gate(self.control_block)
-        else:
-            self.gate_note = "simulated GPU: launch points wait on the host gate"
+        # Device gates are opened at the first grant: opening one starts CUDA, which must
+        # wait until the lease has chosen the device.
+        self.gate_note = (
+            "simulated GPU: launch points wait on the host gate" if self.simulated else ""
+        )
 
     def close(self) -> None:
         self._closed = True
         for handle in list(self.leases.values()):
             with contextlib.suppress(BrokerError):
                 self.release(handle)
-        if self.device_gate is not None:
-            self.device_gate.close()
-            self.device_gate = None
+        for gate in self.gates.values():
+            gate.close()
+        self.gates = {}
+        self.device_gate = None
         if self.client is not None:
             self.client.close()
             self.client = None
@@ -358,9 +360,12 @@ class GpuSession:
         mps = bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")) or os.path.exists(
             "/tmp/nvidia-mps/control"
         )
+        # A first lease has no flag yet: it is made and registered right after the grant
+        # (a preemption that comes before that is escalated to the lock by the broker).
+        will_have_flag = options.instrumented_only and not self.simulated
         return Capabilities(
             gate=self.control_block is not None,
-            yield_flag=self.yield_flag is not None,
+            yield_flag=self.yield_flag is not None or will_have_flag,
             instrumented_only=options.instrumented_only,
             lockable=not mps,
         )
@@ -446,10 +451,13 @@ class GpuSession:
         handle.note(applied.how)
         if not self.simulated:
             memory.install_cupy_quota()
-            if self.device_gate is None and self.control_block is not None:
+            if applied.ordinal not in self.gates and self.control_block is not None:
                 from gpushare_ext.runtime.gate import open_device_gate
 
-                self.device_gate, self.gate_note = open_device_gate(self.control_block)
+                gate, self.gate_note = open_device_gate(self.control_block)
+                if gate is not None:
+                    self.gates[applied.ordinal] = gate
+            self.device_gate = self.gates.get(applied.ordinal)
             self._connect_kernels(handle)
         memory.apply_quota(placement.memory_bytes)
         handle.state = "running"

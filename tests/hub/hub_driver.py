@@ -106,7 +106,9 @@ class UserServer:
         """The broker's snapshot as this user sees it, from the gpushare server extension."""
         response = self.request("GET", "/gpushare/snapshot")
         if response.status_code != 200:
-            raise HubError(f"{self.name}: GET gpushare/snapshot: {response.status_code} {response.text}")
+            raise HubError(
+                f"{self.name}: GET gpushare/snapshot: {response.status_code} {response.text}"
+            )
         return response.json()
 
     def open_notebook(self, path: str) -> Kernel:
@@ -290,7 +292,9 @@ class Kernel:
         """Execute a cell and wait for it; fail with its output if it raised."""
         execution = self.start(code).wait(timeout)
         if not execution.succeeded():
-            raise HubError(f"cell failed in {self.server.name}'s kernel:\n{code}\n---\n{execution.text}")
+            raise HubError(
+                f"cell failed in {self.server.name}'s kernel:\n{code}\n---\n{execution.text}"
+            )
         return execution
 
     def close(self) -> None:

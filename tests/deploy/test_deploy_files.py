@@ -1,0 +1,350 @@
+"""The files in deploy/ are valid for the tools that read them, and agree with each other.
+
+* the example policy parses with the broker's own parser (so every key is one it accepts);
+* the IPython snippet really loads the extension in a real IPython;
+* the jupyter_server snippet really enables the server extension;
+* the JupyterHub snippet pins kernels to the system broker;
+* the systemd unit passes ``systemd-analyze verify``;
+* the Kubernetes objects pass ``kubernetes-validate --strict`` (offline schemas), and the
+  DaemonSet, the z2jh values and the runtime agree on where the socket is;
+* docs/deploy.md shows exactly the commands the hub test runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from traitlets.config.loader import PyFileConfigLoader
+
+from gpushare_ext.broker.config import parse_config
+from gpushare_ext.paths import SYSTEM_RUNTIME_DIR, SYSTEM_SOCKET
+from gpushare_ext.protocol import priority_value
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+K8S = DEPLOY / "kubernetes"
+GIB = 1024**3
+
+
+def load_yaml_documents(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def k8s_object(kind: str, name: str | None = None) -> dict:
+    for doc in load_yaml_documents(K8S / "gpushare-broker.yaml"):
+        if doc["kind"] == kind and (name is None or doc["metadata"]["name"] == name):
+            return doc
+    raise AssertionError(f"no {kind} {name or ''} in gpushare-broker.yaml")
+
+
+# ------------------------------------------------------------------ policy
+
+
+def test_the_example_policy_is_accepted_by_the_broker():
+    config = parse_config((DEPLOY / "broker.toml").read_text(), "deploy/broker.toml")
+    policy = config.policy
+    assert policy.admin_groups == ("gpuadmin",)
+    assert config.metrics_port == 9400
+
+    student = policy.limits_for("alice", ("users", "students"))
+    assert student.max_priority == priority_value("normal")
+    assert student.memory_quota == 16 * GIB
+    assert student.aging_per_minute == 20
+    assert student.slice.value == "shared"
+
+    staff = policy.limits_for("bob", ("staff",))
+    assert staff.max_priority == priority_value("high")
+    assert staff.memory_quota == 80 * GIB
+
+    nobody = policy.limits_for("carol", ())
+    assert nobody.memory_quota == 40 * GIB and nobody.default_memory == 8 * GIB
+
+
+def test_the_kubernetes_policy_is_the_same_policy_as_the_example():
+    in_cluster = parse_config(
+        k8s_object("ConfigMap", "gpushare-broker-config")["data"]["broker.toml"], "ConfigMap"
+    )
+    example = parse_config((DEPLOY / "broker.toml").read_text())
+    for groups in ((), ("students",), ("staff",)):
+        assert in_cluster.policy.limits_for("x", groups) == example.policy.limits_for("x", groups)
+
+
+def toml_blocks(markdown: Path) -> list[str]:
+    return re.findall(r"```toml\n(.*?)```", markdown.read_text(), re.DOTALL)
+
+
+def test_every_policy_example_in_the_docs_parses():
+    blocks = toml_blocks(REPO / "docs" / "policy.md")
+    assert blocks, "docs/policy.md should show the policy file"
+    for block in blocks:
+        parse_config(block, "a docs/policy.md example")
+
+
+def test_the_docs_show_the_example_policy_file_whole():
+    example = (DEPLOY / "broker.toml").read_text().strip()
+    assert example in [block.strip() for block in toml_blocks(REPO / "docs" / "policy.md")]
+
+
+# ------------------------------------------------------------------ Jupyter snippets
+
+
+def test_the_ipython_snippet_loads_the_extension_in_a_real_ipython(tmp_path):
+    profile = tmp_path / "ipython" / "profile_default"
+    profile.mkdir(parents=True)
+    shutil.copy(DEPLOY / "ipython_config.py", profile / "ipython_config.py")
+    env = {**os.environ, "IPYTHONDIR": str(tmp_path / "ipython"), "HOME": str(tmp_path)}
+    code = (
+        "ip = get_ipython(); "
+        "print('LOADED', 'gpushare_ext' in ip.extension_manager.loaded, "
+        "'gpu' in ip.magics_manager.magics['cell'])"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "IPython", "--no-banner", "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "LOADED True True" in done.stdout, done.stdout + done.stderr
+
+
+def test_the_ipython_snippet_keeps_extensions_from_other_config_files(tmp_path):
+    profile = tmp_path / "ipython" / "profile_default"
+    profile.mkdir(parents=True)
+    text = (DEPLOY / "ipython_config.py").read_text()
+    (profile / "ipython_config.py").write_text(
+        "c = get_config()\nc.InteractiveShellApp.extensions = ['autoreload']\n" + text
+    )
+    env = {**os.environ, "IPYTHONDIR": str(tmp_path / "ipython"), "HOME": str(tmp_path)}
+    code = "print('LOADED', sorted(get_ipython().extension_manager.loaded))"
+    done = subprocess.run(
+        [sys.executable, "-m", "IPython", "--no-banner", "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    assert "autoreload'" in done.stdout and "'gpushare_ext'" in done.stdout, done.stdout
+
+
+def test_the_server_snippet_enables_the_server_extension(tmp_path):
+    shutil.copy(DEPLOY / "jupyter_server_config.py", tmp_path / "jupyter_server_config.py")
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path), "HOME": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "jupyter_server", "extension", "list"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    listing = re.sub(r"\x1b\[[0-9;]*m", "", done.stdout + done.stderr)
+    assert re.search(r"gpushare_ext enabled", listing), listing
+    assert re.search(r"gpushare_ext \S+ OK", listing), listing
+
+
+def test_the_hub_snippet_runs_servers_from_the_hub_environment_pinned_to_the_system_broker():
+    config = PyFileConfigLoader("jupyterhub_config.py", path=str(DEPLOY)).load_config()
+    assert config.Spawner.cmd == [os.path.join(sys.prefix, "bin", "jupyterhub-singleuser")]
+    environment = config.Spawner.environment.get_value({})
+    assert environment["GPUSHARE_SOCKET"] == str(SYSTEM_SOCKET)
+
+
+# ------------------------------------------------------------------ systemd
+
+
+def test_the_systemd_unit_passes_systemd_analyze_verify(tmp_path):
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed: cannot verify the unit file")
+    unit = (DEPLOY / "gpushare-broker.service").read_text()
+    assert "ExecStart=/opt/gpushare/bin/gpushare broker --system" in unit
+    # verify checks that ExecStart's program exists: point it at this environment's.
+    here = Path(sys.prefix) / "bin" / "gpushare"
+    if not here.exists():
+        pytest.skip(f"{here} is missing: install the package to verify the unit")
+    (tmp_path / "gpushare-broker.service").write_text(
+        unit.replace("/opt/gpushare/bin/gpushare", str(here))
+    )
+    done = subprocess.run(
+        [analyze, "verify", str(tmp_path / "gpushare-broker.service")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    problems = [
+        line
+        for line in (done.stdout + done.stderr).splitlines()
+        if "gpushare-broker.service" in line
+    ]
+    assert done.returncode == 0 and not problems, done.stdout + done.stderr
+
+
+# ------------------------------------------------------------------ Kubernetes
+
+
+def test_every_kubernetes_object_passes_strict_schema_validation():
+    validate = pytest.importorskip(
+        "kubernetes_validate", reason="pip install kubernetes-validate (offline k8s schemas)"
+    )
+    version = validate.latest_version()
+    documents = load_yaml_documents(K8S / "gpushare-broker.yaml")
+    assert {doc["kind"] for doc in documents} >= {"DaemonSet", "ConfigMap", "Service"}
+    for document in documents:
+        validate.validate(document, version, strict=True)
+
+
+def test_the_daemonset_shares_the_socket_dir_and_may_pause_other_pods():
+    daemonset = k8s_object("DaemonSet")
+    pod = daemonset["spec"]["template"]["spec"]
+    broker = next(c for c in pod["containers"] if c["name"] == "broker")
+    assert pod["runtimeClassName"] == "nvidia"
+    assert pod["hostPID"] is True  # peer pids and cuCheckpointProcessLock(pid)
+    assert broker["securityContext"]["privileged"] is True
+    assert "nvidia.com/gpu" not in json.dumps(broker.get("resources", {}))
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in broker["volumeMounts"]}
+    assert volumes[mounts[str(SYSTEM_RUNTIME_DIR)]]["hostPath"]["path"] == str(SYSTEM_RUNTIME_DIR)
+    assert volumes[mounts["/var/lib/gpushare"]]["hostPath"]["path"] == "/var/lib/gpushare"
+    assert broker["command"][:3] == ["gpushare", "broker", "--system"]
+
+
+def test_the_init_container_writes_a_config_naming_the_node(tmp_path):
+    pod = k8s_object("DaemonSet")["spec"]["template"]["spec"]
+    init = pod["initContainers"][0]
+    (tmp_path / "config").mkdir()
+    (tmp_path / "etc").mkdir()
+    template = k8s_object("ConfigMap", "gpushare-broker-config")["data"]["broker.toml"]
+    (tmp_path / "config" / "broker.toml").write_text(template)
+    script = init["command"][2].replace("/config/", f"{tmp_path}/config/")
+    script = script.replace("/etc/gpushare/", f"{tmp_path}/etc/")
+    subprocess.run(["sh", "-c", script], env={**os.environ, "NODE_NAME": "gpu-node-7"}, check=True)
+    config = parse_config((tmp_path / "etc" / "broker.toml").read_text(), "rendered config")
+    assert config.node_name == "gpu-node-7"
+
+
+def test_the_metrics_service_and_monitor_reach_the_metrics_sidecar():
+    pod = k8s_object("DaemonSet")["spec"]["template"]["spec"]
+    ports = {p["name"] for c in pod["containers"] for p in c.get("ports", [])}
+    service = k8s_object("Service")
+    monitor = load_yaml_documents(K8S / "servicemonitor.yaml")[0]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["kind"] == "ServiceMonitor"
+    assert service["spec"]["ports"][0]["targetPort"] in ports
+    labels = k8s_object("DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
+    assert {e["port"] for e in monitor["spec"]["endpoints"]} <= {
+        p["name"] for p in service["spec"]["ports"]
+    }
+
+
+# The part of the z2jh chart's values this deployment relies on (chart 3.x/4.x names).
+Z2JH_SUBSET_SCHEMA = {
+    "type": "object",
+    "required": ["hub", "singleuser"],
+    "properties": {
+        "hub": {
+            "type": "object",
+            "properties": {
+                "extraConfig": {"type": "object", "additionalProperties": {"type": "string"}}
+            },
+        },
+        "singleuser": {
+            "type": "object",
+            "required": ["image", "extraEnv", "storage", "extraPodConfig"],
+            "properties": {
+                "image": {
+                    "type": "object",
+                    "required": ["name", "tag"],
+                    "properties": {"name": {"type": "string"}, "tag": {"type": "string"}},
+                },
+                "defaultUrl": {"type": "string"},
+                "extraPodConfig": {"type": "object"},
+                "extraResource": {
+                    "type": "object",
+                    "properties": {
+                        "limits": {"type": "object", "additionalProperties": {"type": "string"}},
+                        "guarantees": {
+                            "type": "object",
+                            "additionalProperties": {"type": "string"},
+                        },
+                    },
+                    "additionalProperties": False,
+                },
+                "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
+                "extraTolerations": {"type": "array", "items": {"type": "object"}},
+                "extraEnv": {"type": "object"},
+                "storage": {
+                    "type": "object",
+                    "properties": {
+                        "extraVolumes": {"type": "array", "items": {"type": "object"}},
+                        "extraVolumeMounts": {"type": "array", "items": {"type": "object"}},
+                    },
+                },
+                "fsGid": {"type": ["integer", "null"]},
+            },
+            "additionalProperties": False,
+        },
+    },
+    "additionalProperties": False,
+}
+
+
+def test_the_z2jh_values_mount_the_brokers_socket_dir_into_every_notebook_pod():
+    import jsonschema
+
+    values = yaml.safe_load((K8S / "z2jh-values.yaml").read_text())
+    jsonschema.validate(values, Z2JH_SUBSET_SCHEMA)
+    single = values["singleuser"]
+    volume = next(v for v in single["storage"]["extraVolumes"] if "hostPath" in v)
+    mount = next(m for m in single["storage"]["extraVolumeMounts"] if m["name"] == volume["name"])
+    assert volume["hostPath"]["path"] == str(SYSTEM_RUNTIME_DIR)
+    assert mount["mountPath"] == str(SYSTEM_RUNTIME_DIR)
+    assert single["extraEnv"]["GPUSHARE_SOCKET"] == str(SYSTEM_SOCKET)
+    assert single["extraPodConfig"]["runtimeClassName"] == "nvidia"
+    assert single["extraResource"]["limits"]["nvidia.com/gpu"] == "1"
+    # the hub's per-user uids are valid Python that defines the spawner hooks
+    namespace: dict = {"c": _Recorder()}
+    exec(values["hub"]["extraConfig"]["gpushare-identities"], namespace)
+    assert callable(namespace["gpushare_uid"])
+
+
+class _Recorder:
+    """A stand-in for traitlets' ``c``: any attribute path may be assigned."""
+
+    def __getattr__(self, name: str) -> _Recorder:
+        value = _Recorder()
+        object.__setattr__(self, name, value)
+        return value
+
+
+# ------------------------------------------------------------------ the walkthrough
+
+
+def test_the_walkthrough_shows_exactly_the_commands_the_hub_test_runs():
+    spec = importlib.util.spec_from_file_location(
+        "local_install", REPO / "tests" / "hub" / "local_install.py"
+    )
+    assert spec and spec.loader
+    local_install = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("local_install", local_install)
+    spec.loader.exec_module(local_install)
+    walkthrough = (REPO / "docs" / "deploy.md").read_text()
+    missing = [command for command in local_install.COMMANDS if command not in walkthrough]
+    assert not missing, f"docs/deploy.md lacks these commands of the hub test: {missing}"
