@@ -100,14 +100,16 @@ def main(argv: list[str] | None = None) -> int:
     run_parser.add_argument("--quick", action="store_true", help="smaller runs (smoke test)")
     run_parser.add_argument("--timeout", type=int, default=900, help="seconds allowed per suite")
     report_parser = sub.add_parser("report", help="plots and markdown from a results folder")
-    report_parser.add_argument("folder")
+    report_parser.add_argument(
+        "folders", nargs="+", help="results folders; plots go into the first"
+    )
     report_parser.add_argument("--readme", help="README to update between the bench markers")
     args = parser.parse_args(argv)
     if args.command == "run":
         return run(args)
     from benchmarks.report import build_report
 
-    return build_report(Path(args.folder), Path(args.readme) if args.readme else None)
+    return build_report([Path(f) for f in args.folders], Path(args.readme) if args.readme else None)
 
 
 if __name__ == "__main__":

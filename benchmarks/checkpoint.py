@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="gpushare-ckpt-"))
-    control = CudaProcessControl(1)
+    control = CudaProcessControl([0])
     rows = []
     try:
         for size in [float(s) for s in args.sizes.split(",")]:

@@ -107,6 +107,8 @@ def _start_broker(socket_path: Path, journal: Path, simulate: str | None) -> sub
     ]
     if simulate:
         command += ["--simulate", simulate]
+    else:
+        command += ["--devices", "0"]  # both sessions on one GPU: the demo is about contention
     log = open(socket_path.parent / "broker.log", "wb")  # noqa: SIM115 - lives as long as the broker
     process = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
     from gpushare_ext.runtime.embedded import broker_answers

@@ -113,7 +113,7 @@ def test_lock_pauses_and_eviction_frees_memory_then_everything_comes_back(tmp_pa
     tenant = subprocess.Popen(
         [sys.executable, "-c", TENANT, "2", str(ready), str(done)], env=_env()
     )
-    control = CudaProcessControl(1)
+    control = CudaProcessControl([0])
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / "ready.steps").exists():

@@ -1,0 +1,300 @@
+"""Turn a results folder into PNG plots and a markdown table; optionally update the README.
+
+Reads whatever suites the folder holds (``control_plane.json``, ``kernels_bench.json``,
+``contention.json``, ``checkpoint.json``), states device, driver and date for each, and
+marks every target as met or not -- an unmet target stays in the table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+MARK_START = "<!-- bench:start -->"
+MARK_END = "<!-- bench:end -->"
+
+
+def _load(folder: Path, name: str) -> dict | None:
+    path = folder / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("met" if ok else "**not met**")
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}f}"
+
+
+def _where(document: dict) -> str:
+    device = document.get("device") or "?"
+    driver = document.get("driver")
+    date = (document.get("date") or "?")[:10]
+    return f"{device}" + (f", driver {driver}" if driver else "") + f", {date}"
+
+
+def _plots(folder: Path, documents: dict[str, dict]) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    control = documents.get("control")
+    if control:
+        rows = control["results"]
+        clients = [r["clients"] for r in rows]
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        ax.plot(clients, [r["grant_ms"]["p50"] for r in rows], "o-", label="p50")
+        ax.plot(clients, [r["grant_ms"]["p99"] for r in rows], "s--", label="p99")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel("request -> grant (ms)")
+        ax.set_title("control plane")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(folder / "control_plane.png", dpi=120)
+        plt.close(fig)
+        made.append("control_plane.png")
+    contention = documents.get("contention")
+    if contention and contention.get("rows"):
+        rows = [r for r in contention["rows"] if r["mode"] != "alone"]
+        labels = sorted({(r["low"], r["mode"]) for r in rows})
+        kinds = sorted({r["request"] for r in rows})
+        fig, ax = plt.subplots(figsize=(8, 3.6))
+        width = 0.8 / max(1, len(kinds))
+        for k, kind in enumerate(kinds):
+            values = []
+            for low, mode in labels:
+                match = [
+                    r
+                    for r in rows
+                    if r["low"] == low and r["mode"] == mode and r["request"] == kind
+                ]
+                values.append(match[0]["p99_ratio"] if match else 0)
+            ax.bar([i + k * width for i in range(len(labels))], values, width, label=kind)
+        ax.axhline(1.03, color="green", linestyle=":", label="1.03 target (instrumented)")
+        ax.axhline(1.3, color="orange", linestyle=":", label="1.3 target (uninstrumented)")
+        ax.set_xticks([i + width * (len(kinds) - 1) / 2 for i in range(len(labels))])
+        ax.set_xticklabels([f"{low}\n{mode}" for low, mode in labels], fontsize=7)
+        ax.set_ylabel("p99 latency / alone")
+        ax.set_yscale("log")
+        ax.set_title("high-priority latency beside a saturating low-priority tenant")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(folder / "contention.png", dpi=120)
+        plt.close(fig)
+        made.append("contention.png")
+    checkpoint = documents.get("checkpoint")
+    if checkpoint:
+        rows = [r for r in checkpoint["rows"] if "error" not in r]
+        if rows:
+            fig, ax = plt.subplots(figsize=(5, 3.2))
+            sizes = [r["size_gib"] for r in rows]
+            ax.plot(sizes, [r["checkpoint_s"] for r in rows], "o-", label="evict (checkpoint)")
+            ax.plot(sizes, [r["restore_s"] for r in rows], "s-", label="restore")
+            ax.plot(sizes, [r["lock_ms"] / 1e3 for r in rows], "^-", label="lock")
+            ax.set_xlabel("resident device memory (GiB)")
+            ax.set_ylabel("seconds")
+            ax.set_title("level 3/4 actuators")
+            ax.legend()
+            fig.tight_layout()
+            fig.savefig(folder / "checkpoint.png", dpi=120)
+            plt.close(fig)
+            made.append("checkpoint.png")
+    kernels = documents.get("kernels")
+    if kernels and kernels.get("drain_in_process"):
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        series = kernels["drain_in_process"]
+        blocks = [v["logical_block_us"] for v in series.values()]
+        for key, style in (("p50", "o-"), ("p99", "s--"), ("p99_9", "^:")):
+            ax.plot(
+                blocks,
+                [v["end_to_end_us"][key] for v in series.values()],
+                style,
+                label=f"end to end {key}",
+            )
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("logical block (us)")
+        ax.set_ylabel("flag write -> drained (us)")
+        ax.set_title("yield latency (level 1)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(folder / "kernels_drain.png", dpi=120)
+        plt.close(fig)
+        made.append("kernels_drain.png")
+    return made
+
+
+def _control_section(doc: dict) -> list[str]:
+    lines = [
+        f"**Control plane** ({doc.get('host', '?')}, {doc.get('cpu_count', '?')} CPUs, {doc.get('date', '?')[:10]}; "
+        "request -> grant, each client its own connection)",
+        "",
+        "| clients | p50 ms | p99 ms | messages/s |",
+        "|---:|---:|---:|---:|",
+    ]
+    for row in doc["results"]:
+        lines.append(
+            f"| {row['clients']} | {_fmt(row['grant_ms']['p50'])} | {_fmt(row['grant_ms']['p99'])} | "
+            f"{row['messages_per_s']:.0f} |"
+        )
+    return [*lines, ""]
+
+
+def _contention_section(doc: dict) -> list[str]:
+    rows = doc["rows"]
+    lines = [
+        f"**Interactive latency under contention** ({_where(doc)}): the high-priority tenant's "
+        "latency over running alone in the same run",
+        "",
+        "| low-priority neighbour | mode | request | p50 ms | p99 ms | p50 x alone | p99 x alone | low kept | target | verdict |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for row in rows:
+        if row["mode"] == "alone":
+            continue
+        target, ok = "-", None
+        if row["mode"] == "full" and row["low"] == "instrumented":
+            target, ok = "p99 <= 1.03", row["p99_ratio"] <= 1.03
+        elif row["mode"] in ("levels03", "full"):
+            target, ok = "p99 <= 1.3", row["p99_ratio"] <= 1.3
+        kept = row.get("low_retained")
+        kept_text = (
+            "-" if kept is None or (isinstance(kept, float) and math.isnan(kept)) else f"{kept:.0%}"
+        )
+        if kept is not None and row["mode"] != "timeslice" and not math.isnan(kept):
+            target += ", kept >= 90 %"
+            ok = (ok if ok is not None else True) and kept >= 0.9
+        lines.append(
+            f"| {row['low']} | {row['mode']} | {row['request']} | {_fmt(row['p50_ms'])} | "
+            f"{_fmt(row['p99_ms'])} | {_fmt(row['p50_ratio'])} | {_fmt(row['p99_ratio'])} | {kept_text} | "
+            f"{target} | {_verdict(ok)} |"
+        )
+    for error in doc.get("errors", []):
+        lines.append(
+            f"| {error['low_kind']} | {error['mode']} | - | - | - | - | - | - | - | failed: {error['error'][:80]} |"
+        )
+    return [*lines, ""]
+
+
+def _checkpoint_section(doc: dict) -> list[str]:
+    lines = [
+        f"**Lock / evict / restore** ({_where(doc)}), through the broker's actuator",
+        "",
+        "| resident GiB | lock ms | evict s | MiB left on device | restore s | unlock ms | data intact |",
+        "|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in doc["rows"]:
+        if "error" in row:
+            lines.append(f"| {row['size_gib']} | failed: {row['error'][:60]} | | | | | |")
+            continue
+        lines.append(
+            f"| {row['size_gib']} | {_fmt(row['lock_ms'], 1)} | {_fmt(row['checkpoint_s'])} | "
+            f"{row['after_checkpoint_mib']} | {_fmt(row['restore_s'])} | {_fmt(row['unlock_ms'], 1)} | "
+            f"{'yes' if row['data_intact'] else '**no**'} |"
+        )
+    return [*lines, ""]
+
+
+def _kernels_section(doc: dict) -> list[str]:
+    lines = [
+        f"**Preemptible kernels** ({_where(doc)})",
+        "",
+        "| measure | figure | target | verdict |",
+        "|---|---|---|---|",
+    ]
+    for key, label in (
+        ("overhead_realistic_summary", "realistic sizes (>= 1 ms)"),
+        ("overhead_summary", "tiny sizes (10-25 us)"),
+    ):
+        summary = doc.get(key)
+        if summary:
+            median = summary["median"]
+            lines.append(
+                f"| overhead, {label}: median / worst | {median:+.1%} / {summary['worst']:+.1%} | median <= 3 % | "
+                f"{_verdict(median <= 0.03)} |"
+            )
+            if "fence_median" in summary:
+                lines.append(
+                    f"| fencing overhead, {label}: median | {summary['fence_median']:+.1%} | - | - |"
+                )
+    for name, series in (
+        ("in-process write", doc.get("drain_in_process", {})),
+        ("broker write via IPC", doc.get("drain_ipc", {})),
+    ):
+        for entry in series.values():
+            block = entry["logical_block_us"]
+            device = entry.get("first_seen_to_last_exit_us", {})
+            e2e = entry.get("end_to_end_us", {})
+            target, ok = "-", None
+            if block <= 10 and device.get("p99_9") is not None:
+                target, ok = "device p99.9 <= 18 us", device["p99_9"] <= 18
+            lines.append(
+                f"| drain, {block} us blocks, {name}: device p50/p99/p99.9 | "
+                f"{_fmt(device.get('p50'), 1)} / {_fmt(device.get('p99'), 1)} / {_fmt(device.get('p99_9'), 1)} us; "
+                f"end to end p50/p99.9 {_fmt(e2e.get('p50'), 0)} / {_fmt(e2e.get('p99_9'), 0)} us | {target} | {_verdict(ok)} |"
+            )
+    for row in doc.get("snapshot", []):
+        lines.append(
+            f"| snapshot / rollback, {row['mib']} MiB | {row['snapshot_gbps']:.0f} / {row['rollback_gbps']:.0f} GB/s "
+            f"(copy ceiling {row['copy_ceiling_gbps']:.0f}) | - | - |"
+        )
+    return [*lines, ""]
+
+
+def build_report(folders: list[Path], readme: Path | None = None) -> int:
+    """Report on ``folders`` (later ones fill in suites the earlier lack); plots and
+    ``report.md`` go into the first folder."""
+    documents: dict[str, dict] = {}
+    names = {
+        "control": "control_plane.json",
+        "kernels": "kernels_bench.json",
+        "contention": "contention.json",
+        "checkpoint": "checkpoint.json",
+    }
+    for folder in folders:
+        for key, name in names.items():
+            if key not in documents and (document := _load(folder, name)):
+                documents[key] = document
+    if not documents:
+        print(f"no results in {', '.join(map(str, folders))}")
+        return 1
+    target = folders[0]
+    images = _plots(target, documents)
+    sections = []
+    if "contention" in documents:
+        sections += _contention_section(documents["contention"])
+    if "kernels" in documents:
+        sections += _kernels_section(documents["kernels"])
+    if "checkpoint" in documents:
+        sections += _checkpoint_section(documents["checkpoint"])
+    if "control" in documents:
+        sections += _control_section(documents["control"])
+    body = "\n".join(sections)
+    (target / "report.md").write_text(
+        body + "\n" + "\n".join(f"![{i}]({i})" for i in images) + "\n"
+    )
+    print(body)
+    if readme is not None:
+        base = readme.resolve().parent
+        shown = " ".join(str(folder.resolve().relative_to(base)) for folder in folders)
+        relative = target.resolve().relative_to(base)
+        gallery = " ".join(f"![{i}]({relative / i})" for i in images)
+        text = readme.read_text()
+        block = (
+            f"{MARK_START}\nGenerated by `python -m benchmarks report {shown} --readme README.md`.\n\n"
+            f"{body}\n{gallery}\n{MARK_END}"
+        )
+        text = re.sub(
+            re.escape(MARK_START) + r".*?" + re.escape(MARK_END), lambda _: block, text, flags=re.S
+        )
+        readme.write_text(text)
+    return 0
