@@ -275,6 +275,7 @@ class Preempt(BrokerMessage, tag="preempt"):
 class Resume(BrokerMessage, tag="resume"):
     lease_id: str
     paused_s: float
+    note: str = ""  # set when the pause never took effect (e.g. the lock is unsupported)
 
 
 class Revoked(BrokerMessage, tag="revoked"):

@@ -276,12 +276,23 @@ class Ladder:
     ) -> str:
         """Stop ``target`` at ``level`` (levels below it too); return a note for status."""
         async with self._serial(target.pid):
+            needs_lock = level >= PreemptionLevel.LOCK or (
+                level in (PreemptionLevel.YIELD, PreemptionLevel.ABORT)
+                and target.yield_flag is None
+            )
             if target.control_block is not None:
                 state = (
                     SessionState.EVICTED if level == PreemptionLevel.EVICT else SessionState.PAUSED
                 )
+                # A lock waits until the work already queued has run, gate waits included:
+                # a closed gate would hold that work for ever.  So the gate closes only
+                # where nothing is locked (levels 0-2, or a simulated GPU).
+                simulated = self.control.kind == "simulated"
                 target.control_block.publish(
-                    gate_closed=True, state=state, level=int(level), reason=reason
+                    gate_closed=simulated or not needs_lock,
+                    state=state,
+                    level=int(level),
+                    reason=reason,
                 )
             notes = []
             if level in (PreemptionLevel.YIELD, PreemptionLevel.ABORT) or (
@@ -299,10 +310,6 @@ class Ladder:
                 elif level in (PreemptionLevel.YIELD, PreemptionLevel.ABORT):
                     # Kernels already in flight would not stop: the lock is what stops them.
                     notes.append("no yield flag registered: locked instead")
-            needs_lock = level >= PreemptionLevel.LOCK or (
-                level in (PreemptionLevel.YIELD, PreemptionLevel.ABORT)
-                and target.yield_flag is None
-            )
             if needs_lock and target.pid not in self._locked:
                 await self._run(
                     self.control.lock, target.pid, target.device_index, self.lock_timeout_ms

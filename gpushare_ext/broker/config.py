@@ -25,10 +25,8 @@ _BROKER_KEYS = {
     "metrics_port": int,
     "max_connections_per_uid": int,
     "max_requests_per_second": (int, float),
-    "heartbeat_timeout_s": (int, float),
     "reclaim_grace_s": (int, float),
     "lock_timeout_ms": int,
-    "watchdog_interval_s": (int, float),
     "socket_group": str,
     "admin_groups": list,
     "admin_users": list,
@@ -49,7 +47,6 @@ class BrokerConfig:
     max_requests_per_second: float = 200.0
     reclaim_grace_s: float = 30.0
     lock_timeout_ms: int = 5000
-    watchdog_interval_s: float = 2.0
     socket_group: str | None = None
     node_name: str | None = None
     devices: list[int] | None = None  # GPU indices this broker manages (None: all)

@@ -950,6 +950,16 @@ class Broker:
                     now=time.time(), lease_id=action.lease_id, level=action.level, reason=str(exc)
                 )
             )
+            conn = self.connections.get(action.session_id)
+            if conn is not None and action.level != PreemptionLevel.EVICT:
+                self._send(
+                    conn,
+                    Resume(
+                        lease_id=action.lease_id,
+                        paused_s=0.0,
+                        note=f"could not be paused ({exc}); it runs beside the other session",
+                    ),
+                )
             return
         if note:
             self.notes[action.lease_id] = note

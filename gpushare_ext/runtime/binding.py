@@ -95,6 +95,9 @@ def bind(placement: Placement, *, simulated: bool) -> Binding:
 def _ordinal_of(uuid: str) -> int:
     from cuda.bindings import driver as cu
 
+    (err,) = cu.cuInit(0)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise BindingError(f"cannot start CUDA: {err}")
     err, count = cu.cuDeviceGetCount()
     if err != cu.CUresult.CUDA_SUCCESS:
         raise BindingError(f"cannot count CUDA devices: {err}")

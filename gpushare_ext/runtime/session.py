@@ -176,6 +176,7 @@ class GpuSession:
         self.started_embedded = False
         self._lock = threading.RLock()
         self._reconnecting = threading.Event()
+        self._connected_path: Path | None = None
         self._early: dict[str, list[BrokerMessage]] = {}  # notices that beat their lease handle
         self._closed = False
         self.simulated = False
@@ -195,8 +196,10 @@ class GpuSession:
                 return self.client
             return self._connect(reclaim=[])
 
-    def _connect(self, reclaim: list[str]) -> BrokerClient:
-        path = self.socket_path
+    def _connect(self, reclaim: list[str], path: Path | None = None) -> BrokerClient:
+        # A reconnect goes back to the broker it knew: while a system broker restarts its
+        # socket is briefly gone, and starting an embedded one then would lose the leases.
+        path = path or self.socket_path
         uses_system = path == SYSTEM_SOCKET or (self._explicit_socket is not None)
         if not broker_answers(path) and not uses_system and "GPUSHARE_SOCKET" not in os.environ:
             path, started = ensure_embedded_broker(path)
@@ -209,6 +212,7 @@ class GpuSession:
         client = BrokerClient(path, client="kernel", notebook=self.notebook, reclaim=reclaim)
         client.add_listener(self._on_message)
         self.client = client
+        self._connected_path = path
         self.simulated = client.welcome.inventory == "simulated"
         self._open_control_block(client.welcome.control_block)
         return client
@@ -292,12 +296,14 @@ class GpuSession:
                 handle.output.show(handle.display_key + "-pause", handle.pause_text + " ...")
         elif isinstance(message, Resume):
             handle.state = "running"
-            handle.note(f"resumed after {message.paused_s:.1f} s")
+            text = (
+                f"gpushare: {message.note}"
+                if message.note
+                else f"{handle.pause_text}; resumed after {message.paused_s:.2f} s"
+            )
+            handle.note(text)
             if handle.output is not None:
-                handle.output.show(
-                    handle.display_key + "-pause",
-                    f"{handle.pause_text}; resumed after {message.paused_s:.2f} s",
-                )
+                handle.output.show(handle.display_key + "-pause", text)
         elif isinstance(message, Revoked):
             handle.revoked = message.reason
             handle.state = "revoked"
@@ -329,7 +335,7 @@ class GpuSession:
                 ]
                 try:
                     with self._lock:
-                        client = self._connect(reclaim=held)
+                        client = self._connect(reclaim=held, path=self._connected_path)
                 except (BrokerError, OSError, Exception):
                     continue
                 for lease_id in held:

@@ -9,7 +9,7 @@ import sqlite3
 import threading
 
 from broker_wire import start_holder, status_of, wait_for
-from conftest import launch_broker, run_as
+from support import launch_broker, run_as
 
 from gpushare_ext.broker.journal import Journal, JournaledLease
 from gpushare_ext.protocol import Granted, Preempt

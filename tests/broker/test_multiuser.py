@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 from broker_wire import status_of
-from conftest import is_root, launch_broker, run_as
+from support import is_root, launch_broker, run_as
 
 from gpushare_ext.protocol import ErrorCode, Granted
 from gpushare_ext.runtime.client import BrokerClient, BrokerError

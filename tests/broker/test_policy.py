@@ -181,7 +181,7 @@ def test_an_unknown_broker_key_is_named():
 
 
 @pytest.mark.parametrize(
-    "line", ['metrics_port = "9400"', "max_connections_per_uid = true", "watchdog_interval_s = []"]
+    "line", ['metrics_port = "9400"', "max_connections_per_uid = true", "reclaim_grace_s = []"]
 )
 def test_a_broker_key_of_the_wrong_type_is_named(line):
     with pytest.raises(PolicyError) as raised:

@@ -21,7 +21,7 @@ import urllib.request
 
 import pytest
 from broker_wire import RawClient, start_holder, status_of, visible_state, wait_for
-from conftest import free_port, is_root, launch_broker, run_as
+from support import free_port, is_root, launch_broker, run_as
 
 from gpushare_ext.protocol import (
     MAX_FRAME_BYTES,

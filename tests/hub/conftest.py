@@ -28,9 +28,12 @@ import pytest
 from hub_driver import Hub, HubError
 from local_install import (
     INSTALL_POLICY,
+    PREFIX,
     REPO,
+    STAFF,
     START_BROKER,
     START_HUB,
+    STUDENT,
     Install,
     ensure_user,
     environment_without_venv,
@@ -38,11 +41,8 @@ from local_install import (
     run,
 )
 
-PREFIX = Path("/opt/gpushare-e2e")
 SYSTEM_RUNTIME_DIR = Path("/run/gpushare")
 SYSTEM_SOCKET = SYSTEM_RUNTIME_DIR / "broker.sock"
-STUDENT = "gps-alice"  # group students: at most priority normal, 16 GiB
-STAFF = "gps-bob"  # group staff: may ask for priority high
 START_TIMEOUT_S = 60
 
 

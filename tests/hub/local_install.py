@@ -18,6 +18,10 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+PREFIX = Path("/opt/gpushare-e2e")  # the world-readable venv the hub and its users run
+STUDENT = "gps-alice"  # group students: at most priority normal, 16 GiB
+STAFF = "gps-bob"  # group staff: may ask for priority high
+
 REPO = Path(__file__).resolve().parents[2]
 
 #: 1. A world-readable virtual environment built with the system interpreter (the root

@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PREFIX, STAFF, STUDENT
 from hub_driver import HubError, Kernel, UserServer
+from local_install import PREFIX, STAFF, STUDENT
 
 pytestmark = [pytest.mark.hub, pytest.mark.timeout(420)]
 

@@ -29,7 +29,13 @@ from gpushare_ext.runtime.kernels import (
 )
 from gpushare_ext.runtime.kernels.cli import classify_main
 from gpushare_ext.runtime.kernels.frontends import compile_numba
-from gpushare_ext.runtime.kernels.launch import _array_extent, bind_arguments, initial_record
+from gpushare_ext.runtime.kernels.launch import (
+    _array_extent,
+    _param_array,
+    _parse_record,
+    bind_arguments,
+    initial_record,
+)
 from gpushare_ext.runtime.kernels.transform import PROGRESS_RECORD_BYTES, RecordLayout
 
 VARIANTS = [
@@ -379,6 +385,23 @@ def test_initial_progress_record_layout():
     assert struct.unpack_from("<I", raw, RecordLayout.NEXT_BLOCK) == (7,)
     assert struct.unpack_from("<Q", raw, RecordLayout.FIRST_YIELD_NS) == ((1 << 64) - 1,)
     assert struct.unpack_from("<Q", raw, RecordLayout.FENCED) == (0,)
+
+
+def test_record_header_round_trip_and_parse():
+    state = _parse_record(initial_record(42)[: RecordLayout.SCRATCH])
+    assert state["next"] == 42 and state["first_yield_ns"] == (1 << 64) - 1
+    assert state["fenced"] == state["aborted"] == state["finished"] == 0
+
+
+def test_param_array_points_at_each_value():
+    import ctypes
+
+    values = [struct.pack("<Q", 0xDEADBEEF12), struct.pack("<f", 1.5), b"\x01", bytes(range(16))]
+    ptrs, keep = _param_array(values)
+    for i, v in enumerate(values):
+        assert ptrs[i] % 16 == 0, "each value starts 16-byte aligned"
+        assert ctypes.string_at(ptrs[i], len(v)) == v
+    del keep
 
 
 # -- CLI -----------------------------------------------------------------------------

@@ -109,10 +109,16 @@ def _check(result: Any, what: str) -> Any:
     return rest or None
 
 
+_initialised = False
+
+
 def _ensure_context(device: int | None = None) -> Any:
     """Make the device's primary context current (CuPy's context when CuPy is in use)."""
+    global _initialised
     drv = _driver()
-    _check(drv.cuInit(0), "cuInit")
+    if not _initialised:  # cuInit once per process (it is idempotent, but not free)
+        _check(drv.cuInit(0), "cuInit")
+        _initialised = True
     ctx = _check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
     if ctx is not None and int(ctx) != 0 and device is None:
         return ctx
@@ -152,13 +158,22 @@ def _fit_version(ptx: str) -> str:
 
 
 class _ModuleCache:
+    """Loaded modules, their functions and occupancy, per context (loaded once each)."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._mods: dict[tuple[int, str], Any] = {}
+        self._fns: dict[tuple[int, str, str], Any] = {}
+        self._occupancy: dict[tuple[int, int, int], int] = {}
 
-    def function(self, ptx: str, name: str) -> Any:
+    def function(self, ptx: str, name: str, ctx: Any = None) -> Any:
         drv = _driver()
-        ctx = _ensure_context()
+        if ctx is None:
+            ctx = _ensure_context()
+        fkey = (int(ctx), ptx, name)
+        fn = self._fns.get(fkey)
+        if fn is not None:
+            return fn
         key = (int(ctx), ptx)
         with self._lock:
             mod = self._mods.get(key)
@@ -174,7 +189,23 @@ class _ModuleCache:
                     )
                 mod = result[1]
                 self._mods[key] = mod
-        return _check(drv.cuModuleGetFunction(mod, name.encode()), f"cuModuleGetFunction({name})")
+            fn = _check(drv.cuModuleGetFunction(mod, name.encode()), f"cuModuleGetFunction({name})")
+            self._fns[fkey] = fn
+        return fn
+
+    def blocks_per_sm(self, fn: Any, threads: int, shared: int) -> int:
+        """``cuOccupancyMaxActiveBlocksPerMultiprocessor``, cached per (function, block)."""
+        key = (int(fn), threads, shared)
+        n = self._occupancy.get(key)
+        if n is None:
+            n = int(
+                _check(
+                    _driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, threads, shared),
+                    "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+                )
+            )
+            self._occupancy[key] = n
+        return n
 
 
 _modules = _ModuleCache()
@@ -226,7 +257,13 @@ class YieldFlag:
             _check(drv.cuMemsetD32(ptr, 0, 1), "cuMemsetD32")
             device_ptr = int(ptr)
         self.device_ptr = int(device_ptr)
-        self._stream = _side_stream()
+        self._stream_handle: Any = None  # created on first use: launches never need it
+
+    @property
+    def _stream(self) -> Any:
+        if self._stream_handle is None:
+            self._stream_handle = _side_stream()
+        return self._stream_handle
 
     def set(self, value: int = 1) -> None:
         _write_word(self._stream, self.device_ptr, value)
@@ -259,8 +296,10 @@ class YieldFlag:
         if self._owned and self.device_ptr:
             drv.cuMemFree(drv.CUdeviceptr(self.device_ptr))
             self.device_ptr = 0
-        with contextlib.suppress(Exception):
-            drv.cuStreamDestroy(self._stream)
+        if self._stream_handle is not None:
+            with contextlib.suppress(Exception):
+                drv.cuStreamDestroy(self._stream_handle)
+            self._stream_handle = None
 
 
 _opened: dict[tuple[bytes, int], tuple[int, Any]] = {}
@@ -303,6 +342,11 @@ def set_session_yield_flag(flag: Any) -> None:
     _session_flag = flag
 
 
+# Wrappers around flags given as an address (or an object with ``.device_ptr``), one per
+# address: wrapping once keeps launches from creating a stream each time.
+_flag_views: dict[int, YieldFlag] = {}
+
+
 def _as_flag(flag: Any) -> YieldFlag:
     if flag is None:
         global _session_flag
@@ -311,8 +355,11 @@ def _as_flag(flag: Any) -> YieldFlag:
         flag = _session_flag
     if isinstance(flag, YieldFlag):
         return flag
-    ptr = flag.device_ptr if hasattr(flag, "device_ptr") else int(flag)
-    return YieldFlag(device_ptr=int(ptr))
+    ptr = int(flag.device_ptr if hasattr(flag, "device_ptr") else flag)
+    view = _flag_views.get(ptr)
+    if view is None:
+        view = _flag_views[ptr] = YieldFlag(device_ptr=ptr)
+    return view
 
 
 # ---------------------------------------------------------------------------------------
@@ -432,10 +479,20 @@ def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _param_array(values: Sequence[bytes]) -> tuple[Any, list[Any]]:
-    bufs = [ctypes.create_string_buffer(v, max(len(v), 1)) for v in values]
-    ptrs = (ctypes.c_void_p * max(len(bufs), 1))(*[ctypes.addressof(b) for b in bufs])
-    return ptrs, bufs
+def _param_array(values: Sequence[bytes]) -> tuple[Any, Any]:
+    """``kernelParams`` for cuLaunchKernel: one host buffer holding every value (each at a
+    16-byte aligned offset) and the array of pointers into it. Keep both alive until the
+    launch call returns (the driver copies the values during the call)."""
+    offsets = []
+    blob = bytearray()
+    for v in values:
+        offsets.append(len(blob))
+        blob += v
+        blob += b"\0" * (-len(blob) % 16)
+    buf = ctypes.create_string_buffer(bytes(blob), max(len(blob), 8))
+    base = ctypes.addressof(buf)
+    ptrs = (ctypes.c_void_p * max(len(values), 1))(*[base + o for o in offsets])
+    return ptrs, buf
 
 
 def _dim3(v: Any) -> tuple[int, int, int]:
@@ -505,27 +562,31 @@ class _Device:
     _cache: ClassVar[dict[int, tuple[int, str]]] = {}
 
     @classmethod
-    def sm_count(cls) -> int:
-        drv = _driver()
-        ctx = _ensure_context()
-        dev = _check(drv.cuCtxGetDevice(), "cuCtxGetDevice")
+    def sm_count(cls, ctx: Any = None) -> int:
+        if ctx is None:
+            ctx = _ensure_context()
         key = int(ctx)
-        if key not in cls._cache:
-            n = _check(
-                drv.cuDeviceGetAttribute(
-                    drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev
-                ),
-                "cuDeviceGetAttribute",
-            )
-            cls._cache[key] = (int(n), "")
-        return cls._cache[key][0]
+        hit = cls._cache.get(key)
+        if hit is not None:
+            return hit[0]
+        drv = _driver()
+        dev = _check(drv.cuCtxGetDevice(), "cuCtxGetDevice")
+        n = _check(
+            drv.cuDeviceGetAttribute(
+                drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev
+            ),
+            "cuDeviceGetAttribute",
+        )
+        cls._cache[key] = (int(n), "")
+        return int(n)
 
 
-def _read_record(record: Any) -> dict[str, int]:
-    import numpy as np
+# The part of the record the launcher writes before and reads after each slice (the fence
+# scratch area after it is never read).
+_RECORD_HEADER = RecordLayout.SCRATCH
 
-    host = record.get()  # a small D2H copy on the current stream (after a sync)
-    raw = np.asarray(host, dtype=np.uint8).tobytes()
+
+def _parse_record(raw: bytes) -> dict[str, int]:
     L = RecordLayout
     (nxt,) = struct.unpack_from("<I", raw, L.NEXT_BLOCK)
     (fin,) = struct.unpack_from("<I", raw, L.FINISHED)
@@ -540,6 +601,14 @@ def _read_record(record: Any) -> dict[str, int]:
     }  # fmt: skip
 
 
+def _read_record(record: Any) -> dict[str, int]:
+    """Read a record held in a CuPy array (a D2H copy and a sync; benchmarks use this)."""
+    import numpy as np
+
+    host = record.get()
+    return _parse_record(np.asarray(host, dtype=np.uint8).tobytes())
+
+
 def initial_record(start_block: int = 0) -> bytes:
     raw = bytearray(PROGRESS_RECORD_BYTES)
     struct.pack_into("<I", raw, RecordLayout.NEXT_BLOCK, start_block)
@@ -547,20 +616,73 @@ def initial_record(start_block: int = 0) -> bytes:
     return bytes(raw)
 
 
-def _write_record(record: Any, start_block: int, stream: Any) -> None:
-    import numpy as np
+class _PinnedSlot:
+    """Page-locked host memory for one launch's record traffic: the header written before
+    each slice (``[H, 2H)``) and the header read back after it (``[0, H)``).
 
-    host = np.frombuffer(initial_record(start_block), dtype=np.uint8)
-    record.set(host, stream=stream)
+    Both copies are ``cuMemcpy*Async`` on the launch stream: the write is ordered before
+    the launch and the read right behind it, so the one wait for the stream covers the
+    kernel and the read-back (no second round trip, no allocation, no memset kernel).
+    The header source is only rewritten after a wait for the stream, so a copy never reads
+    it while it changes. Slots are reused; one whose copies may still be in flight (an
+    interrupted launch that could not drain) is never put back.
+    """
+
+    _free: ClassVar[list[int]] = []
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self) -> None:
+        with self._lock:
+            ptr = self._free.pop() if self._free else None
+        if ptr is None:
+            drv = _driver()  # portable: page-locked for every context (device)
+            ptr = int(
+                _check(
+                    drv.cuMemHostAlloc(2 * _RECORD_HEADER, drv.CU_MEMHOSTALLOC_PORTABLE),
+                    "cuMemHostAlloc",
+                )
+            )
+        self.ptr = ptr
+
+    def write_header(self, record_ptr: int, start_block: int, stream_handle: int) -> None:
+        drv = _driver()
+        src = self.ptr + _RECORD_HEADER
+        ctypes.memmove(src, initial_record(start_block), _RECORD_HEADER)
+        _check(
+            drv.cuMemcpyHtoDAsync(
+                drv.CUdeviceptr(record_ptr), src, _RECORD_HEADER, drv.CUstream(stream_handle)
+            ),
+            "cuMemcpyHtoDAsync(progress record)",
+        )
+
+    def enqueue_read(self, record_ptr: int, stream_handle: int) -> None:
+        drv = _driver()
+        _check(
+            drv.cuMemcpyDtoHAsync(
+                self.ptr, drv.CUdeviceptr(record_ptr), _RECORD_HEADER, drv.CUstream(stream_handle)
+            ),
+            "cuMemcpyDtoHAsync(progress record)",
+        )
+
+    def parse(self) -> dict[str, int]:
+        return _parse_record(ctypes.string_at(self.ptr, _RECORD_HEADER))
+
+    def release(self) -> None:
+        with self._lock:
+            self._free.append(self.ptr)
 
 
 def _wait(stream_handle: int) -> None:
-    """Wait for the stream with short sleeps so that Ctrl-C can land meanwhile."""
+    """Wait for the stream with short sleeps so that Ctrl-C can land meanwhile.
+
+    The sleep grows with the time already waited but stays under a tenth of it (at most
+    1 ms), so a launch is not noticed much later than it ends.
+    """
     drv = _driver()
     event = _check(drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
     try:
         _check(drv.cuEventRecord(event, drv.CUstream(stream_handle)), "cuEventRecord")
-        delay = 2e-5
+        t0 = time.perf_counter()
         while True:
             err = drv.cuEventQuery(event)
             err = err[0] if isinstance(err, tuple) else err
@@ -568,8 +690,7 @@ def _wait(stream_handle: int) -> None:
                 return
             if err != drv.CUresult.CUDA_ERROR_NOT_READY:
                 _check(err, "kernel execution")
-            time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
+            time.sleep(min(1e-3, max(1e-5, 0.1 * (time.perf_counter() - t0))))
     finally:
         drv.cuEventDestroy(event)
 
@@ -633,10 +754,10 @@ def launch_kernel(
     report = kernel.report
     cls = classify_launch(report, bound.extents)
     sh = _stream_handle(stream)
-    stream_obj = cupy.cuda.ExternalStream(sh) if sh else cupy.cuda.Stream.null
+    ctx = _ensure_context()
 
     if not preemptible or mode in (LaunchMode.OFF, "off"):
-        fn = _modules.function(kernel.ptx, kernel.entry.name)
+        fn = _modules.function(kernel.ptx, kernel.entry.name, ctx)
         _launch_raw(fn, g, b, shared_mem, sh, bound.values)
         out = LaunchReport(kernel.entry.name, LaunchMode.OFF, cls, total, total, launches=1)
         kernel.last_launch = out
@@ -656,7 +777,7 @@ def launch_kernel(
         variant: PreemptibleKernel = kernel.preemptible(abort_checks=use_abort, fence=fence)
     except KernelError as exc:
         # Not transformable (grid sync, early exit before a barrier ...): run it as is.
-        fn = _modules.function(kernel.ptx, kernel.entry.name)
+        fn = _modules.function(kernel.ptx, kernel.entry.name, ctx)
         _launch_raw(fn, g, b, shared_mem, sh, bound.values)
         out = LaunchReport(kernel.entry.name, LaunchMode.OFF, cls, total, total, launches=1)
         out.notes.append(f"not instrumented: {exc.message}")
@@ -665,14 +786,10 @@ def launch_kernel(
             _wait(sh)
         return out
 
-    fn = _modules.function(variant.ptx, kernel.entry.name)
+    fn = _modules.function(variant.ptx, kernel.entry.name, ctx)
     # Persistent grid: the SM share, else what fits on the device at once.
-    sms = _Device.sm_count()
-    drv = _driver()
-    per_sm = _check(
-        drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, b[0] * b[1] * b[2], shared_mem),
-        "cuOccupancyMaxActiveBlocksPerMultiprocessor",
-    )
+    sms = _Device.sm_count(ctx)
+    per_sm = _modules.blocks_per_sm(fn, b[0] * b[1] * b[2], shared_mem)
     if per_sm < 1:
         raise KernelError("does-not-fit", "the block does not fit on one SM", step="launch")
     k_blocks = sms * int(per_sm)
@@ -683,7 +800,10 @@ def launch_kernel(
     persistent = max(1, min(k_blocks, total))
 
     flag = _as_flag(yield_flag)
-    record = cupy.zeros(PROGRESS_RECORD_BYTES, dtype=cupy.uint8)
+    # The record: from CuPy's pool without a memset (its header is written before every
+    # slice; the fence scratch area after it is never read).
+    record = cupy.empty(PROGRESS_RECORD_BYTES, dtype=cupy.uint8)
+    record_ptr = int(record.data.ptr)
     out = LaunchReport(kernel.entry.name, chosen, cls, total, persistent)
     if use_abort:
         out.notes.append("flag checks at loop back-edges (abort mode)")
@@ -702,36 +822,47 @@ def launch_kernel(
             if n == 0:
                 continue
             copy = cupy.empty(n, dtype=cupy.uint8)
-            cupy.cuda.runtime.memcpyAsync(copy.data.ptr, addr, n, 3, stream_obj.ptr)
+            cupy.cuda.runtime.memcpyAsync(copy.data.ptr, addr, n, 3, sh)
             snapshots.append((addr, copy, n))
             out.snapshot_bytes += n
 
     def restore() -> None:
         for addr, copy, n in snapshots:
-            cupy.cuda.runtime.memcpyAsync(addr, copy.data.ptr, n, 3, stream_obj.ptr)
+            cupy.cuda.runtime.memcpyAsync(addr, copy.data.ptr, n, 3, sh)
         out.restored = True
 
-    def fence_values() -> list[bytes]:
-        vals = []
-        for p in variant.fenced_params:
-            addr, n = bound.extents.get(p, (0, 0))
-            vals += [struct.pack("<Q", addr), struct.pack("<Q", n)]
-        return vals
+    # The parameters are the same for every slice but `stop`: packed once.
+    fence_vals: list[bytes] = []
+    for p in variant.fenced_params:
+        addr, n = bound.extents.get(p, (0, 0))
+        fence_vals += [struct.pack("<Q", addr), struct.pack("<Q", n)]
+    head = [
+        *bound.values,
+        struct.pack("<Q", record_ptr),
+        struct.pack("<Q", flag.device_ptr),
+        struct.pack("<I", g[0]),
+        struct.pack("<I", g[1]),
+        struct.pack("<I", g[2]),
+    ]
+    slot = _PinnedSlot()
+    drained = True  # False while a slice may still run or a record copy is in flight
+
+    def write_record(start_block: int) -> None:
+        nonlocal drained
+        drained = False
+        slot.write_header(record_ptr, start_block, sh)
 
     def run_slice(stop: int) -> dict[str, int]:
-        extra = [
-            struct.pack("<Q", record.data.ptr),
-            struct.pack("<Q", flag.device_ptr),
-            struct.pack("<I", g[0]),
-            struct.pack("<I", g[1]),
-            struct.pack("<I", g[2]),
-            struct.pack("<I", stop),
-            *fence_values(),
-        ]
-        _launch_raw(fn, (persistent, 1, 1), b, shared_mem, sh, [*bound.values, *extra])
+        nonlocal drained
+        drained = False
+        _launch_raw(
+            fn, (persistent, 1, 1), b, shared_mem, sh, [*head, struct.pack("<I", stop), *fence_vals]
+        )
         out.launches += 1
+        slot.enqueue_read(record_ptr, sh)  # behind the kernel: the wait below covers it
         _wait(sh)
-        return _read_record(record)
+        drained = True
+        return slot.parse()
 
     def undo() -> None:
         """Abort: put the buffers back as they were before the launch."""
@@ -753,10 +884,10 @@ def launch_kernel(
             take_snapshot()
         # Simulated aborts: run a prefix, then undo it and start again.
         for cut in aborts:
-            _write_record(record, 0, stream_obj)
+            write_record(0)
             run_slice(cut)
             undo()
-        _write_record(record, 0, stream_obj)
+        write_record(0)
         start = 0
         pending = list(cuts)
         while start < total:
@@ -772,7 +903,7 @@ def launch_kernel(
             if state["aborted"]:
                 undo()
                 wait_for_resume(flag)
-                _write_record(record, 0, stream_obj)
+                write_record(0)
                 out.fenced_accesses = 0
                 start = 0
                 pending = []
@@ -785,8 +916,9 @@ def launch_kernel(
                 out.yields += 1  # a deterministic cut
             start = done_to
             if start < total:
-                _write_record(record, start, stream_obj)
+                write_record(start)
         kernel.last_launch = out
+        slot.release()
         return out
     except BaseException:
         # Ctrl-C or an error: stop the kernel, wait for it to drain, undo its writes.
@@ -794,10 +926,13 @@ def launch_kernel(
             before = flag.read()
             flag.set(1)
             _wait(sh)
+            drained = True
             flag.set(before)
         if snapshots:
             with contextlib.suppress(BaseException):
                 restore()
                 _wait(sh)
+        if drained:  # else a record copy may still be in flight: never reuse the slot
+            slot.release()
         kernel.last_launch = out
         raise

@@ -1,0 +1,308 @@
+"""Shared fixtures: a real broker subprocess on a simulated H200, and running code as a user.
+
+``start_broker(...)`` starts ``gpushare broker --simulate ...`` on a socket in a fresh
+short temporary directory (Unix socket paths are limited to 108 bytes), waits until it
+answers a status request, and stops it with SIGTERM when the test ends.  ``broker`` is
+the common case: the socket path of a user-mode broker on the shipped H200 readout.
+
+``run_as(user, fn, *args)`` runs ``fn`` in a forked child that first became ``user``
+(setgid/setuid; forked children need no interpreter of their own, so the root-only
+Python is fine) and returns what it returned.  ``spawn_as`` keeps the child alive and
+talks to it through a pipe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from gpushare_ext.runtime.client import BrokerClient, BrokerError
+
+BROKER_START_TIMEOUT_S = 15.0
+_FORK = multiprocessing.get_context("fork")
+
+
+@dataclass
+class RunningBroker:
+    """A broker subprocess and where it keeps its things."""
+
+    process: subprocess.Popen
+    socket: Path
+    journal: Path
+    directory: Path
+    log: Path
+    argv: list[str]
+    metrics_port: int | None = None
+    extra_dirs: list[Path] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        """Send ``sig`` and wait for the exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=5)
+            raise AssertionError(f"broker did not exit within {timeout} s after {sig}") from None
+
+    def kill9(self) -> None:
+        self.process.kill()
+        self.process.wait(timeout=10)
+
+    def output(self) -> str:
+        with contextlib.suppress(OSError):
+            return self.log.read_text()
+        return ""
+
+
+def short_tempdir(prefix: str = "gps-") -> Path:
+    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_until_answering(running: RunningBroker, timeout: float = BROKER_START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        if running.process.poll() is not None:
+            raise AssertionError(
+                f"broker exited with {running.process.returncode}:\n{running.output()}"
+            )
+        if running.socket.exists():
+            try:
+                with BrokerClient(running.socket, client="cli", connect_timeout=2) as client:
+                    client.status()
+                return
+            except BrokerError as exc:
+                last = str(exc)
+        time.sleep(0.05)
+    raise AssertionError(f"broker did not answer within {timeout} s ({last}):\n{running.output()}")
+
+
+def launch_broker(
+    *,
+    directory: Path | None = None,
+    simulate: str = "h200",
+    config_toml: str | None = None,
+    system: bool = False,
+    metrics_port: int | None = None,
+    journal: Path | None = None,
+    extra_args: tuple[str, ...] = (),
+    wait: bool = True,
+) -> RunningBroker:
+    """Start ``gpushare broker`` on a simulated inventory; return once it answers."""
+    directory = directory or short_tempdir()
+    directory.mkdir(parents=True, exist_ok=True)
+    sock = directory / "broker.sock"
+    journal = journal or directory / "journal.sqlite"
+    argv = [
+        sys.executable, "-m", "gpushare_ext.cli", "broker",
+        "--simulate", simulate,
+        "--socket", str(sock),
+        "--journal", str(journal),
+        "--log-level", "debug",
+    ]  # fmt: skip
+    if system:
+        argv.append("--system")
+    if config_toml is not None:
+        config = directory / "broker.toml"
+        config.write_text(config_toml)
+        argv += ["--config", str(config)]
+    if metrics_port is not None:
+        argv += ["--metrics-port", str(metrics_port)]
+    argv += list(extra_args)
+    log = directory / "broker.log"
+    env = dict(os.environ)
+    env.pop("GPUSHARE_SOCKET", None)
+    with open(log, "ab") as out:
+        process = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    running = RunningBroker(
+        process=process, socket=sock, journal=journal, directory=directory, log=log, argv=argv,
+        metrics_port=metrics_port,
+    )  # fmt: skip
+    if wait:
+        try:
+            wait_until_answering(running)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                running.stop(signal.SIGKILL, timeout=5)
+            raise
+    return running
+
+
+@pytest.fixture
+def start_broker() -> Iterator[Callable[..., RunningBroker]]:
+    """Factory: ``start_broker(config_toml=..., simulate=..., system=...)``; all stopped after."""
+    started: list[RunningBroker] = []
+
+    def start(**kwargs) -> RunningBroker:
+        running = launch_broker(**kwargs)
+        started.append(running)
+        return running
+
+    yield start
+    for running in started:
+        if running.process.poll() is None:
+            with contextlib.suppress(AssertionError):
+                running.stop(signal.SIGTERM, timeout=10)
+        shutil.rmtree(running.directory, ignore_errors=True)
+
+
+@pytest.fixture
+def running_broker(start_broker) -> RunningBroker:
+    """A user-mode broker on the simulated H200."""
+    return start_broker()
+
+
+@pytest.fixture
+def broker(running_broker: RunningBroker) -> Path:
+    """The socket path of a user-mode broker on the simulated H200."""
+    return running_broker.socket
+
+
+# ------------------------------------------------------------------ running as a user
+
+
+def become(user: str | None) -> None:
+    """In a forked child: drop to ``user`` (no-op for None)."""
+    if user is None:
+        return
+    entry = pwd.getpwnam(user)
+    os.setgroups(os.getgrouplist(entry.pw_name, entry.pw_gid))
+    os.setgid(entry.pw_gid)
+    os.setuid(entry.pw_uid)
+    os.environ["HOME"] = entry.pw_dir
+    os.environ["USER"] = entry.pw_name
+
+
+def _child_main(user: str | None, fn: Callable, args: tuple, conn) -> None:
+    try:
+        become(user)
+        result = ("ok", fn(*args))
+    except BaseException as exc:
+        result = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    try:
+        conn.send(result)
+    finally:
+        conn.close()
+        os._exit(0)
+
+
+def run_as(user: str | None, fn: Callable, *args, timeout: float = 30.0):
+    """Run ``fn(*args)`` in a forked child that became ``user``; return its (picklable) result."""
+    parent, child = _FORK.Pipe()
+    process = _FORK.Process(target=_child_main, args=(user, fn, args, child), daemon=True)
+    process.start()
+    child.close()
+    try:
+        if not parent.poll(timeout):
+            raise AssertionError(f"child running as {user} did not finish within {timeout} s")
+        status, value = parent.recv()
+    finally:
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+    if status != "ok":
+        raise AssertionError(f"child running as {user} failed: {value}")
+    return value
+
+
+@dataclass
+class ForkedUser:
+    """A live forked child running as some user; ``send``/``recv`` talk to its function."""
+
+    process: multiprocessing.process.BaseProcess
+    conn: object
+
+    def send(self, value) -> None:
+        self.conn.send(value)  # type: ignore[attr-defined]
+
+    def recv(self, timeout: float = 30.0):
+        if not self.conn.poll(timeout):  # type: ignore[attr-defined]
+            raise AssertionError(f"forked child said nothing within {timeout} s")
+        status, value = self.conn.recv()  # type: ignore[attr-defined]
+        if status == "error":
+            raise AssertionError(f"forked child failed: {value}")
+        return value
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid  # type: ignore[return-value]
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=5)
+
+
+def _spawned_main(user: str | None, fn: Callable, args: tuple, conn) -> None:
+    class Channel:
+        def send(self, value) -> None:
+            conn.send(("ok", value))
+
+        def recv(self):
+            return conn.recv()
+
+    try:
+        become(user)
+        fn(Channel(), *args)
+    except BaseException as exc:
+        with contextlib.suppress(Exception):
+            conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        os._exit(0)
+
+
+def spawn_as(user: str | None, fn: Callable, *args) -> ForkedUser:
+    """Start ``fn(channel, *args)`` in a forked child that became ``user``; it stays alive."""
+    parent, child = _FORK.Pipe()
+    process = _FORK.Process(target=_spawned_main, args=(user, fn, args, child), daemon=True)
+    process.start()
+    child.close()
+    return ForkedUser(process=process, conn=parent)
+
+
+@pytest.fixture
+def forked_users() -> Iterator[Callable[..., ForkedUser]]:
+    """Factory around :func:`spawn_as` that kills every child at the end of the test."""
+    children: list[ForkedUser] = []
+
+    def spawn(user: str | None, fn: Callable, *args) -> ForkedUser:
+        child = spawn_as(user, fn, *args)
+        children.append(child)
+        return child
+
+    yield spawn
+    for child in children:
+        child.stop()
+
+
+def is_root() -> bool:
+    return os.geteuid() == 0
