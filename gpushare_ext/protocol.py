@@ -243,6 +243,7 @@ class Placement(msgspec.Struct, frozen=True, kw_only=True):
     memory_bytes: int
     sm_share: float = 1.0
     max_blocks_per_sm_share: int | None = None  # persistent-block cap for transformed kernels
+    mps: bool = False  # the host runs an MPS daemon: apply the share as MPS limits
 
     @property
     def cuda_visible_devices(self) -> str:

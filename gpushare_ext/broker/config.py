@@ -32,6 +32,7 @@ _BROKER_KEYS = {
     "admin_users": list,
     "sharing": str,
     "evict_when_memory_needed": bool,
+    "mps": bool,
     "node_name": str,
     "devices": list,
 }

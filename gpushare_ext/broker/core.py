@@ -54,6 +54,7 @@ from gpushare_ext.protocol import (
 )
 
 MIB = 1024 * 1024
+CONTEXT_ALLOWANCE = 1024 * MIB
 ACTIVE_STATES = (LeaseState.QUEUED, LeaseState.RUNNING, LeaseState.PAUSED, LeaseState.EVICTED)
 
 
@@ -593,7 +594,9 @@ class Scheduler:
         if not running:
             return []
         quota = sum(lease.memory_bytes for lease in running)
-        tolerance = 64 * MIB  # the CUDA context itself lives outside the quota
+        # NVML counts the CUDA context and library workspaces (several hundred MiB on a
+        # Hopper GPU) against the process; the quota is about the data.
+        tolerance = CONTEXT_ALLOWANCE + quota // 20
         if event.used_bytes <= quota + tolerance:
             return []
         actions: list[Action] = []
@@ -918,6 +921,7 @@ class Scheduler:
                 memory_bytes=lease.memory_bytes,
                 sm_share=lease.sm_share,
                 max_blocks_per_sm_share=blocks if lease.sm_share < 1.0 else None,
+                mps=self.policy.mps and slot.mig_uuid is None,
             )
             return [
                 Grant(

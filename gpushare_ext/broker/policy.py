@@ -122,6 +122,7 @@ class Policy:
     groups: dict[str, dict] = field(default_factory=dict)
     users: dict[str, dict] = field(default_factory=dict)
     evict_when_memory_needed: bool = True
+    mps: bool = False  # an MPS daemon serves the GPUs: shares become MPS limits
 
     def limits_for(self, user: str, groups: tuple[str, ...]) -> Limits:
         limits = self.defaults
@@ -205,6 +206,7 @@ def policy_from_document(document: dict) -> Policy:
         groups=dict(groups),
         users=dict(users),
         evict_when_memory_needed=bool(broker.get("evict_when_memory_needed", True)),
+        mps=bool(broker.get("mps", False)),
     )
 
 

@@ -79,6 +79,10 @@ def bind(placement: Placement, *, simulated: bool) -> Binding:
         ordinal = _ordinal_of(placement.device_uuid)
         _select(ordinal)
         return Binding(visible=current, ordinal=ordinal, how=f"selected CUDA device {ordinal}")
+    if placement.mps:
+        note = apply_mps_limits(placement, initialised)
+        if note:
+            raise BindingError(note)
     if not initialised:
         os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA ordinals = NVML indices
         ordinal = placement.device_index
@@ -90,6 +94,30 @@ def bind(placement: Placement, *, simulated: bool) -> Binding:
         ordinal=ordinal,
         how=f"selected GPU {placement.device_index} (CUDA device {ordinal})",
     )
+
+
+def apply_mps_limits(placement: Placement, initialised: bool) -> str:
+    """Turn the lease's SM share and memory into this MPS client's limits.
+
+    MPS reads them when the client connects, i.e. at CUDA initialisation; returns a
+    sentence explaining the problem when it is too late, "" when applied.
+    """
+    percentage = str(max(1, round(placement.sm_share * 100)))
+    limit = f"{placement.device_index}={placement.memory_bytes >> 20}M"
+    wanted = {
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": percentage,
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": limit,
+    }
+    if initialised:
+        if all(os.environ.get(key) == value for key, value in wanted.items()):
+            return ""
+        return (
+            f"this MPS client started CUDA before the lease; its limits ({percentage} % of the "
+            f"SMs, {placement.memory_bytes >> 20} MiB) apply only from the start: restart the "
+            "kernel and run the %%gpu cell first"
+        )
+    os.environ.update(wanted)
+    return ""
 
 
 def _ordinal_of(uuid: str) -> int:

@@ -133,14 +133,35 @@ def numba_memory_manager():
     return QuotaMemoryManager
 
 
+NUMBA_MANAGER_ENV = "NUMBA_CUDA_MEMORY_MANAGER"
+
+
 def install_numba_quota() -> bool:
-    """Install the EMM plugin; must happen before Numba creates its CUDA context."""
-    try:
-        from numba import cuda
-    except ImportError:
-        return False
+    """Make Numba allocate through :class:`QuotaMemoryManager`.
+
+    Numba reads ``NUMBA_CUDA_MEMORY_MANAGER`` (a module with ``_numba_memory_manager``)
+    when it is imported, so the variable covers a later ``import numba``; if Numba is
+    already imported, the manager is set directly.  Either must happen before Numba
+    creates its CUDA context; False when that moment has passed.
+    """
+    import os
+    import sys
+
+    os.environ.setdefault(NUMBA_MANAGER_ENV, __name__)
+    if "numba.cuda" not in sys.modules:
+        return True
+    from numba import cuda
+
     try:
         cuda.set_memory_manager(numba_memory_manager())
     except Exception:  # a context exists already: Numba refuses a new manager
         return False
     return True
+
+
+def __getattr__(name: str):
+    # Numba imports this module by the name in NUMBA_CUDA_MEMORY_MANAGER and asks for
+    # ``_numba_memory_manager``; build the class only then (it needs numba-cuda).
+    if name == "_numba_memory_manager":
+        return numba_memory_manager()
+    raise AttributeError(name)

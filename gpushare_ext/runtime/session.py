@@ -457,6 +457,7 @@ class GpuSession:
         handle.note(applied.how)
         if not self.simulated:
             memory.install_cupy_quota()
+            memory.install_numba_quota()
             if applied.ordinal not in self.gates and self.control_block is not None:
                 from gpushare_ext.runtime.gate import open_device_gate
 
