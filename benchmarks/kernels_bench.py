@@ -108,10 +108,12 @@ class Timer:
         return out
 
 
-def raw_launcher(k, case, fence: bool, sized=None):
+def raw_launcher(k, case, fence: bool, sized=None, chunk=None):
     """Callables that launch the original and the transformed kernel once, whole grid, no
     Python loop, plus the (untimed) record reset. ``sized``: (grid, block, shared, args)
-    instead of the case's own small problem."""
+    instead of the case's own small problem. ``chunk``: logical blocks per claim (an int,
+    or a one-element list the caller may change between launches); default: the
+    launcher's choice for a first launch (``choose_chunk`` without a measurement)."""
     import cupy as cp
 
     from gpushare_ext.runtime.kernels import launch as L
@@ -130,6 +132,9 @@ def raw_launcher(k, case, fence: bool, sized=None):
     sms = L._Device.sm_count()
     per_sm = L._modules.blocks_per_sm(fn, b[0] * b[1] * b[2], shared)
     persistent = max(1, min(total, sms * int(per_sm)))
+    if chunk is None:
+        chunk = L.choose_chunk(total, persistent, None)
+    chunk_box = chunk if isinstance(chunk, list) else [int(chunk)]
     record = cp.zeros(PROGRESS_RECORD_BYTES, dtype=cp.uint8)
     init = cp.asarray(np.frombuffer(L.initial_record(0), dtype=np.uint8))
     flag = L._as_flag(None)
@@ -138,13 +143,19 @@ def raw_launcher(k, case, fence: bool, sized=None):
         addr, n = bound.extents.get(p, (0, 0))
         fence_vals += [struct.pack("<Q", addr), struct.pack("<Q", n)]
     extra = [struct.pack("<Q", record.data.ptr), struct.pack("<Q", flag.device_ptr),
-             *(struct.pack("<I", v) for v in g), struct.pack("<I", total), *fence_vals]  # fmt: skip
+             *(struct.pack("<I", v) for v in g), struct.pack("<I", total)]  # fmt: skip
 
     def reset():
         record[:] = init
 
     def transformed():
-        L._launch_raw(fn, (persistent, 1, 1), b, shared, 0, [*bound.values, *extra])
+        vals = [*bound.values, *extra, struct.pack("<I", chunk_box[0]), *fence_vals]
+        L._launch_raw(fn, (persistent, 1, 1), b, shared, 0, vals)
+
+    transformed.record = record  # for calibration: read after a launch
+    transformed.persistent = persistent
+    transformed.total = total
+    transformed.chunk = chunk_box
 
     def original():
         L._launch_raw(orig, g, b, shared, 0, bound.values)
@@ -156,27 +167,66 @@ def _err(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:500]
 
 
-def _overhead_row(cp, timer: Timer, k, case, reps: int, sized=None) -> dict:
-    orig, plain, reset1 = raw_launcher(k, case, fence=False, sized=sized)
-    _, fenced, reset2 = raw_launcher(k, case, fence=True, sized=sized)
+def _calibrate_chunk(cp, launch, reset, rounds: int = 3) -> tuple[int, float | None]:
+    """The launcher's adaptive choice: start from the first-launch chunk, measure the time
+    per logical block from the record's stamps (as ``launch_kernel`` does after each
+    completed slice) and re-choose, a few rounds. Returns (chunk, ns per logical block)."""
+    from gpushare_ext.runtime.kernels import launch as L
+
+    est = None
+    box = launch.chunk
+    box[0] = L.choose_chunk(launch.total, launch.persistent, None)
+    for _ in range(rounds):
+        reset()
+        launch()
+        cp.cuda.Device().synchronize()
+        rec = L._read_record(launch.record)
+        if rec["end_ns"] > rec["start_ns"] and launch.total >= 2 * launch.persistent:
+            new = (rec["end_ns"] - rec["start_ns"]) * launch.persistent / launch.total
+            est = new if est is None else 0.5 * (est + new)
+        box[0] = L.choose_chunk(launch.total, launch.persistent, est)
+    return box[0], est
+
+
+SWEEP_CHUNKS = (1, 4, 16, 64)
+
+
+def _overhead_row(cp, timer: Timer, k, case, reps: int, sized=None, sweep=False) -> dict:
+    orig, plain, reset1 = raw_launcher(k, case, fence=False, sized=sized, chunk=[1])
+    _, fenced, reset2 = raw_launcher(k, case, fence=True, sized=sized, chunk=[1])
+    chunk, block_ns = _calibrate_chunk(cp, plain, reset1)
+    fenced.chunk[0] = chunk
     t0 = timer(orig, reps)
     t1 = timer(plain, reps, prepare=reset1)  # the record reset is not timed
     t2 = timer(fenced, reps, prepare=reset2)
     o, p, f = pct(t0, 50), pct(t1, 50), pct(t2, 50)
-    return {
+    row = {
         "kernel": case.id, "original_us": o, "preemptible_us": p, "fenced_us": f,
         "overhead": p / o - 1, "fence_overhead": f / p - 1,
         "added_us": p - o, "fence_added_us": f - p, "reps": reps,
+        "chunk": chunk, "logical_block_ns": block_ns,
+        "persistent_blocks": plain.persistent,
     }  # fmt: skip
+    if sweep:  # forced chunk sizes: the data to tune CHUNK_TARGET_US with
+        by = {}
+        for c in SWEEP_CHUNKS:
+            plain.chunk[0] = c
+            by[str(c)] = pct(timer(plain, max(3, reps // 2), prepare=reset1), 50) / o - 1
+        plain.chunk[0] = chunk
+        row["overhead_by_chunk"] = by
+    return row
 
 
 def _print_row(row: dict) -> None:
     if "error" in row:
         print(f"  {row['kernel']:40s} FAILED: {row['error']}")
         return
+    by = row.get("overhead_by_chunk")
+    sweep = (" | " + " ".join(f"C{c}:{100 * v:+.1f}%" for c, v in by.items())) if by else ""
     print(
         f"  {row['kernel']:40s} {row['original_us']:9.1f} us  "
-        f"+{100 * row['overhead']:6.1f}%  fence +{100 * row['fence_overhead']:6.1f}%"
+        f"+{100 * row['overhead']:6.1f}% (chunk {row.get('chunk')})  "
+        f"fence +{100 * row['fence_overhead']:6.1f}%{sweep}"
     )
 
 
@@ -376,12 +426,12 @@ def bench_overhead_realistic(
                 del sized, orig
                 _free(cp)
                 scale *= 2
-            row = _overhead_row(cp, timer, k, case, reps, sized=sized)
+            row = _overhead_row(cp, timer, k, case, reps, sized=sized, sweep=True)
             g, b = sized[0], sized[1]
             row.update(scale=scale, grid=list(g), block=list(b),
                        logical_blocks=g[0] * g[1] * g[2])  # fmt: skip
             if case.verdict == "idempotent":
-                row["matches_original"] = _same_outputs(cp, k, case, sized)
+                row["matches_original"] = _same_outputs(cp, k, case, sized, row["chunk"])
         except Exception as exc:
             row["error"] = _err(exc)
         finally:
@@ -392,13 +442,13 @@ def bench_overhead_realistic(
     return rows
 
 
-def _same_outputs(cp, k, case, sized) -> bool:
+def _same_outputs(cp, k, case, sized, chunk=None) -> bool:
     """Idempotent kernels only: the transformed kernel's outputs equal the original's (its
     write-set is filled with a byte pattern first, so an output it skips shows up)."""
     from gpushare_ext.runtime.kernels import launch as L
 
     args = sized[3]
-    orig, plain, reset = raw_launcher(k, case, fence=False, sized=sized)
+    orig, plain, reset = raw_launcher(k, case, fence=False, sized=sized, chunk=chunk)
     bound = L.bind_arguments(k, args)
     outputs = [bound.arrays[p] for p in k.report.write_set if p in bound.arrays]
     orig()
@@ -488,13 +538,15 @@ def bench_drain(cp, block_us: list[int], reps: int, ipc: bool) -> dict:
             device, e2e, seen = [], [], []
             before_stamp = 0
             total = min(1 << 20, max(64 * sms, int(200_000 / max(us, 1)) * sms))
+            # What the launcher would pick once it has measured blocks of `us`.
+            chunk = L.choose_chunk(total, sms, us * 1000.0)
             for _ in range(reps):
                 flag.clear()
                 record.set(np.frombuffer(L.initial_record(0), dtype=np.uint8), stream=stream)
                 vals = bound_vals(k, out_buf, us * 1000)
                 extra = [struct.pack("<Q", record.data.ptr), struct.pack("<Q", flag.device_ptr),
                          struct.pack("<I", total), struct.pack("<I", 1), struct.pack("<I", 1),
-                         struct.pack("<I", total)]  # fmt: skip
+                         struct.pack("<I", total), struct.pack("<I", chunk)]  # fmt: skip
                 L._launch_raw(fn, (sms, 1, 1), (32, 1, 1), 0, stream.ptr, [*vals, *extra])
                 time.sleep(0.001 + 2 * us * 1e-6)  # let it run a few logical blocks
                 t0 = time.perf_counter()
@@ -536,12 +588,12 @@ def bench_drain(cp, block_us: list[int], reps: int, ipc: bool) -> dict:
                         before_stamp += 1
                     seen.append((rec["last_exit_ns"] - rec["first_yield_ns"]) / 1e3)
             results[f"{us}us"] = {
-                "logical_block_us": us, "device_drain_us": summary(device),
+                "logical_block_us": us, "chunk": chunk, "device_drain_us": summary(device),
                 "first_seen_to_last_exit_us": summary(seen), "end_to_end_us": summary(e2e),
                 "drained_before_stamp": before_stamp,
             }  # fmt: skip
             print(
-                f"  block {us:5d} us: drain after stamp p50 {pct(device, 50):8.1f} us "
+                f"  block {us:5d} us (chunk {chunk}): drain after stamp p50 {pct(device, 50):8.1f} us "
                 f"p99.9 {pct(device, 99.9):8.1f} ({before_stamp} drained before the stamp) | "
                 f"first seen->last exit p50 {pct(seen, 50):6.1f} us | "
                 f"end-to-end p50 {pct(e2e, 50):8.1f} p99.9 {pct(e2e, 99.9):8.1f} us"

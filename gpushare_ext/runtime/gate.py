@@ -7,6 +7,10 @@ while it waits (measured: released 22 us after the host write).  The session str
 a CuPy stream made current for the cell, so CuPy work and Numba kernels given
 ``gpushare_ext.stream()`` queue behind the gate.
 
+A wait is enqueued only while the gate is closed: the broker closes it for levels
+0-2, and keeps it open when it locks the process (a lock waits for queued work to
+drain, and work held behind a closed gate would never drain).
+
 Without a GPU (simulated broker) a safe point blocks the calling thread on the host
 while the gate is closed -- the same contract, enforced on the CPU.
 """
@@ -49,8 +53,16 @@ class DeviceGate:
         self._gate_address = int(device_pointer) + GATE_OFFSET
         self.stream = cupy.cuda.Stream(non_blocking=True)
 
-    def hold_here(self, stream: Any | None = None) -> None:
-        """Enqueue 'wait until the gate is open' on ``stream`` (default: the session stream)."""
+    def hold_here(self, stream: Any | None = None, *, always: bool = False) -> None:
+        """Enqueue 'wait until the gate is open' on ``stream`` (default: the session stream).
+
+        Only while the gate is closed (a host read of the word): an open gate costs the
+        stream nothing, and a wait queued on every step would keep the GPU's front end
+        polling host memory.  A gate that closes just after the check is honoured at the
+        next launch point.  ``always`` enqueues regardless (tests, the cell's start).
+        """
+        if not always and not self.block.gate_closed:
+            return
         cu = self._cu
         target = self.stream if stream is None else stream
         handle = target.ptr if hasattr(target, "ptr") else int(target)

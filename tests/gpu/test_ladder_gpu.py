@@ -183,7 +183,7 @@ def test_closed_gate_holds_work_queued_behind_it_without_blocking_the_host():
     try:
         block.publish(gate_closed=True, state=SessionState.PAUSED)
         with gate.stream:
-            gate.hold_here()
+            gate.hold_here()  # the gate is closed: the wait is queued
             y = x * 3
             done = cupy.cuda.Event()
             done.record()

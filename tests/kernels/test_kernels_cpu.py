@@ -30,10 +30,14 @@ from gpushare_ext.runtime.kernels import (
 from gpushare_ext.runtime.kernels.cli import classify_main
 from gpushare_ext.runtime.kernels.frontends import compile_numba
 from gpushare_ext.runtime.kernels.launch import (
+    CHUNK_MAX,
     _array_extent,
+    _BlockTimes,
+    _fit_chunk,
     _param_array,
     _parse_record,
     bind_arguments,
+    choose_chunk,
     initial_record,
 )
 from gpushare_ext.runtime.kernels.transform import PROGRESS_RECORD_BYTES, RecordLayout
@@ -183,19 +187,24 @@ def test_transformed_entry_structure(case: Case):
     # Block ids and grid dims come from the logical id, never from the hardware.
     assert not re.search(r"%n?ctaid\.[xyz]", body), "hardware block ids left in the body"
     # One ret, at the uniform exit; original returns branch to the end of the block.
-    assert body.count("ret;") == 1 and "$__gs_exit:\n\tret;" in body
-    # The leader checks the flag before it takes an id.
+    assert body.count("ret;") == 1 and "\tret;\n}" in body
+    exit_ = _section(body, "$__gs_exit:", "ret;")
+    assert "bra" not in exit_ and f"[%gs_prog+{RecordLayout.END_NS}]" in exit_
+    # The leader checks the flag before it claims a chunk of ids.
     flag = body.index("ld.volatile.global.u32 %gs_flagv, [%gs_flag]")
-    grab = body.index("atom.global.add.u32 %gs_id, [%gs_prog+0], 1")
+    grab = body.index("atom.global.add.u32 %gs_base, [%gs_prog+0], %gs_chunk")
     assert flag < grab
     assert body.index("@!%gs_leader bra $__gs_wait") < flag
-    # The id reaches every thread through shared memory after a barrier; exit is uniform.
+    # The base reaches every thread through shared memory after a barrier; exit is uniform.
     wait = body.index("$__gs_wait:")
-    assert body.index("barrier.sync 0;", wait) < body.index("ld.shared.u32 %gs_id, [__gs_slot]")
-    assert "setp.ge.u32 %gs_pend, %gs_id, %gs_stop;" in body
-    # A barrier closes each logical block before the next id is taken.
+    assert body.index("barrier.sync 0;", wait) < body.index("ld.shared.u32 %gs_base, [%gs_sa]")
+    assert "setp.ge.u32 %gs_pend, %gs_base, %gs_stop;" in body
+    # The chunk is clipped at stop, and the next dispatch's barrier closes it.
+    assert "sub.u32 %gs_t, %gs_stop, %gs_base;" in body
+    assert "min.u32 %gs_t, %gs_t, %gs_chunk;" in body
     done = body.index("$__gs_done:")
-    assert body[done:].index("barrier.sync 0;") < body[done:].index("bra $__gs_next;")
+    assert body.index("bra $__gs_block;", done) < body.index("bra $__gs_next;", done)
+    assert body.index("bra $__gs_next;", done) < body.index("$__gs_exit:")
     # Extra parameters, in the documented order, after the original ones.
     names = [p.name for p in pk.extra_params]
     assert names == [
@@ -205,11 +214,63 @@ def test_transformed_entry_structure(case: Case):
         "__gs_gridy",
         "__gs_gridz",
         "__gs_stop",
+        "__gs_chunk",
     ]
     assert [p.name for p in pk.original_params] == [p.name for p in k.entry.params]
     # .version and .target are the input's.
     assert re.search(r"^\.version (\S+)", pk.ptx, re.M).group(1) == k.module.version
     assert re.search(r"^\.target (\S+)", pk.ptx, re.M).group(1) == k.module.target
+
+
+def _section(body: str, start: str, end: str) -> str:
+    a = body.index(start)
+    return body[a : body.index(end, a)]
+
+
+@pytest.mark.parametrize("case", TRANSFORMABLE, ids=lambda c: c.id)
+def test_chunk_loop_checks_the_flag_and_claims_once_per_chunk(case: Case):
+    k = load(case.file, case.kernel)
+    body = entry_text(k.preemptible().ptx, k.entry.name)
+    flag_load = "ld.volatile.global.u32 %gs_flagv, [%gs_flag];"
+    claim = "atom.global.add.u32 %gs_base, [%gs_prog+0], %gs_chunk;"
+    # Exactly one flag load and one claim in the whole kernel (yield mode), both in the
+    # dispatch (between $__gs_next and $__gs_wait), outside the per-block loop.
+    assert body.count(flag_load) == 1 and body.count(claim) == 1
+    assert body.count("atom.global.add.u32 %gs_") == 1
+    dispatch = _section(body, "$__gs_next:", "$__gs_wait:")
+    assert flag_load in dispatch and claim in dispatch
+    per_block = _section(body, "$__gs_block:", "$__gs_chunkend:")
+    assert flag_load not in per_block and "%gs_prog+0]" not in per_block
+    # The per-block loop: the id advances and branches back while below the chunk's end.
+    tail = _section(body, "$__gs_done:", "$__gs_chunkend:")
+    assert "add.u32 %gs_id, %gs_id, 1;" in tail
+    assert "setp.lt.u32 %gs_pmore, %gs_id, %gs_lim;" in tail
+    assert "bra $__gs_block;" in tail
+    # The logical id is decomposed inside the loop, once per logical block.
+    assert "rem.u32 %gs_cx, %gs_id, %gs_nx;" in _section(body, "$__gs_block:", "$__gs_done:")
+    # One barrier per chunk in the dispatch; a barrier between logical blocks only for
+    # kernels with barriers or shared memory.
+    assert "barrier.sync" not in dispatch
+    assert _section(body, "$__gs_wait:", "$__gs_block:").count("barrier.sync 0;") == 1
+    pk = k.preemptible()
+    needs = bool(k.report.barriers) or ".shared" in k.ptx.split(f".entry {k.entry.name}(")[1]
+    assert pk.chunk_sync == needs, (case.id, pk.chunk_sync)
+    assert tail.count("barrier.sync 0;") == (1 if needs else 0), tail
+
+
+def test_chunk_barrier_only_where_shared_memory_or_barriers_are_used():
+    plain = ["vector_add.cu:vector_add", "saxpy.cu:saxpy", "early_return.cu:clamp_copy",
+             "grids.cu:fill_3d", "copy_shift.cu:copy_shift"]  # fmt: skip
+    synced = ["matmul_tiled.cu:matmul_tiled", "dynamic_shared.cu:reverse_blocks",
+              "stencil.cu:stencil_1d", "scan_block.cu:block_scan"]  # fmt: skip
+    for ident in plain + synced:
+        file, name = ident.split(":")
+        k = load(file, name)
+        for opts in VARIANTS:
+            pk = k.preemptible(abort_checks=opts.abort_checks, fence=opts.fence)
+            tail = _section(entry_text(pk.ptx, k.entry.name), "$__gs_done:", "$__gs_chunkend:")
+            assert ("barrier.sync 0;" in tail) == (ident in synced), (ident, opts.key)
+            assert pk.chunk_sync == (ident in synced)
 
 
 def test_original_returns_become_branches_to_the_block_end():
@@ -319,6 +380,22 @@ def test_transformed_kernels_assemble_for_sm80(case: Case, opts: TransformOption
     assemble(pk.ptx, "sm_80")
 
 
+@pytest.mark.parametrize("case", [c for c in TRANSFORMABLE if c.id not in SM80], ids=lambda c: c.id)
+def test_every_transformed_kernel_assembles_for_sm80(case: Case):
+    k = load(case.file, case.kernel, "sm_80")
+    assemble(k.preemptible().ptx, "sm_80")
+    assemble(k.preemptible(abort_checks=True, fence=True).ptx, "sm_80")
+
+
+@pytest.mark.parametrize("name", sorted(NUMBA_CASES))
+def test_numba_kernels_assemble_for_sm80(name: str):
+    fn, sig, *_ = NUMBA_CASES[name]
+    k = compile_numba(fn, sig)
+    for opts in VARIANTS:
+        ptx = k.preemptible(abort_checks=opts.abort_checks, fence=opts.fence).ptx
+        assemble(re.sub(r"^\.target\s+sm_\d+", ".target sm_80", ptx, flags=re.M), "sm_80")
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if c.refuse], ids=lambda c: c.id)
 def test_transform_refuses_with_the_failing_step(case: Case):
     k = load(case.file, case.kernel)
@@ -391,6 +468,101 @@ def test_record_header_round_trip_and_parse():
     state = _parse_record(initial_record(42)[: RecordLayout.SCRATCH])
     assert state["next"] == 42 and state["first_yield_ns"] == (1 << 64) - 1
     assert state["fenced"] == state["aborted"] == state["finished"] == 0
+
+
+def test_record_start_stamp_starts_at_max_for_the_min_reduction():
+    raw = initial_record(0)
+    assert struct.unpack_from("<Q", raw, RecordLayout.START_NS) == ((1 << 64) - 1,)
+    assert struct.unpack_from("<Q", raw, RecordLayout.END_NS) == (0,)
+    assert RecordLayout.END_NS + 8 <= RecordLayout.SCRATCH
+
+
+def test_chunk_choice():
+    # First launch: 8 when there are >= 64 logical blocks per persistent block, else 1.
+    assert choose_chunk(64 * 100, 100, None) == 8
+    assert choose_chunk(64 * 100 - 1, 100, None) == 1
+    # Measured: about target / time per block, clamped to [1, CHUNK_MAX].
+    assert choose_chunk(10**7, 100, 1000.0, target_us=4) == 4
+    assert choose_chunk(10**7, 100, 500.0, target_us=32) == CHUNK_MAX
+    assert choose_chunk(10**7, 100, 10**6, target_us=4) == 1  # long blocks: one at a time
+    # ... and to ceil(logical / (4 persistent)): every persistent block gets >= 4 chunks.
+    assert choose_chunk(1000, 100, 10.0, target_us=4) == 3
+    assert choose_chunk(128, 132, 10.0) == 1
+    # The counter may overshoot by one chunk per persistent block: never past 2^32 - 1.
+    assert _fit_chunk(64, 1000, 100) == 64
+    assert _fit_chunk(64, (1 << 32) - 2000, 100) == 16
+    with pytest.raises(KernelError):
+        _fit_chunk(1, (1 << 32) - 50, 100)
+
+
+def test_block_time_estimate_from_record_stamps():
+    _BlockTimes.clear()
+    key = ("k",)
+    _BlockTimes.record(key, 10, 100, 150)  # too few blocks per persistent block: ignored
+    assert _BlockTimes.get(key) is None
+    _BlockTimes.record(key, 1_000_000, 100, 100_000)  # 1 ms, 1000 blocks each: 1 us/block
+    assert _BlockTimes.get(key) == pytest.approx(1000.0)
+    _BlockTimes.record(key, 3_000_000, 100, 100_000)
+    assert _BlockTimes.get(key) == pytest.approx(2000.0)  # smoothed
+    _BlockTimes.clear()
+
+
+def _simulate_launch(rng, total, persistent, chunk, cuts, flag_steps):
+    """The chunk protocol of the persistent loop and the launcher's resume loop, on the
+    CPU: persistent blocks step in random order; a leader checks the flag, then claims
+    ``chunk`` ids with one fetch-add, then runs [base, min(base + chunk, stop)) one id a
+    step. The flag is raised at the given global steps (and cleared after a while).
+    Returns how many times each logical id ran and the number of yields."""
+    runs = [0] * total
+    start, yields, step = 0, 0, 0
+    pending = sorted(c for c in cuts if 0 < c < total)
+    flag_at = sorted(flag_steps)
+    while start < total:
+        stop = pending.pop(0) if pending and pending[0] > start else total
+        while pending and pending[0] <= start:
+            pending.pop(0)
+        counter = start
+        blocks = [None] * persistent  # None: at the dispatch; else [id, lim]
+        live = set(range(persistent))
+        flag = False
+        while live:
+            step += 1
+            while flag_at and flag_at[0] <= step:
+                flag_at.pop(0)
+                flag = True
+            b = int(rng.choice(sorted(live)))
+            if blocks[b] is None:
+                if flag:  # flag first: nothing claimed
+                    live.discard(b)
+                    continue
+                base, counter = counter, counter + chunk  # atom.add counter, chunk
+                if base >= stop:
+                    live.discard(b)
+                    continue
+                blocks[b] = [base, min(base + chunk, stop)]
+            cur = blocks[b]
+            runs[cur[0]] += 1
+            cur[0] += 1
+            if cur[0] >= cur[1]:
+                blocks[b] = None
+        done_to = min(counter, stop)
+        if done_to < stop or stop < total:
+            yields += 1
+        start = done_to
+    return runs, yields
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 16, 64])
+def test_chunk_protocol_resumes_every_id_exactly_once(chunk: int):
+    import numpy as np
+
+    rng = np.random.default_rng(chunk)
+    for total, persistent in ((1000, 7), (97, 3), (5, 8), (1, 1), (4096, 33)):
+        for trial in range(4):
+            cuts = rng.integers(1, total + 1, size=trial * 3).tolist() if total > 1 else []
+            flags = rng.integers(1, 4 * total, size=trial).tolist()
+            runs, yields = _simulate_launch(rng, total, persistent, chunk, cuts, flags)
+            assert runs == [1] * total, (total, persistent, chunk, trial, yields)
 
 
 def test_param_array_points_at_each_value():

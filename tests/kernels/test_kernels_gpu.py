@@ -97,6 +97,17 @@ def test_results_are_bit_identical_after_preemptions(case: Case):
             want,
             rep,
         )
+    # Forced chunk sizes (logical blocks per claim); 128 is not a multiple of 3, and the
+    # random cuts split chunks, so clipping at `stop` and at the end is exercised.
+    for chunk in (1, 3, 16):
+        cuts = sorted(
+            rng.choice(np.arange(1, total), size=min(5, total - 1), replace=False).tolist()
+        )
+        got = _fresh(cp, inputs)
+        rep = k.launch(case.grid, case.block, got, shared_mem=case.shared, preempt_at=cuts,
+                       max_blocks=3, chunk=chunk)  # fmt: skip
+        assert rep.chunk == chunk and rep.yields == len(cuts), rep
+        _compare(cp, case, f"chunk {chunk}, {len(cuts)} yields", got, want, rep)
     if case.aborts_ok:
         for n_aborts in (1, 3):
             cuts = rng.integers(1, total, size=n_aborts).tolist()
@@ -107,6 +118,64 @@ def test_results_are_bit_identical_after_preemptions(case: Case):
             assert rep.mode.value == expected_mode, rep
             assert rep.aborts == n_aborts, rep
             _compare(cp, case, f"{n_aborts} aborts then {rep.mode.value}", got, want, rep)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 16, None])
+def test_chunked_claiming_with_an_uneven_block_count(chunk):
+    """saxpy (in place, snapshot mode) on 1001 logical blocks (a multiple of neither 3 nor
+    16): cuts, an abort and the adaptive choice (None) all give the original's bytes."""
+    import cupy as cp
+
+    case = next(c for c in CASES if c.kernel == "saxpy")
+    k = _kernel(case)
+    blocks = 1001
+    n = blocks * 256 - 17  # the last block is partly idle
+    rng = np.random.default_rng(5)
+    x = cp.asarray(rng.standard_normal(n).astype(np.float32))
+    y0 = cp.asarray(rng.standard_normal(n).astype(np.float32))
+    want = y0.copy()
+    k.launch((blocks,), (256,), (np.float32(1.5), x, want, np.int32(n)), mode="off")
+    for kw in ({}, {"preempt_at": [1, 2, 500, 998, 1000]}, {"abort_at": [333], "preempt_at": [7]}):
+        for _ in range(2):  # the second launch uses the measured block time (chunk=None)
+            got = y0.copy()
+            rep = k.launch((blocks,), (256,), (np.float32(1.5), x, got, np.int32(n)),
+                           max_blocks=5, chunk=chunk, **kw)  # fmt: skip
+            if chunk is not None:
+                assert rep.chunk == chunk, rep
+            assert 1 <= rep.chunk <= 64, rep
+            _compare(cp, case, f"chunk {chunk} -> {rep.chunk}, {kw}", (got,), (want,), rep)
+
+
+def test_real_yield_flag_with_chunks_drains_and_resumes_exactly():
+    import cupy as cp
+
+    from gpushare_ext.runtime.kernels.launch import YieldFlag
+
+    case = next(c for c in CASES if c.kernel == "long_loop")
+    k = _kernel(case)
+    blocks = 1003
+    x = cp.asarray(np.random.default_rng(3).standard_normal(blocks * 256).astype(np.float32))
+    iters = np.int32(20000)
+    want = cp.zeros_like(x)
+    k.launch((blocks,), case.block, (x, want, np.int32(x.size), iters), mode="off")
+    flag = YieldFlag()
+    for chunk in (3, 16):
+        got = cp.zeros_like(x)
+
+        def preempt() -> None:
+            time.sleep(0.002)
+            flag.set(1)
+            time.sleep(0.003)
+            flag.clear()
+
+        t = threading.Thread(target=preempt)
+        t.start()
+        rep = k.launch((blocks,), case.block, (x, got, np.int32(x.size), iters), max_blocks=2,
+                       yield_flag=flag, chunk=chunk)  # fmt: skip
+        t.join()
+        _compare(cp, case, f"real flag yield, chunk {chunk}", (got,), (want,), rep)
+        print(f"real yield, chunk {chunk}: {rep}")
+    flag.close()
 
 
 def test_aliased_buffers_are_snapshotted_and_stay_exact():

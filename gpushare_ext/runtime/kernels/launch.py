@@ -219,6 +219,7 @@ _modules = _ModuleCache()
 def _side_stream() -> Any:
     """A non-blocking stream of the highest priority (never waits on the legacy stream)."""
     drv = _driver()
+    _ensure_context()  # the calling thread may have no current context
     _, greatest = _check(drv.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
     return _check(
         drv.cuStreamCreateWithPriority(drv.CUstream_flags.CU_STREAM_NON_BLOCKING, greatest),
@@ -257,13 +258,8 @@ class YieldFlag:
             _check(drv.cuMemsetD32(ptr, 0, 1), "cuMemsetD32")
             device_ptr = int(ptr)
         self.device_ptr = int(device_ptr)
-        self._stream_handle: Any = None  # created on first use: launches never need it
-
-    @property
-    def _stream(self) -> Any:
-        if self._stream_handle is None:
-            self._stream_handle = _side_stream()
-        return self._stream_handle
+        # Made here, in the thread that owns the context: set() may come from any thread.
+        self._stream = _side_stream()
 
     def set(self, value: int = 1) -> None:
         _write_word(self._stream, self.device_ptr, value)
@@ -296,10 +292,10 @@ class YieldFlag:
         if self._owned and self.device_ptr:
             drv.cuMemFree(drv.CUdeviceptr(self.device_ptr))
             self.device_ptr = 0
-        if self._stream_handle is not None:
+        if self._stream is not None:
             with contextlib.suppress(Exception):
-                drv.cuStreamDestroy(self._stream_handle)
-            self._stream_handle = None
+                drv.cuStreamDestroy(self._stream)
+            self._stream = None
 
 
 _opened: dict[tuple[bytes, int], tuple[int, Any]] = {}
@@ -524,6 +520,7 @@ class LaunchReport:
     restored: bool = False
     first_yield_ns: int | None = None
     last_exit_ns: int | None = None
+    chunk: int = 1  # logical blocks claimed per atomic
     notes: list[str] = field(default_factory=list)
 
 
@@ -595,9 +592,12 @@ def _parse_record(raw: bytes) -> dict[str, int]:
     (fenced,) = struct.unpack_from("<Q", raw, L.FENCED)
     (aborted,) = struct.unpack_from("<I", raw, L.ABORTED)
     (yexits,) = struct.unpack_from("<I", raw, L.YIELD_EXITS)
+    (start_ns,) = struct.unpack_from("<Q", raw, L.START_NS)
+    (end_ns,) = struct.unpack_from("<Q", raw, L.END_NS)
     return {
         "next": nxt, "finished": fin, "first_yield_ns": first, "last_exit_ns": last,
         "fenced": fenced, "aborted": aborted, "yield_exits": yexits,
+        "start_ns": start_ns, "end_ns": end_ns,
     }  # fmt: skip
 
 
@@ -613,6 +613,7 @@ def initial_record(start_block: int = 0) -> bytes:
     raw = bytearray(PROGRESS_RECORD_BYTES)
     struct.pack_into("<I", raw, RecordLayout.NEXT_BLOCK, start_block)
     struct.pack_into("<Q", raw, RecordLayout.FIRST_YIELD_NS, (1 << 64) - 1)
+    struct.pack_into("<Q", raw, RecordLayout.START_NS, (1 << 64) - 1)
     return bytes(raw)
 
 
@@ -715,6 +716,86 @@ def _launch_raw(
     del keep
 
 
+# ---------------------------------------------------------------------------------------
+# Chunk size: logical blocks claimed per atomic
+# ---------------------------------------------------------------------------------------
+
+#: Wall time one chunk should take on a persistent block (us): the leader's serial
+#: dispatch (flag load, atomic, barrier: ~1-2 us of latency) is paid once per chunk, and a
+#: yield waits for at most one chunk per persistent block. ``launch_kernel(
+#: chunk_target_us=...)`` overrides per launch. (4 us would leave C ~ 3 for ~1 us logical
+#: blocks, i.e. tens of percent overhead; see docs/kernels.md.)
+CHUNK_TARGET_US = 32.0
+CHUNK_MAX = 64
+#: Chunk of a kernel's first launch (no measurement yet) when there are at least
+#: ``CHUNK_FIRST_MIN_PER_BLOCK`` logical blocks per persistent block; else 1.
+CHUNK_FIRST = 8
+CHUNK_FIRST_MIN_PER_BLOCK = 64
+
+
+class _BlockTimes:
+    """Estimated wall time of one logical block on one persistent block (ns), per kernel
+    variant and launch shape, from the progress record's ``%globaltimer`` stamps (first
+    persistent block start, last exit) of slices that ran without a yield:
+    ``(end - start) * persistent / logical blocks run``. Smoothed (mean with the previous
+    estimate) so one noisy slice does not swing the chunk size."""
+
+    _lock = threading.Lock()
+    _ns: ClassVar[dict[tuple, float]] = {}
+
+    @classmethod
+    def get(cls, key: tuple) -> float | None:
+        return cls._ns.get(key)
+
+    @classmethod
+    def record(cls, key: tuple, elapsed_ns: int, persistent: int, blocks: int) -> None:
+        # Too few logical blocks per persistent block: launch ramp and tail dominate.
+        if elapsed_ns <= 0 or blocks < 2 * persistent:
+            return
+        est = elapsed_ns * persistent / blocks
+        with cls._lock:
+            old = cls._ns.get(key)
+            cls._ns[key] = est if old is None else 0.5 * (old + est)
+
+    @classmethod
+    def clear(cls) -> None:
+        with cls._lock:
+            cls._ns.clear()
+
+
+def choose_chunk(
+    logical_blocks: int,
+    persistent_blocks: int,
+    block_ns: float | None,
+    target_us: float | None = None,
+) -> int:
+    """Logical blocks per claim: about ``target_us`` of work per chunk given the estimated
+    time of one logical block (``block_ns``; ``None`` before the first measurement), at
+    most ``CHUNK_MAX``, and small enough that every persistent block gets >= 4 chunks."""
+    target = CHUNK_TARGET_US if target_us is None else float(target_us)
+    k = max(1, persistent_blocks)
+    spread = max(1, -(-logical_blocks // (k * 4)))  # ceil(logical / (4 K))
+    if block_ns is None:
+        c = CHUNK_FIRST if logical_blocks >= CHUNK_FIRST_MIN_PER_BLOCK * k else 1
+    else:
+        c = round(target * 1e3 / max(block_ns, 1.0))
+    return max(1, min(c, CHUNK_MAX, spread))
+
+
+def _fit_chunk(chunk: int, total: int, persistent: int) -> int:
+    """The counter overshoots ``total`` by at most one chunk per persistent block: keep it
+    below 2^32 (a wrapped counter would hand out ids again)."""
+    while chunk > 1 and total + persistent * chunk >= NO_BLOCK:
+        chunk //= 2
+    if total + persistent * chunk >= NO_BLOCK:
+        raise KernelError(
+            "grid-too-large",
+            f"{total} blocks + {persistent} persistent blocks overflow the 32-bit counter",
+            step="launch",
+        )
+    return chunk
+
+
 def launch_kernel(
     kernel: Any,
     grid: Any,
@@ -733,12 +814,18 @@ def launch_kernel(
     abort_at: Sequence[int] = (),
     preemptible: bool = True,
     sync: bool = True,
+    chunk: int | None = None,
+    chunk_target_us: float | None = None,
 ) -> LaunchReport:
     """Run one launch as a transaction. See the module docstring for the modes.
 
     ``preempt_at``: logical block ids at which the launch is cut and resumed (a
     deterministic yield); ``abort_at``: ids at which a run is stopped and undone (restart or
     rollback) before the launch runs to the end. Both are for tests and benchmarks.
+
+    ``chunk``: logical blocks a persistent block claims at once (forced; default: chosen
+    from the measured time per logical block, see :func:`choose_chunk`);
+    ``chunk_target_us``: the wall time a chunk should take (default ``CHUNK_TARGET_US``).
     """
     import cupy
 
@@ -798,13 +885,19 @@ def launch_kernel(
     if max_blocks is not None:
         k_blocks = max(1, min(k_blocks, int(max_blocks)))
     persistent = max(1, min(k_blocks, total))
+    times_key = (variant.ptx, kernel.entry.name, g, b, shared_mem, persistent)
+    if chunk is not None:
+        chunk_size = max(1, int(chunk))
+    else:
+        chunk_size = choose_chunk(total, persistent, _BlockTimes.get(times_key), chunk_target_us)
+    chunk_size = _fit_chunk(chunk_size, total, persistent)
 
     flag = _as_flag(yield_flag)
     # The record: from CuPy's pool without a memset (its header is written before every
     # slice; the fence scratch area after it is never read).
     record = cupy.empty(PROGRESS_RECORD_BYTES, dtype=cupy.uint8)
     record_ptr = int(record.data.ptr)
-    out = LaunchReport(kernel.entry.name, chosen, cls, total, persistent)
+    out = LaunchReport(kernel.entry.name, chosen, cls, total, persistent, chunk=chunk_size)
     if use_abort:
         out.notes.append("flag checks at loop back-edges (abort mode)")
 
@@ -844,6 +937,7 @@ def launch_kernel(
         struct.pack("<I", g[1]),
         struct.pack("<I", g[2]),
     ]
+    chunk_val = struct.pack("<I", chunk_size)
     slot = _PinnedSlot()
     drained = True  # False while a slice may still run or a record copy is in flight
 
@@ -856,7 +950,12 @@ def launch_kernel(
         nonlocal drained
         drained = False
         _launch_raw(
-            fn, (persistent, 1, 1), b, shared_mem, sh, [*head, struct.pack("<I", stop), *fence_vals]
+            fn,
+            (persistent, 1, 1),
+            b,
+            shared_mem,
+            sh,
+            [*head, struct.pack("<I", stop), chunk_val, *fence_vals],
         )
         out.launches += 1
         slot.enqueue_read(record_ptr, sh)  # behind the kernel: the wait below covers it
@@ -909,6 +1008,10 @@ def launch_kernel(
                 pending = []
                 continue
             done_to = min(state["next"], stop)
+            if done_to >= stop and state["end_ns"] > state["start_ns"] and chunk is None:
+                _BlockTimes.record(
+                    times_key, state["end_ns"] - state["start_ns"], persistent, stop - start
+                )
             if done_to < stop:  # the flag was seen: a real yield
                 out.yields += 1
                 wait_for_resume(flag)

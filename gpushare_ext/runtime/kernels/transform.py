@@ -7,17 +7,24 @@ step is tested on PTX files without a GPU and a failure names the step that fail
 
 The scheme (documented for users in ``docs/kernels.md``):
 
-* The launch starts at most K *persistent* blocks. Each loops: its leader thread (thread
-  0,0,0) first reads the session's yield flag (device memory, ``ld.volatile``). If the
-  flag is clear it takes the next *logical block id* with ``atom.add`` on the progress
-  record's counter; if set it takes nothing. It publishes the id (or "stop") through
-  shared memory, ``barrier.sync``; every thread reads it, so the exit is block-uniform.
+* The launch starts at most K *persistent* blocks. Each loops over *chunks*: its leader
+  thread (thread 0,0,0) first reads the session's yield flag (device memory,
+  ``ld.volatile``). If the flag is clear it claims the next ``chunk`` consecutive
+  *logical block ids* with one ``atom.add`` of ``chunk`` on the progress record's counter;
+  if set it claims nothing. It publishes the chunk's base (or "stop") through shared
+  memory (two slots used alternately), ``barrier.sync``; every thread reads it, so the
+  exit is block-uniform. The block then runs the ids ``[base, min(base + chunk, stop))``
+  back to back; ``chunk`` is a kernel parameter chosen per launch (``launch.py``).
 * The logical id replaces ``%ctaid.x/y/z`` (decomposed with the original grid dims,
   extra parameters that also replace ``%nctaid``). ``ret`` becomes a branch to the
-  block's end, where a barrier closes the logical block before the next id is taken.
-* Blocks are all-or-nothing: an id is taken only after a clear flag check and a block
-  that started runs to its end. So every id below the counter is finished when the
-  kernel exits, and *resume* relaunches with the same record and goes on.
+  logical block's end. Between two logical blocks of a chunk there is a barrier only if
+  the kernel has barriers or uses shared memory (reuse hazards); the barrier of the next
+  dispatch closes a chunk's last logical block.
+* Chunks are all-or-nothing: ids are claimed only after a clear flag check and a block
+  runs every id it claimed before it looks at the flag again. So every id below the
+  counter (and below ``stop``) is finished when the kernel exits, and *resume* relaunches
+  with the same record and goes on. A yield waits for at most one chunk per persistent
+  block.
 * A launch may also stop at ``stop`` (an extra parameter): ids >= stop are not run, so
   the host can cut a launch into slices (time quanta, deterministic preemption in tests).
 * Abort mode adds flag checks at loop back-edges (per thread in loops without
@@ -33,7 +40,8 @@ Progress record (``PROGRESS_RECORD_BYTES`` bytes of device memory per launch)::
     +0  u32 next logical block (atomic counter)     +4  u32 finished logical blocks
     +8  u64 first yield seen (%globaltimer, min)    +16 u64 last yield exit (max)
     +24 u64 fenced (neutralised) accesses           +32 u32 aborted mid-block (0/1)
-    +36 u32 persistent blocks that left on a yield  +64 64-byte fence scratch area
+    +36 u32 persistent blocks that left on a yield  +40 u64 first block start (min)
+    +48 u64 last block exit (max)                   +64 64-byte fence scratch area
 
 What it must not do: launch anything or touch CUDA (``launch.py`` does), or change
 ``.version``/``.target`` (the transformed text keeps the input's).
@@ -87,6 +95,8 @@ class RecordLayout:
     FENCED = 24
     ABORTED = 32
     YIELD_EXITS = 36
+    START_NS = 40
+    END_NS = 48
     SCRATCH = 64
 
 
@@ -114,6 +124,7 @@ class PreemptibleKernel:
     extra_params: tuple[Param, ...]
     fenced_params: tuple[str, ...]  # for each: base then size in extra_params
     steps: tuple[str, ...]  # names of the passes that ran
+    chunk_sync: bool = True  # a barrier between the logical blocks of a chunk
 
 
 # ---------------------------------------------------------------------------------------
@@ -153,6 +164,7 @@ class TransformState:
     prologue: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     text: str = ""
+    chunk_sync: bool = True  # a barrier between the logical blocks of a chunk
 
 
 class Pass:
@@ -412,14 +424,42 @@ def _abort_check(kind: str, n: int) -> list[str]:
     ]
 
 
+def _needs_block_sync(state: TransformState) -> bool:
+    """Whether logical blocks run back to back in one persistent block need a barrier
+    between them: the kernel has barriers, or touches shared memory (its own ``.shared``
+    variables, dynamic shared memory, a module-scope ``.shared`` variable, a shared-window
+    address). Kernels with neither have no state a next logical block could clobber."""
+    if state.report.barriers:
+        return True
+    shared_vars = {n for n, sp in state.module.module_vars.items() if sp == "shared"}
+    for item in state.body:
+        st = item.stmt
+        if st.kind == "decl" and ".shared" in st.text:
+            return True
+        ins = st.instr
+        if ins is None:
+            continue
+        if "shared" in ins.opcode.split("."):
+            return True
+        for o in ins.operands:
+            if any(re.search(rf"(?<![\w$.]){re.escape(v)}(?![\w$])", o) for v in shared_vars):
+                return True
+    return False
+
+
 class PersistentBlocks(Pass):
-    """Wrap the body in the persistent loop: flag check, id grab, broadcast, decompose."""
+    """Wrap the body in the persistent loop: flag check, chunk claim, broadcast, then the
+    chunk's logical blocks back to back (ids decomposed into ``%ctaid`` replacements)."""
 
     name = "persistent-blocks"
     effect = "rewrite"
 
     def run(self, state: TransformState) -> None:
         L = RecordLayout
+        sync = _needs_block_sync(state)
+        state.notes.append(
+            "barrier between logical blocks of a chunk" if sync else "chunk runs without barriers"
+        )
         state.extra_params[:0] = [
             Param("__gs_progress", "u64", 8, 8),
             Param("__gs_yieldflag", "u64", 8, 8),
@@ -427,17 +467,21 @@ class PersistentBlocks(Pass):
             Param("__gs_gridy", "u32", 4, 4),
             Param("__gs_gridz", "u32", 4, 4),
             Param("__gs_stop", "u32", 4, 4),
+            Param("__gs_chunk", "u32", 4, 4),
         ]
         state.decls[:0] = [
             ".reg .b64 %gs_prog0, %gs_prog, %gs_flag0, %gs_flag, %gs_now, %gs_scratch, %gs_scratch_g;",
             ".reg .b32 %gs_nx, %gs_ny, %gs_nz, %gs_stop, %gs_nxy, %gs_t, %gs_t2, %gs_id, %gs_flagv;",
-            ".reg .b32 %gs_cx, %gs_cy, %gs_cz;",
-            ".reg .pred %gs_leader, %gs_pseen, %gs_pend, %gs_pa;",
-            ".shared .align 4 .b32 __gs_slot;",
+            ".reg .b32 %gs_cx, %gs_cy, %gs_cz, %gs_chunk, %gs_base, %gs_lim, %gs_sa;",
+            ".reg .pred %gs_leader, %gs_pseen, %gs_pend, %gs_pa, %gs_pmore;",
+            # Two slots, used alternately by consecutive chunks: the leader can write the
+            # next chunk's base while a slow warp still reads this one's (one barrier per
+            # chunk instead of two).
+            ".shared .align 8 .b32 __gs_slot[2];",
             ".shared .align 4 .b32 __gs_abortslot;",
         ]
         prologue = [
-            "// gpushare: persistent preemptible blocks",
+            "// gpushare: persistent preemptible blocks, chunks of logical blocks",
             "ld.param.u64 %gs_prog0, [__gs_progress];",
             "cvta.to.global.u64 %gs_prog, %gs_prog0;",
             "ld.param.u64 %gs_flag0, [__gs_yieldflag];",
@@ -448,6 +492,8 @@ class PersistentBlocks(Pass):
             "ld.param.u32 %gs_ny, [__gs_gridy];",
             "ld.param.u32 %gs_nz, [__gs_gridz];",
             "ld.param.u32 %gs_stop, [__gs_stop];",
+            "ld.param.u32 %gs_chunk, [__gs_chunk];",
+            "max.u32 %gs_chunk, %gs_chunk, 1;",
             "mul.lo.u32 %gs_nxy, %gs_nx, %gs_ny;",
             "mov.u32 %gs_t, %tid.x;",
             "mov.u32 %gs_t2, %tid.y;",
@@ -455,16 +501,20 @@ class PersistentBlocks(Pass):
             "mov.u32 %gs_t2, %tid.z;",
             "or.b32 %gs_t, %gs_t, %gs_t2;",
             "setp.eq.u32 %gs_leader, %gs_t, 0;",
+            "mov.u32 %gs_sa, __gs_slot;",
+            "@%gs_leader mov.u64 %gs_now, %globaltimer;",
+            f"@%gs_leader red.global.min.u64 [%gs_prog+{L.START_NS}], %gs_now;",
             *state.prologue,
         ]
         dispatch = [
+            "// gpushare: chunk dispatch (leader: flag check, then one atomic per chunk)",
             "$__gs_next:",
             "@!%gs_leader bra $__gs_wait;",
-            f"mov.u32 %gs_id, {NO_BLOCK};",
+            f"mov.u32 %gs_base, {NO_BLOCK};",
             "ld.volatile.global.u32 %gs_flagv, [%gs_flag];",
             "setp.ne.u32 %gs_pseen, %gs_flagv, 0;",
             "@%gs_pseen bra $__gs_seen;",
-            f"atom.global.add.u32 %gs_id, [%gs_prog+{L.NEXT_BLOCK}], 1;",
+            f"atom.global.add.u32 %gs_base, [%gs_prog+{L.NEXT_BLOCK}], %gs_chunk;",
             "bra $__gs_publish;",
             "$__gs_seen:",
             "mov.u64 %gs_now, %globaltimer;",
@@ -472,12 +522,19 @@ class PersistentBlocks(Pass):
             f"red.global.max.u64 [%gs_prog+{L.LAST_EXIT_NS}], %gs_now;",
             f"red.global.add.u32 [%gs_prog+{L.YIELD_EXITS}], 1;",
             "$__gs_publish:",
-            "st.shared.u32 [__gs_slot], %gs_id;",
+            "st.shared.u32 [%gs_sa], %gs_base;",
             "$__gs_wait:",
             "barrier.sync 0;",
-            "ld.shared.u32 %gs_id, [__gs_slot];",
-            "setp.ge.u32 %gs_pend, %gs_id, %gs_stop;",
+            "ld.shared.u32 %gs_base, [%gs_sa];",
+            "xor.b32 %gs_sa, %gs_sa, 4;",  # the other slot for the next chunk
+            "setp.ge.u32 %gs_pend, %gs_base, %gs_stop;",
             "@%gs_pend bra $__gs_exit;",
+            # The chunk is [base, min(base + chunk, stop)): ids >= stop are never run.
+            "sub.u32 %gs_t, %gs_stop, %gs_base;",
+            "min.u32 %gs_t, %gs_t, %gs_chunk;",
+            "add.u32 %gs_lim, %gs_base, %gs_t;",
+            "mov.u32 %gs_id, %gs_base;",
+            "$__gs_block:",
             "rem.u32 %gs_cx, %gs_id, %gs_nx;",
             "div.u32 %gs_t, %gs_id, %gs_nx;",
             "rem.u32 %gs_cy, %gs_t, %gs_ny;",
@@ -486,8 +543,18 @@ class PersistentBlocks(Pass):
         ]
         epilogue = [
             "$__gs_done:",
-            "barrier.sync 0;",
-            f"@%gs_leader red.global.add.u32 [%gs_prog+{L.FINISHED}], 1;",
+            "add.u32 %gs_id, %gs_id, 1;",
+            "setp.lt.u32 %gs_pmore, %gs_id, %gs_lim;",
+            "@!%gs_pmore bra $__gs_chunkend;",
+        ]
+        if sync:  # shared memory / barriers: the next logical block must not overlap
+            epilogue.append("barrier.sync 0;")
+        epilogue += [
+            "bra $__gs_block;",
+            "$__gs_chunkend:",
+            # The barrier at $__gs_wait closes the chunk's last logical block.
+            "sub.u32 %gs_t, %gs_lim, %gs_base;",
+            f"@%gs_leader red.global.add.u32 [%gs_prog+{L.FINISHED}], %gs_t;",
             "bra $__gs_next;",
             "$__gs_abort:",
             "mov.u64 %gs_now, %globaltimer;",
@@ -495,10 +562,13 @@ class PersistentBlocks(Pass):
             f"red.global.max.u64 [%gs_prog+{L.LAST_EXIT_NS}], %gs_now;",
             f"mov.u32 %gs_t, {NO_BLOCK};",
             "st.shared.u32 [__gs_slot], %gs_t;",
+            "st.shared.u32 [__gs_slot+4], %gs_t;",
             "mov.u32 %gs_t, 1;",
             f"st.global.u32 [%gs_prog+{L.ABORTED}], %gs_t;",
             "exit;",
             "$__gs_exit:",
+            "@%gs_leader mov.u64 %gs_now, %globaltimer;",
+            f"@%gs_leader red.global.max.u64 [%gs_prog+{L.END_NS}], %gs_now;",
             "ret;",
         ]
         top_decls = [it for it in state.body if it.stmt.kind == "decl" and it.stmt.depth == 0]
@@ -510,6 +580,7 @@ class PersistentBlocks(Pass):
         lines += ["\t" + s if not s.endswith(":") else s for s in epilogue]
         params = list(state.entry.params) + state.extra_params
         state.text = render_entry(state.entry, body_lines=lines, params=params)
+        state.chunk_sync = sync
 
 
 def _base_passes(options: TransformOptions) -> tuple[Pass, ...]:
@@ -558,6 +629,7 @@ def make_preemptible(
         extra_params=tuple(state.extra_params),
         fenced_params=tuple(state.fenced),
         steps=tuple(steps),
+        chunk_sync=state.chunk_sync,
     )
 
 
