@@ -200,7 +200,9 @@ def summarise(results: list[dict], alone_rates: dict[str, float]) -> list[dict]:
                 "grant_p50_ms": statistics.median(result["high"]["grant_s"]) * 1e3,
             }
             rows.append(row)
-        if "low" in result and result["low_kind"] in alone_rates:
+        # Kept throughput is judged where the broker pauses the neighbour: without a broker
+        # it is never paused, and its share of the held time is not idle time.
+        if "low" in result and result["low_kind"] in alone_rates and result["mode"] != "timeslice":
             finished = result["low"]["finished"]
             held = result["high"]["held"]
             start, end = result["window"]

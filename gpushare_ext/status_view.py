@@ -84,7 +84,17 @@ def build_tables(snapshot: Snapshot) -> list[Table]:
                 )
             tables.append(instances)
     leases = Table(title="leases and queue")
-    for column in ("lease", "user", "priority", "state", "where", "memory", "for", "why / label"):
+    for column in (
+        "lease",
+        "user",
+        "priority",
+        "state",
+        "where",
+        "memory",
+        "SMs",
+        "for",
+        "why / label",
+    ):
         leases.add_column(column)
     for lease in snapshot.leases:
         where = "-" if lease.device_index is None else f"GPU {lease.device_index}"
@@ -99,11 +109,12 @@ def build_tables(snapshot: Snapshot) -> list[Table]:
             Text(state, style=_STATE_STYLE.get(lease.state, "")),
             where,
             format_size(lease.memory_bytes),
+            "all" if lease.sm_share >= 1.0 else f"{lease.sm_share:.0%}",
             f"{lease.since_s:.1f}s",
             lease.reason or lease.label,
         )
     if not snapshot.leases:
-        leases.add_row("-", "-", "-", "idle", "-", "-", "-", "no leases")
+        leases.add_row("-", "-", "-", "idle", "-", "-", "-", "-", "no leases")
     tables.append(leases)
     return tables
 
