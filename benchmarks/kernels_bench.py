@@ -430,7 +430,8 @@ def bench_overhead_realistic(
             g, b = sized[0], sized[1]
             row.update(scale=scale, grid=list(g), block=list(b),
                        logical_blocks=g[0] * g[1] * g[2])  # fmt: skip
-            if case.verdict == "idempotent":
+            # smid_probe records which SM ran each block: no two runs agree, by design.
+            if case.verdict == "idempotent" and case.kernel != "smid_probe":
                 row["matches_original"] = _same_outputs(cp, k, case, sized, row["chunk"])
         except Exception as exc:
             row["error"] = _err(exc)
@@ -451,6 +452,8 @@ def _same_outputs(cp, k, case, sized, chunk=None) -> bool:
     orig, plain, reset = raw_launcher(k, case, fence=False, sized=sized, chunk=chunk)
     bound = L.bind_arguments(k, args)
     outputs = [bound.arrays[p] for p in k.report.write_set if p in bound.arrays]
+    for a in outputs:  # the same pattern under both runs: elements neither writes agree
+        a.view(cp.uint8).fill(0xA5)
     orig()
     cp.cuda.Device().synchronize()
     want = [a.copy() for a in outputs]

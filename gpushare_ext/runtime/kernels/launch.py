@@ -723,9 +723,10 @@ def _launch_raw(
 #: Wall time one chunk should take on a persistent block (us): the leader's serial
 #: dispatch (flag load, atomic, barrier: ~1-2 us of latency) is paid once per chunk, and a
 #: yield waits for at most one chunk per persistent block. ``launch_kernel(
-#: chunk_target_us=...)`` overrides per launch. (4 us would leave C ~ 3 for ~1 us logical
-#: blocks, i.e. tens of percent overhead; see docs/kernels.md.)
-CHUNK_TARGET_US = 32.0
+#: chunk_target_us=...)`` overrides per launch. 12 us keeps the drain within the 18 us
+#: target while amortising the dispatch: on the H200, ~1 us logical blocks cost +29 % at
+#: C = 4 and -5 % at C = 16 (benchmarks/results, overhead_by_chunk).
+CHUNK_TARGET_US = 12.0
 CHUNK_MAX = 64
 #: Chunk of a kernel's first launch (no measurement yet) when there are at least
 #: ``CHUNK_FIRST_MIN_PER_BLOCK`` logical blocks per persistent block; else 1.
