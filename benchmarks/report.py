@@ -43,6 +43,7 @@ def _plots(folder: Path, documents: dict[str, dict]) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     made = []
     control = documents.get("control")
@@ -67,26 +68,30 @@ def _plots(folder: Path, documents: dict[str, dict]) -> list[str]:
         rows = [r for r in contention["rows"] if r["mode"] != "alone"]
         labels = sorted({(r["low"], r["mode"]) for r in rows})
         kinds = sorted({r["request"] for r in rows})
-        fig, ax = plt.subplots(figsize=(8, 3.6))
+        fig, axes = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
         width = 0.8 / max(1, len(kinds))
-        for k, kind in enumerate(kinds):
-            values = []
-            for low, mode in labels:
-                match = [
-                    r
-                    for r in rows
-                    if r["low"] == low and r["mode"] == mode and r["request"] == kind
-                ]
-                values.append(match[0]["p99_ratio"] if match else 0)
-            ax.bar([i + k * width for i in range(len(labels))], values, width, label=kind)
-        ax.axhline(1.03, color="green", linestyle=":", label="1.03 target (instrumented)")
-        ax.axhline(1.3, color="orange", linestyle=":", label="1.3 target (uninstrumented)")
-        ax.set_xticks([i + width * (len(kinds) - 1) / 2 for i in range(len(labels))])
-        ax.set_xticklabels([f"{low}\n{mode}" for low, mode in labels], fontsize=7)
-        ax.set_ylabel("p99 latency / alone")
-        ax.set_yscale("log")
-        ax.set_title("high-priority latency beside a saturating low-priority tenant")
-        ax.legend(fontsize=7)
+        for ax, key, title in ((axes[0], "p50_ratio", "p50"), (axes[1], "p99_ratio", "p99")):
+            for k, kind in enumerate(kinds):
+                values = []
+                for low, mode in labels:
+                    match = [
+                        r
+                        for r in rows
+                        if r["low"] == low and r["mode"] == mode and r["request"] == kind
+                    ]
+                    values.append(match[0][key] if match else 0)
+                ax.bar([i + k * width for i in range(len(labels))], values, width, label=kind)
+            ax.axhline(1.03, color="green", linestyle=":", label="1.03 (p99 target, instrumented)")
+            ax.axhline(1.3, color="orange", linestyle=":", label="1.3 (p99 target, uninstrumented)")
+            ax.set_ylabel(f"{title} latency / alone")
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.set_yticks([0.5, 1, 1.3, 2, 3, 4])
+        axes[1].set_xticks([i + width * (len(kinds) - 1) / 2 for i in range(len(labels))])
+        axes[1].set_xticklabels([f"{low}\n{mode}" for low, mode in labels], fontsize=7)
+        axes[0].set_title("high-priority latency beside a saturating low-priority tenant")
+        axes[0].legend(fontsize=7, ncol=2)
         fig.tight_layout()
         fig.savefig(folder / "contention.png", dpi=120)
         plt.close(fig)
