@@ -164,6 +164,19 @@ class ControlBlock:
         del buffer
         return address
 
+    @property
+    def paused(self) -> bool:
+        return self.state in (SessionState.PAUSED, SessionState.EVICTED)
+
+    def wait_running(self, timeout: float | None = None, poll_s: float = 0.001) -> bool:
+        """Block while the broker holds the session paused or evicted.  False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.paused:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+        return True
+
     def wait_open(self, timeout: float | None = None, poll_s: float = 0.002) -> bool:
         """Host-side gate: block while the gate is closed.  False if ``timeout`` passed."""
         deadline = None if timeout is None else time.monotonic() + timeout

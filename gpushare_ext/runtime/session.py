@@ -532,13 +532,22 @@ class GpuSession:
     # ---- inside a running cell
 
     def safe_point(self, timeout: float | None = None) -> bool:
-        """Honour the gate here: on a GPU, queue a wait on the session stream; without one,
-        block while the broker holds this session paused.  Returns False on timeout."""
+        """Honour a preemption here.  Returns False if ``timeout`` passed while held.
+
+        * While the broker holds this session paused, wait on the host.  On a GPU the
+          lock is what stops the process; a loop that keeps calling CUDA competes with
+          the lock's drain, and waiting here, outside CUDA, lets it take hold at once.
+        * While the gate is closed, queue a wait on the session stream (GPU), or wait on
+          the host (simulated GPU).
+        """
+        block = self.control_block
+        if block is not None and block.paused and not block.wait_running(timeout):
+            return False
         if self.device_gate is not None:
             self.device_gate.hold_here()
             return True
-        if self.control_block is not None:
-            return self.control_block.wait_open(timeout)
+        if block is not None:
+            return block.wait_open(timeout)
         return True
 
     def describe(self) -> str:
