@@ -59,7 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     broker.add_argument(
         "--system", action="store_true", help="system mode (root, shared by all users)"
     )
-    _add_socket(broker)
+    broker.add_argument(
+        "--socket",
+        metavar="PATH",
+        help="where to listen (default: the mode's socket above, or broker.socket in the config)",
+    )
     broker.add_argument(
         "--config",
         metavar="PATH",
@@ -105,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
         "runs two real notebook kernels -- a low-priority training loop and a high-priority "
         "interactive cell -- and prints who waited, who was preempted and the timings.",
     )
-    demo.add_argument("--simulate", metavar="FILE|NAME", help="force a simulated inventory")
+    demo.add_argument(
+        "--simulate", metavar="FILE|NAME", help="use a simulated inventory even if a GPU is present"
+    )
     demo.add_argument(
         "--steps", type=int, default=40, help="training-loop steps of the low-priority session"
     )
