@@ -71,7 +71,8 @@ class ProcessControl(Protocol):
     def close(self) -> None: ...
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process exists (one of another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -99,7 +100,7 @@ class SimulatedProcessControl:
         raise ActuatorError("no GPU: yield flags exist only on a real device", not_supported=True)
 
     def lock(self, pid: int, device_index: int, timeout_ms: int) -> None:
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             raise ActuatorError(f"process {pid} is gone")
         self._mark(pid, "lock", True)
 
@@ -107,7 +108,7 @@ class SimulatedProcessControl:
         self._mark(pid, "lock", False)
 
     def checkpoint(self, pid: int, device_index: int) -> None:
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             raise ActuatorError(f"process {pid} is gone")
         self._mark(pid, "checkpoint", True)
 
@@ -325,7 +326,7 @@ class Ladder:
     async def undo(self, target: Target, level: PreemptionLevel | None) -> None:
         """Resume ``target`` from ``level``: restore, unlock, clear the flag, open the gate."""
         async with self._serial(target.pid):
-            alive = _pid_alive(target.pid)
+            alive = pid_alive(target.pid)
             checkpointed = target.pid in self._checkpointed
             locked = target.pid in self._locked
             self._checkpointed.discard(target.pid)
@@ -355,7 +356,7 @@ class Ladder:
 
     def undo_blocking(self, pid: int, device_index: int, level: int) -> None:
         """Crash recovery (no event loop yet): undo what the journal says was applied."""
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             return
         if level >= PreemptionLevel.EVICT:
             # Not checkpointed after all (the crash came first): the unlock is what matters.

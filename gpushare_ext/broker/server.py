@@ -41,6 +41,7 @@ from gpushare_ext.broker.actuators import (
     SimulatedProcessControl,
     Target,
     open_process_control,
+    pid_alive,
 )
 from gpushare_ext.broker.config import BrokerConfig, parse_config
 from gpushare_ext.broker.inventory import MIB, InventoryBackend, SimulatedInventory
@@ -330,7 +331,7 @@ class Broker:
                 )
             self.journal.actuation_undone(step.id)
         for lease in self.journal.open_leases():
-            if _pid_alive(lease.pid) and lease.slot in self.scheduler.slots:
+            if pid_alive(lease.pid) and lease.slot in self.scheduler.slots:
                 self.reclaimable[lease.lease_id] = lease
                 self.journal.note("reclaimable", lease.lease_id, {"pid": lease.pid})
             else:
@@ -344,7 +345,7 @@ class Broker:
     def _tick(self) -> None:
         now = time.time()
         for conn in list(self.connections.values()):
-            if not _pid_alive(conn.pid):
+            if not pid_alive(conn.pid):
                 self._session_gone(conn, "its process ended")
         if self.reclaimable and time.monotonic() > self._reclaim_deadline:
             for lease_id in list(self.reclaimable):
@@ -1098,16 +1099,6 @@ class Broker:
             queue_by_priority=queue_counts,
             notes=notes,
         )
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 async def run_broker(
