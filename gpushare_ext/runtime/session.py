@@ -493,7 +493,8 @@ class GpuSession:
 
     def release(self, handle: LeaseHandle) -> None:
         self.leases.pop(handle.lease_id, None)
-        memory.apply_quota(None) if not self.leases else None
+        if not self.leases:
+            memory.apply_quota(None)
         client = self.client
         if client is None or client.closed.is_set():
             return
