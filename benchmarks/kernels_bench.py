@@ -722,6 +722,8 @@ def main(argv: list[str] | None = None) -> int:
         "first_seen_to_last_exit_us": "first block that saw the flag -> last block that left, "
         "device clock (progress record)",
     }
+    print("snapshot / rollback bandwidth against a plain device-to-device copy:")
+    result["snapshot"] = bench_snapshot(cp, [16, 256, 1024], 5 if args.quick else 20)
     result["elapsed_s"] = time.time() - t
     path = args.out / "kernels_bench.json"
     path.write_text(json.dumps(result, indent=2))

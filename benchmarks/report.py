@@ -34,6 +34,8 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 def _where(document: dict) -> str:
     device = document.get("device") or "?"
     driver = document.get("driver")
+    if isinstance(driver, int):  # cudaDriverGetVersion: 13000 means the CUDA 13.0 driver API
+        driver = f"CUDA {driver // 1000}.{driver % 1000 // 10} driver API"
     date = (document.get("date") or "?")[:10]
     return f"{device}" + (f", driver {driver}" if driver else "") + f", {date}"
 
