@@ -380,6 +380,9 @@ class Broker:
                         )
                     )
         self._dispatch(core.Tick(now=now))
+        # Gauges follow the snapshot once a second: scrapers are slower than that, and a
+        # snapshot per event would put its cost on every request.
+        self.metrics.refresh(self._snapshot(None))
 
     # ------------------------------------------------------------ connections
 
@@ -777,8 +780,6 @@ class Broker:
         for action in actions:
             direct = reply_to if getattr(action, "lease_id", None) == reply_lease else 0
             self._carry_out(action, direct, reply_conn, reply_to)
-        if actions:
-            self.metrics.refresh(self._snapshot(None))
         return actions
 
     def _carry_out(

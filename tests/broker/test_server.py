@@ -382,17 +382,18 @@ def test_metrics_show_leases_queue_and_preemptions(start_broker):
         assert isinstance(low, Granted)
         high = explorer.request_lease(priority=250)
         assert isinstance(high, Granted)
+        expected = [
+            'gpushare_preemptions_total{level="3"} 1.0',
+            'gpushare_leases{state="running"} 1.0',
+            'gpushare_leases{state="paused"} 1.0',
+            'gpushare_queue_length{priority="low"} 0.0',
+            "gpushare_device_memory_total_bytes",
+        ]
+        # Gauges are refreshed once a second: wait for a scrape that shows them all.
         text = wait_for(
-            lambda: next(
-                (t for t in [_metrics(port)] if 'gpushare_preemptions_total{level="3"} 1.0' in t),
-                None,
-            )
+            lambda: next((t for t in [_metrics(port)] if all(e in t for e in expected)), None)
         )
         assert text, _metrics(port)
-        assert 'gpushare_leases{state="running"} 1.0' in text
-        assert 'gpushare_leases{state="paused"} 1.0' in text
-        assert 'gpushare_queue_length{priority="low"} 0.0' in text
-        assert "gpushare_device_memory_total_bytes" in text
 
 
 # ------------------------------------------------------------------ many clients
