@@ -230,7 +230,15 @@ def _cmd_broker(args: argparse.Namespace) -> int:
     if inventory.kind == "simulated":
         print(f"gpushare broker: SIMULATED GPU -- {inventory.description}", file=sys.stderr)
     try:
-        asyncio.run(run_broker(config, paths, inventory, note))
+        asyncio.run(
+            run_broker(
+                config,
+                paths,
+                inventory,
+                note,
+                config_path=Path(config_path).resolve() if config_path else None,
+            )
+        )
     except RuntimeError as exc:
         return _fail(str(exc))
     return 0
@@ -259,7 +267,7 @@ def _cmd_admin(args: argparse.Namespace) -> int:
     action = args.action.replace("-", "_")
     kwargs: dict = {}
     if action in ("drain", "undrain"):
-        if args.target is None or not args.target.isdigit():
+        if args.target is None or not (args.target.isascii() and args.target.isdecimal()):
             return _fail(
                 f"{args.action} needs a device index, e.g. gpushare admin {args.action} 0", 2
             )

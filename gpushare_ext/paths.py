@@ -4,15 +4,21 @@ System mode (a root broker shared by every user of the host):
 ``/run/gpushare/broker.sock``, control blocks in ``/run/gpushare/sessions``,
 ``/etc/gpushare/broker.toml``, ``/var/lib/gpushare/journal.sqlite``.  User mode (the
 embedded per-user broker): a 0700 directory ``$XDG_RUNTIME_DIR/gpushare`` (or
-``/tmp/gpushare-<uid>``) holding the socket, control blocks in a 0700 directory under
-``/dev/shm``, and ``$XDG_STATE_HOME/gpushare/journal.sqlite``.
-``GPUSHARE_SOCKET`` overrides the socket a client connects to.
+``/tmp/gpushare-<uid>``) holding the socket, control blocks in a fresh 0700 directory
+with an unguessable name under ``/dev/shm``, and
+``$XDG_STATE_HOME/gpushare/journal.sqlite``.  ``GPUSHARE_SOCKET`` overrides the socket a
+client connects to; ``GPUSHARE_BROKER_USER`` names the account a system broker runs as
+when it is not root.
+
+This module only names places; :mod:`gpushare_ext.safe_fs` checks and makes them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import pwd
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,12 +28,18 @@ SYSTEM_CONFIG = Path("/etc/gpushare/broker.toml")
 SYSTEM_JOURNAL = Path("/var/lib/gpushare/journal.sqlite")
 
 
+SHM_DIR = Path("/dev/shm")
+
+
 @dataclass(frozen=True)
 class BrokerPaths:
     mode: str  # "system" or "user"
     runtime_dir: Path
     socket: Path
-    sessions_dir: Path
+    # A fixed sessions directory (the system broker's, shared with pods by hostPath), or
+    # None: a fresh one named ``sessions_prefix`` + random under /dev/shm at each start.
+    sessions_dir: Path | None
+    sessions_prefix: str
     journal: Path
     config: Path | None
 
@@ -47,16 +59,20 @@ def user_state_dir() -> Path:
     return Path(base) / "gpushare"
 
 
-def sessions_dir_for(mode: str, socket: Path, runtime: Path) -> Path:
+def sessions_prefix_for(socket: Path) -> str:
+    """Name prefix of this broker's sessions directories under /dev/shm: one per socket,
+    so a restarted broker finds (and removes) the directories of its dead predecessor."""
+    tag = hashlib.sha256(str(socket).encode()).hexdigest()[:10]
+    return f"gpushare-{os.geteuid()}-{tag}-"
+
+
+def sessions_dir_for(mode: str, socket: Path) -> Path | None:
     """Where control blocks live: always on tmpfs, because the GPU can only pin shared
-    memory pages (``cuMemHostRegister`` refuses pages of files on disk)."""
+    memory pages (``cuMemHostRegister`` refuses pages of files on disk).  None: a fresh
+    directory under /dev/shm (``SHM_DIR``) whose name nobody can guess in advance."""
     if mode == "system" and socket == SYSTEM_SOCKET:
         return SYSTEM_RUNTIME_DIR / "sessions"  # /run is tmpfs; shared with pods by hostPath
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK):
-        tag = hashlib.sha256(str(socket).encode()).hexdigest()[:10]
-        return shm / f"gpushare-{os.getuid()}-{tag}"
-    return runtime / "sessions"
+    return None
 
 
 def broker_paths(mode: str, socket: str | Path | None = None) -> BrokerPaths:
@@ -67,7 +83,8 @@ def broker_paths(mode: str, socket: str | Path | None = None) -> BrokerPaths:
             mode="system",
             runtime_dir=runtime,
             socket=socket_path,
-            sessions_dir=sessions_dir_for("system", socket_path, runtime),
+            sessions_dir=sessions_dir_for("system", socket_path),
+            sessions_prefix=sessions_prefix_for(socket_path),
             journal=SYSTEM_JOURNAL,
             config=SYSTEM_CONFIG,
         )
@@ -77,7 +94,8 @@ def broker_paths(mode: str, socket: str | Path | None = None) -> BrokerPaths:
         mode="user",
         runtime_dir=runtime,
         socket=socket_path,
-        sessions_dir=sessions_dir_for("user", socket_path, runtime),
+        sessions_dir=sessions_dir_for("user", socket_path),
+        sessions_prefix=sessions_prefix_for(socket_path),
         journal=user_state_dir() / "journal.sqlite",
         config=None,
     )
@@ -92,3 +110,18 @@ def default_socket_path() -> Path:
     if SYSTEM_SOCKET.exists():
         return SYSTEM_SOCKET
     return user_runtime_dir() / "broker.sock"
+
+
+def trusted_broker_uids() -> frozenset[int]:
+    """Who may run the broker a client talks to: root, this user (its embedded broker),
+    and the account named by ``GPUSHARE_BROKER_USER`` (a system broker not run as root)."""
+    uids = {0, os.getuid()}
+    service = os.environ.get("GPUSHARE_BROKER_USER", "").strip()
+    if service:
+        if service.isdecimal():
+            uids.add(int(service))
+        else:
+            # An unknown name adds nobody; the error then names the real owner.
+            with contextlib.suppress(KeyError):
+                uids.add(pwd.getpwnam(service).pw_uid)
+    return frozenset(uids)

@@ -413,10 +413,19 @@ def frame_length(header: bytes) -> int:
     return length
 
 
+MAX_ERROR_ECHO = 64  # characters of a client's own text an error quotes back
+
+
+def _quoted(text: str) -> str:
+    return repr(text if len(text) <= MAX_ERROR_ECHO else text[:MAX_ERROR_ECHO] + "...")
+
+
 def decode_client_message(body: bytes) -> ClientMessageUnion:
     """Decode and validate one client message; ProtocolError says exactly what is wrong."""
     try:
         return _client_decoder.decode(body)
+    except RecursionError:
+        raise ProtocolError(ErrorCode.MALFORMED, "invalid message: nested too deeply") from None
     except msgspec.ValidationError as exc:
         text = str(exc)
         if "Invalid value" in text and "$.type" in text:
@@ -424,28 +433,43 @@ def decode_client_message(body: bytes) -> ClientMessageUnion:
             if kind is not None and kind not in _KNOWN_CLIENT_TYPES:
                 raise ProtocolError(
                     ErrorCode.UNKNOWN_MESSAGE,
-                    f"unknown message type {kind!r}; known: {', '.join(sorted(_KNOWN_CLIENT_TYPES))}",
+                    f"unknown message type {_quoted(kind)}; "
+                    f"known: {', '.join(sorted(_KNOWN_CLIENT_TYPES))}",
                 ) from None
+        if len(text) > 300:
+            text = text[:300] + "..."
         raise ProtocolError(ErrorCode.MALFORMED, f"invalid message: {text}") from None
     except msgspec.DecodeError as exc:
         raise ProtocolError(ErrorCode.MALFORMED, f"not a JSON message: {exc}") from None
 
 
-def _peek_type(body: bytes) -> str | None:
+class _Peek(msgspec.Struct):
+    """The two fields an error reply needs from a message that did not decode."""
+
+    type: object = None
+    seq: object = None
+
+
+_peek_decoder = msgspec.json.Decoder(_Peek)
+
+
+def _peek(body: bytes) -> _Peek | None:
+    # Typed, so the rest of the body is skipped, not built: deep nesting costs nothing.
     try:
-        raw = msgspec.json.decode(body)
-    except msgspec.DecodeError:
+        return _peek_decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return None
-    return raw.get("type") if isinstance(raw, dict) and isinstance(raw.get("type"), str) else None
+
+
+def _peek_type(body: bytes) -> str | None:
+    raw = _peek(body)
+    return raw.type if raw is not None and isinstance(raw.type, str) else None
 
 
 def peek_seq(body: bytes) -> int:
     """The ``seq`` of a client message that did not decode (0 if none), so the error answers it."""
-    try:
-        raw = msgspec.json.decode(body)
-    except msgspec.DecodeError:
-        return 0
-    seq = raw.get("seq") if isinstance(raw, dict) else None
+    raw = _peek(body)
+    seq = raw.seq if raw is not None else None
     if isinstance(seq, int) and not isinstance(seq, bool) and 0 <= seq <= (1 << 53):
         return seq
     return 0

@@ -118,6 +118,10 @@ def launch_broker(
     """Start ``gpushare broker`` on a simulated inventory; return once it answers."""
     directory = directory or short_tempdir()
     directory.mkdir(parents=True, exist_ok=True)
+    if system:
+        # Other users must reach a system broker's socket; the broker never widens a
+        # directory it did not create, so the test that made this one opens it.
+        directory.chmod(0o755)
     sock = directory / "broker.sock"
     journal = journal or directory / "journal.sqlite"
     argv = [
@@ -306,3 +310,27 @@ def forked_users() -> Iterator[Callable[..., ForkedUser]]:
 
 def is_root() -> bool:
     return os.geteuid() == 0
+
+
+TEST_USERS = ("gpsa", "gpsb")
+
+
+def ensure_users(*names: str) -> tuple[str, ...]:
+    """Real Unix users (no home, no shell) for tests that cross users; needs root."""
+    for name in names:
+        try:
+            pwd.getpwnam(name)
+        except KeyError:
+            subprocess.run(
+                ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+                check=True, capture_output=True,
+            )  # fmt: skip
+    return names
+
+
+@pytest.fixture(scope="session")
+def two_users() -> tuple[str, ...]:
+    """Two real Unix users: ``gpsa`` (a victim, say) and ``gpsb`` (another user)."""
+    if not is_root():
+        pytest.skip("creates Unix users and drops to them: needs root")
+    return ensure_users(*TEST_USERS)

@@ -272,6 +272,12 @@ class Ladder:
     def _serial(self, pid: int) -> asyncio.Lock:
         return self._per_pid.setdefault(pid, asyncio.Lock())
 
+    def forget_idle(self) -> None:
+        """Drop the per-process locks nobody holds or waits for (pids come and go)."""
+        for pid, lock in list(self._per_pid.items()):
+            if not lock.locked() and pid not in self._locked and pid not in self._checkpointed:
+                del self._per_pid[pid]
+
     async def apply(
         self, target: Target, level: PreemptionLevel, reason: str, already: PreemptionLevel | None
     ) -> str:
@@ -316,7 +322,7 @@ class Ladder:
                     self.control.lock, target.pid, target.device_index, self.lock_timeout_ms
                 )
                 self._locked.add(target.pid)
-            if level == PreemptionLevel.EVICT:
+            if level == PreemptionLevel.EVICT and target.pid not in self._checkpointed:
                 await self._run(self.control.checkpoint, target.pid, target.device_index)
                 self._checkpointed.add(target.pid)
             if self.control.kind == "simulated" and level >= PreemptionLevel.LOCK:

@@ -2,15 +2,19 @@
 
 The same file holds the scheduling policy (see :mod:`gpushare_ext.broker.policy`);
 this module reads the operational keys (socket, journal, inventory, limits, metrics)
-and validates them, naming any unknown or wrong key.
+through :mod:`gpushare_ext.broker.schema`, which says what each key accepts, and tells
+which changed keys a running broker cannot apply without a restart.  Every error is a
+one-line :class:`PolicyError`.  This module must not act on a setting (open the socket,
+read the token file): the server does that.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from gpushare_ext.broker import schema
 from gpushare_ext.broker.policy import Policy, PolicyError, policy_from_document
 
 if sys.version_info >= (3, 11):
@@ -18,70 +22,80 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-_BROKER_KEYS = {
-    "socket": str,
-    "journal": str,
-    "inventory": str,
-    "metrics_port": int,
-    "max_connections_per_uid": int,
-    "max_requests_per_second": (int, float),
-    "reclaim_grace_s": (int, float),
-    "lock_timeout_ms": int,
-    "socket_group": str,
-    "admin_groups": list,
-    "admin_users": list,
-    "sharing": str,
-    "evict_when_memory_needed": bool,
-    "mps": bool,
-    "node_name": str,
-    "devices": list,
-}
-
 
 @dataclass(frozen=True, kw_only=True)
 class BrokerConfig:
+    """The ``[broker]`` settings (defaults as in ``schema.BROKER_SETTINGS``) and the policy."""
+
     socket: str | None = None
     journal: str | None = None
     inventory: str = "auto"
     metrics_port: int | None = None
+    metrics_address: str = "127.0.0.1"
+    metrics_token_file: str | None = None
     max_connections_per_uid: int = 32
     max_requests_per_second: float = 200.0
     reclaim_grace_s: float = 30.0
     lock_timeout_ms: int = 5000
+    journal_keep_hours: float = 24.0
     socket_group: str | None = None
     node_name: str | None = None
     devices: list[int] | None = None  # GPU indices this broker manages (None: all)
     policy: Policy = field(default_factory=Policy)
+    given: frozenset[str] = frozenset()  # the [broker] keys the file named
 
 
-def parse_config(text: str, source: str = "config") -> BrokerConfig:
-    try:
-        document = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise PolicyError(f"{source} is not valid TOML: {exc}") from None
-    broker = document.get("broker", {})
-    for key, value in broker.items():
-        expected = _BROKER_KEYS.get(key)
-        if expected is None:
+_OWN_KEYS = frozenset(f.name for f in fields(BrokerConfig)) - {"policy", "given"}
+
+
+def _text_of(data: str | bytes, source: str) -> str:
+    if isinstance(data, bytes):
+        try:
+            data = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
             raise PolicyError(
-                f"{source}: unknown setting broker.{key}; known: {', '.join(sorted(_BROKER_KEYS))}"
-            )
-        if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
-            raise PolicyError(f"{source}: broker.{key} has the wrong type ({type(value).__name__})")
-    devices = broker.get("devices")
-    if devices is not None and not all(isinstance(i, int) and i >= 0 for i in devices):
-        raise PolicyError(f"{source}: broker.devices must list GPU indices, e.g. [0, 1]")
-    policy = policy_from_document(document)
-    values = {k: v for k, v in broker.items() if k in BrokerConfig.__dataclass_fields__}
-    return BrokerConfig(policy=policy, **values)
+                f"{source} is not a text file (byte {exc.start} is not UTF-8)"
+            ) from None
+    # tomllib would name the NUL as an invalid character; a file with one is not a
+    # config file that got a typo but something else put in its place.
+    if "\0" in data:
+        raise PolicyError(f"{source} is not a text file (it holds NUL bytes)")
+    return data
+
+
+def parse_config(text: str | bytes, source: str = "config") -> BrokerConfig:
+    """The config in ``text``; PolicyError, one line naming the key, for anything wrong."""
+    try:
+        document = tomllib.loads(_text_of(text, source))
+    except tomllib.TOMLDecodeError as exc:
+        raise PolicyError(f"{source} is not valid TOML: {' '.join(str(exc).split())}") from None
+    broker_table = schema.sections(document, source).broker
+    broker = schema.read_broker(broker_table, source)
+    policy = policy_from_document(document, source)
+    own = {key: value for key, value in broker.items() if key in _OWN_KEYS}
+    return BrokerConfig(policy=policy, given=frozenset(broker_table), **own)  # type: ignore[arg-type]
 
 
 def load_config(path: str | Path | None) -> BrokerConfig:
+    """The config in the file at ``path`` (the built-in defaults for None)."""
     if path is None:
         return BrokerConfig()
     path = Path(path)
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except OSError as exc:
-        raise PolicyError(f"cannot read {path}: {exc.strerror}") from None
-    return parse_config(text, str(path))
+        raise PolicyError(f"cannot read {path}: {exc.strerror or exc}") from None
+    return parse_config(data, str(path))
+
+
+def restart_needed(running: BrokerConfig, new: BrokerConfig) -> list[str]:
+    """The ``[broker]`` keys ``new`` names with a value a running broker cannot apply.
+
+    Only keys the new file names count: one it leaves out may hold the value the running
+    broker got from its command line, which a reload does not change either.
+    """
+    return [
+        key
+        for key in schema.restart_keys()
+        if key in new.given and getattr(new, key) != getattr(running, key)
+    ]

@@ -79,6 +79,7 @@ class Identity:
     pid: int
     user: str
     groups: tuple[str, ...] = ()
+    start_ticks: int | None = None  # when the process started: a reused pid is not it
 
 
 # ------------------------------------------------------------------ events
@@ -122,18 +123,43 @@ class LeaseReleased:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LeaseRestored:
+    """At start-up: a lease the journal kept for a process that still lives.
+
+    It comes back *detached*, in the state it had, under a placeholder session of its
+    process: it keeps its slot and memory, is neither granted nor resumed while
+    detached, and waits for its process to reconnect (:class:`LeaseReclaimed`) or for
+    its placeholder session to close.  Nothing is applied to it: the broker undid every
+    actuator before (shutdown) or at (crash recovery) this start.
+    """
+
+    now: float
+    session_id: str
+    identity: Identity
+    lease_id: str
+    state: LeaseState
+    priority: int
+    memory_bytes: int
+    slot: str | None
+    sm_share: float = 1.0
+    slice: SliceWish = SliceWish.AUTO
+    device: str = "auto"
+    capabilities: Capabilities = Capabilities()  # noqa: RUF009 - frozen, shared safely
+    label: str = ""
+    requested_at: float = 0.0
+    granted_at: float | None = None
+    aging_bonus: float = 0.0
+    paused_for: str = ""
+    reason: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
 class LeaseReclaimed:
-    """After a broker restart: a lease the journal says was running, reclaimed by its pid."""
+    """A reconnected session takes back a detached lease of its own process."""
 
     now: float
     session_id: str
     lease_id: str
-    priority: int
-    memory_bytes: int
-    slot: str
-    sm_share: float = 1.0
-    capabilities: Capabilities = Capabilities()  # noqa: RUF009 - frozen, shared safely
-    label: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,6 +209,7 @@ Event = (
     | SessionClosed
     | LeaseRequested
     | LeaseReleased
+    | LeaseRestored
     | LeaseReclaimed
     | PreemptionApplied
     | PreemptionFailed
@@ -317,6 +344,8 @@ class Lease:
     reason: str = ""
     notice: str = ""
     last_queue_notice: tuple | None = None
+    paused_for: str = ""  # the lease it was paused for (shown to the paused session)
+    detached: bool = False  # restored after a restart, its process not yet reconnected
 
     def running_priority(self) -> float:
         return min(299.0, self.base_priority + self.aging_bonus)
@@ -327,6 +356,7 @@ class SessionRecord:
     identity: Identity
     notebook: str
     leases: set[str] = field(default_factory=set)
+    detached: bool = False  # the placeholder of a process that has not reconnected yet
 
 
 # ------------------------------------------------------------------ the machine
@@ -498,35 +528,127 @@ class Scheduler:
         record.leases.add(lease.lease_id)
         return []
 
-    def _on_LeaseReclaimed(self, event: LeaseReclaimed, now: float) -> list[Action]:
-        record = self._session(event.session_id)
-        if event.lease_id in self.leases:
+    def _on_LeaseRestored(self, event: LeaseRestored, now: float) -> list[Action]:
+        if event.lease_id in self.leases or event.lease_id in self.ended:
             raise SchedulerError(ErrorCode.INVALID, f"lease {event.lease_id} is already known")
-        if event.slot not in self.slots:
+        if event.state not in ACTIVE_STATES:
+            raise SchedulerError(ErrorCode.INVALID, f"lease {event.lease_id} is not open")
+        if event.state != LeaseState.QUEUED and event.slot not in self.slots:
             raise SchedulerError(ErrorCode.UNAVAILABLE, f"slot {event.slot} no longer exists")
+        record = self.sessions.get(event.session_id)
+        if record is None:
+            record = SessionRecord(identity=event.identity, notebook="", detached=True)
+            self.sessions[event.session_id] = record
+        elif not record.detached or record.identity.pid != event.identity.pid:
+            raise SchedulerError(
+                ErrorCode.INVALID, f"session {event.session_id} is not the placeholder of its pid"
+            )
+        # An eviction was undone when the broker stopped: its memory is on the device again.
+        state = LeaseState.PAUSED if event.state == LeaseState.EVICTED else event.state
         self._arrivals += 1
         lease = Lease(
             lease_id=event.lease_id,
             session_id=event.session_id,
-            identity=record.identity,
+            identity=event.identity,
             base_priority=event.priority,
             memory_bytes=event.memory_bytes,
             sm_share=event.sm_share,
-            slice=SliceWish.AUTO,
-            device_wish=str(self.slots[event.slot].device_index),
+            slice=event.slice,
+            device_wish=event.device,
             capabilities=event.capabilities,
             label=event.label,
             arrival=self._arrivals,
-            requested_at=now,
-            state=LeaseState.RUNNING,
-            state_since=now,
-            slot=event.slot,
-            granted_at=now,
+            requested_at=event.requested_at or now,
+            state=state,
+            # A request keeps the wait it had: aging counts from when it was made.
+            state_since=(event.requested_at or now) if state == LeaseState.QUEUED else now,
+            slot=event.slot if state != LeaseState.QUEUED else None,
+            granted_at=event.granted_at,
+            waited_s=(event.granted_at - event.requested_at)
+            if event.granted_at is not None and event.requested_at
+            else 0.0,
+            aging_bonus=event.aging_bonus,
             lockable=event.capabilities.lockable,
+            reason=event.reason,
+            paused_for=event.paused_for,
+            detached=True,
         )
         self.leases[lease.lease_id] = lease
         record.leases.add(lease.lease_id)
         return []
+
+    def reclaimable(self, session_id: str, lease_ids: list[str]) -> list[str]:
+        """Which of ``lease_ids`` the session's process may take back (see LeaseReclaimed)."""
+        record = self.sessions.get(session_id)
+        if record is None:
+            return []
+        return [
+            lease_id
+            for lease_id in dict.fromkeys(lease_ids)
+            if self._reclaim_refusal(record, lease_id) is None
+        ]
+
+    def _reclaim_refusal(self, record: SessionRecord, lease_id: str) -> SchedulerError | None:
+        lease = self.leases.get(lease_id)
+        if lease is None or not lease.detached:
+            return SchedulerError(
+                ErrorCode.UNKNOWN_LEASE, f"there is no lease {lease_id} waiting to be reclaimed"
+            )
+        if (lease.identity.pid, lease.identity.uid) != (record.identity.pid, record.identity.uid):
+            return SchedulerError(
+                ErrorCode.PERMISSION, f"lease {lease_id} belongs to another process"
+            )
+        return None
+
+    def _on_LeaseReclaimed(self, event: LeaseReclaimed, now: float) -> list[Action]:
+        record = self._session(event.session_id)
+        refusal = self._reclaim_refusal(record, event.lease_id)
+        if refusal is not None:
+            raise refusal
+        lease = self.leases[event.lease_id]
+        placeholder = self.sessions.get(lease.session_id)
+        if placeholder is not None:
+            placeholder.leases.discard(lease.lease_id)
+            if placeholder.detached and not placeholder.leases:
+                del self.sessions[lease.session_id]
+        lease.session_id = event.session_id
+        lease.identity = record.identity
+        lease.detached = False
+        record.leases.add(lease.lease_id)
+        if lease.state == LeaseState.RUNNING:
+            lease.reason = ""
+            return []
+        if lease.state == LeaseState.QUEUED:
+            lease.last_queue_notice = None  # the new session hears where it stands
+            return []
+        # Paused (or evicted while detached).  If it may run now, the queue resumes it.
+        # Otherwise stop it again: the new control block must show it paused, and what
+        # was applied before the restart was undone.
+        applied = max(
+            (level for level in (lease.applied_level, lease.pending_level) if level is not None),
+            default=None,
+        )
+        if applied is None and lease.slot is not None and self._fits_now(lease, lease.slot, now):
+            return []
+        level = applied if applied is not None else stopping_level(self._traits(lease))
+        if level is None:
+            lease.state = LeaseState.RUNNING  # nothing can stop it: it time-slices
+            lease.state_since = now
+            lease.reason = "could not be paused again after the broker restarted"
+            return []
+        lease.pending_level = level
+        lease.reason = lease.reason or "paused for a higher-priority session"
+        return [
+            Preempt(
+                session_id=lease.session_id,
+                lease_id=lease.lease_id,
+                pid=lease.identity.pid,
+                device_index=self.slots[lease.slot].device_index,  # type: ignore[index]
+                level=level,
+                for_lease=lease.paused_for,
+                reason=lease.reason,
+            )
+        ]
 
     def _on_LeaseReleased(self, event: LeaseReleased, now: float) -> list[Action]:
         lease = self.leases.get(event.lease_id)
@@ -644,6 +766,16 @@ class Scheduler:
 
     # ---- helpers
 
+    @staticmethod
+    def _traits(lease: Lease) -> VictimTraits:
+        return VictimTraits(
+            gate=lease.capabilities.gate,
+            yield_flag=lease.capabilities.yield_flag,
+            instrumented_only=lease.capabilities.instrumented_only,
+            lockable=lease.lockable,
+            evictable=lease.evictable,
+        )
+
     def _session(self, session_id: str) -> SessionRecord:
         record = self.sessions.get(session_id)
         if record is None:
@@ -662,7 +794,8 @@ class Scheduler:
         matching = sorted(self.devices)
         wish_text = (device_wish or "auto").strip()
         if wish_text != "auto":
-            if wish_text.isdigit():
+            # isdigit() is true for "²" and "①", which int() refuses: ASCII digits only.
+            if wish_text.isascii() and wish_text.isdecimal():
                 index = int(wish_text)
                 if index not in self.devices:
                     return [], f"there is no device {index} (devices: {sorted(self.devices)})"
@@ -798,13 +931,7 @@ class Scheduler:
                 return None
             if victim.pending_level is not None:
                 return None  # already being stopped; wait for that
-            traits = VictimTraits(
-                gate=victim.capabilities.gate,
-                yield_flag=victim.capabilities.yield_flag,
-                instrumented_only=victim.capabilities.instrumented_only,
-                lockable=victim.lockable,
-                evictable=victim.evictable,
-            )
+            traits = self._traits(victim)
             if stopping_level(traits) is None:
                 continue  # cannot be stopped: it will time-slice with us (said in status)
             to_pause.append(victim)
@@ -840,11 +967,17 @@ class Scheduler:
 
     def _schedule(self, now: float) -> list[Action]:
         actions: list[Action] = []
+        # Slots kept for waiters ranked higher: ``reserved`` for one that is being made
+        # room for (or could be placed), ``waited_for`` for one that can neither be
+        # placed nor make room.  A paused lease may resume on a slot that is only waited
+        # for: it holds its memory there anyway, and running to its end may be the only
+        # way that memory is ever freed (it cannot be evicted).
         reserved: set[str] = set()
+        waited_for: set[str] = set()
         for lease in self.queue():
             if lease.state not in (LeaseState.QUEUED, LeaseState.PAUSED, LeaseState.EVICTED):
                 continue
-            if lease.held_by_watchdog:
+            if lease.held_by_watchdog or lease.detached:
                 continue
             if lease.pending_level is not None:
                 reserved.add(lease.slot)  # type: ignore[arg-type]
@@ -867,7 +1000,8 @@ class Scheduler:
                 if self.slots[k].device_index not in self.drained
                 or lease.state != LeaseState.QUEUED
             ]
-            open_slots = [k for k in candidates if k not in reserved]
+            blocked = reserved if lease.state == LeaseState.PAUSED else reserved | waited_for
+            open_slots = [k for k in candidates if k not in blocked]
             placed = [k for k in open_slots if self._fits_now(lease, k, now)]
             if placed:
                 key = min(placed, key=lambda k: self._slot_preference(lease, k))
@@ -891,7 +1025,7 @@ class Scheduler:
                 actions.extend(self._preempt_for(lease, key, to_pause, to_evict, now))
                 reserved.add(key)
                 continue
-            reserved.update(candidates)
+            waited_for.update(candidates)
             actions.extend(self._queue_notice(lease, candidates or wanted, now))
         return actions
 
@@ -908,6 +1042,7 @@ class Scheduler:
         lease.state_since = now
         lease.slot = key
         lease.reason = ""
+        lease.paused_for = ""
         lease.last_queue_notice = None
         if previous == LeaseState.QUEUED:
             lease.granted_at = now
@@ -952,13 +1087,7 @@ class Scheduler:
         slot = self.slots[key]
         who = f"{describe_priority(lease.base_priority)} lease {lease.lease_id}"
         for victim in to_pause:
-            traits = VictimTraits(
-                gate=victim.capabilities.gate,
-                yield_flag=victim.capabilities.yield_flag,
-                instrumented_only=victim.capabilities.instrumented_only,
-                lockable=victim.lockable,
-                evictable=victim.evictable,
-            )
+            traits = self._traits(victim)
             level = stopping_level(traits)
             if victim in to_evict:
                 level = PreemptionLevel.EVICT
@@ -978,6 +1107,7 @@ class Scheduler:
             else:  # already paused: escalate to eviction
                 victim.pending_level = PreemptionLevel.EVICT
                 victim.reason = f"evicted for {who}"
+                victim.paused_for = lease.lease_id
                 actions.append(
                     Preempt(
                         session_id=victim.session_id,
@@ -1005,6 +1135,7 @@ class Scheduler:
         victim.state_since = now
         victim.pending_level = level
         victim.reason = reason
+        victim.paused_for = lease.lease_id
         return Preempt(
             session_id=victim.session_id,
             lease_id=victim.lease_id,

@@ -1,17 +1,114 @@
-"""Prometheus metrics of one broker, served on an opt-in loopback port.
+"""Prometheus metrics of one broker, served on an opt-in port (loopback by default).
 
 The server calls the ``observe_*`` methods as things happen and ``refresh`` with each
-snapshot; nothing here decides anything.
+snapshot; nothing here decides anything.  The HTTP side is prometheus_client's WSGI app
+in a threading ``wsgiref`` server on a daemon thread, behind a bearer-token check when
+the config names a token file.  This module must not read the config or reach into the
+scheduler: the server hands it a port, an address and a token.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import hmac
+import os
+import socket
+import stat
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+
+from gpushare_ext.broker.policy import PolicyError
 from gpushare_ext.protocol import LeaseState, Snapshot, priority_class
+
+_MAX_TOKEN_BYTES = 4096
+_UNAUTHORIZED_BODY = b"401 Unauthorized: send the broker's metrics token as a bearer token\n"
+
+WSGIApp = Callable[[dict, Callable], Iterable[bytes]]
+
+
+def read_token_file(path: str | Path) -> str:
+    """The bearer token in ``path``, stripped; PolicyError (one line naming the path) if the
+    file is missing, empty, not one token, or open to group or others (it is a secret)."""
+    path = Path(path)
+    try:
+        # fstat on the open file: the mode checked is that of the bytes read.
+        with path.open("rb") as file:
+            mode = os.fstat(file.fileno()).st_mode
+            data = file.read(_MAX_TOKEN_BYTES + 1)
+    except OSError as exc:
+        raise PolicyError(f"metrics token file {path}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
+        raise PolicyError(f"metrics token file {path} is not a regular file")
+    if mode & 0o077:
+        raise PolicyError(
+            f"metrics token file {path} is open to group or others (mode "
+            f"{stat.S_IMODE(mode):04o}); make it private: chmod 600 {path}"
+        )
+    if len(data) > _MAX_TOKEN_BYTES:
+        raise PolicyError(f"metrics token file {path} is over {_MAX_TOKEN_BYTES} bytes")
+    token = data.strip()
+    if not token:
+        raise PolicyError(f"metrics token file {path} is empty")
+    # A header carries the token: it must be one word of printable ASCII.
+    if not all(0x21 <= byte <= 0x7E for byte in token):
+        raise PolicyError(
+            f"metrics token file {path} must hold one token of printable ASCII without spaces"
+        )
+    return token.decode("ascii")
+
+
+def _bearer_only(app: WSGIApp, token: str) -> WSGIApp:
+    expected = token.encode("utf-8")
+
+    def guarded(environ: dict, start_response: Callable) -> Iterable[bytes]:
+        # WSGI hands headers over as latin-1 text: encoding back gives the bytes sent.
+        header = environ.get("HTTP_AUTHORIZATION", "").encode("latin-1", "replace")
+        scheme, _, given = header.strip().partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), expected):
+            return app(environ, start_response)
+        start_response(
+            "401 Unauthorized",
+            [
+                ("Content-Type", "text/plain; charset=utf-8"),
+                ("WWW-Authenticate", 'Bearer realm="gpushare metrics"'),
+                ("Content-Length", str(len(_UNAUTHORIZED_BODY))),
+            ],
+        )
+        return [_UNAUTHORIZED_BODY]
+
+    return guarded
+
+
+class _QuietHandler(WSGIRequestHandler):
+    # Every scrape would otherwise write a line to the broker's stderr.
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    # Daemon request threads: a stuck scraper cannot hold up the broker's exit.
+    daemon_threads = True
+
+
+def _server_class(address: str, port: int) -> type[_ThreadingServer]:
+    # WSGIServer binds AF_INET unless told otherwise; ask the resolver which family
+    # the address is (numeric addresses need no DNS), as http.server does.
+    found = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family = found[0][0]
+
+    class Server(_ThreadingServer):
+        address_family = family
+
+    return Server
 
 
 class BrokerMetrics:
+    """The broker's Prometheus registry, its HTTP endpoint, and what the server observes."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.leases = Gauge("gpushare_leases", "Leases by state", ["state"], registry=self.registry)
@@ -61,15 +158,47 @@ class BrokerMetrics:
         self.errors = Counter(
             "gpushare_errors", "Error replies by code", ["code"], registry=self.registry
         )
-        self._server = None
+        self.refusals = Counter(
+            "gpushare_refusals",
+            "Requests the broker refused (e.g. over a policy quota), by code",
+            ["code"],
+            registry=self.registry,
+        )
+        self.priority_lowered = Counter(
+            "gpushare_priority_lowered",
+            "Requests whose priority the policy lowered to the user's max_priority",
+            registry=self.registry,
+        )
+        self._server: tuple[WSGIServer, threading.Thread] | None = None
 
-    def serve(self, port: int, address: str = "127.0.0.1") -> None:
-        self._server = start_http_server(port, addr=address, registry=self.registry)
+    def serve(self, port: int, address: str = "127.0.0.1", token: str | None = None) -> None:
+        """Serve the metrics on ``address:port``; with ``token``, only to requests that
+        carry ``Authorization: Bearer <token>`` (others get 401).  Replaces an earlier
+        server of this object."""
+        if token is not None and not token:
+            raise ValueError("an empty metrics token would let every request in")
+        self.close()
+        app: WSGIApp = make_wsgi_app(self.registry)
+        if token is not None:
+            app = _bearer_only(app, token)
+        httpd = make_server(
+            address, port, app, _server_class(address, port), handler_class=_QuietHandler
+        )
+        # A short poll interval: close() waits up to one interval for the loop to notice.
+        thread = threading.Thread(
+            target=httpd.serve_forever,
+            kwargs={"poll_interval": 0.1},
+            name="gpushare-metrics",
+            daemon=True,
+        )
+        thread.start()
+        self._server = (httpd, thread)
 
     def close(self) -> None:
         if self._server is not None:
             server, thread = self._server
             server.shutdown()
+            server.server_close()  # frees the port for a restart in the same process
             thread.join(timeout=2)
             self._server = None
 
@@ -78,6 +207,12 @@ class BrokerMetrics:
 
     def observe_preemption(self, level: int, failed: bool = False) -> None:
         (self.preemption_failures if failed else self.preemptions).labels(str(level)).inc()
+
+    def observe_refusal(self, code: str) -> None:
+        self.refusals.labels(code).inc()
+
+    def observe_priority_lowered(self) -> None:
+        self.priority_lowered.inc()
 
     def refresh(self, snapshot: Snapshot) -> None:
         counts = {state.value: 0 for state in LeaseState}

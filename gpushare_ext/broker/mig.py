@@ -752,7 +752,7 @@ def parse_demand(text: str) -> list[Demand]:
         sms = None
         if sm_text:
             digits = sm_text.strip().lower().removesuffix("sm").removesuffix("sms")
-            if not digits.isdigit() or int(digits) <= 0:
+            if not (digits.isascii() and digits.isdecimal()) or int(digits) <= 0:
                 raise MigPlanError(
                     f"--demand: {sm_text!r} is not a number of SMs (example: 40GiB:60sm)",
                     exit_code=2,

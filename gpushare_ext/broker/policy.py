@@ -4,7 +4,9 @@ Pure data and pure functions (no I/O beyond parsing a TOML string): per-user and
 per-group limits (max priority, memory quota, default memory, max concurrent leases,
 slice wish, aging rate), the device sharing mode, and the two decisions the scheduler
 core delegates here: which preemption level stops a victim, and in which order victims
-are chosen.
+are chosen.  Every value is checked and converted by :mod:`gpushare_ext.broker.schema`
+(what each key accepts lives there, not here).  This module must not import
+``config.py`` or ``server.py``: they import it.
 
 The policy file (``/etc/gpushare/broker.toml`` in system mode) looks like::
 
@@ -33,78 +35,47 @@ section; later sections override earlier ones field by field.
 
 from __future__ import annotations
 
-import re
 import sys
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
-from gpushare_ext.protocol import PRIORITY_CLASSES, PreemptionLevel, SliceWish, priority_value
+from gpushare_ext.broker import schema
+from gpushare_ext.broker.schema import GIB, PolicyError, format_size, parse_size
+from gpushare_ext.protocol import PRIORITY_CLASSES, PreemptionLevel, SliceWish
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-GIB = 1024**3
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "K": 1024,
-    "KB": 1000,
-    "KIB": 1024,
-    "KI": 1024,
-    "M": 1024**2,
-    "MB": 1000**2,
-    "MIB": 1024**2,
-    "MI": 1024**2,
-    "G": 1024**3,
-    "GB": 1000**3,
-    "GIB": 1024**3,
-    "GI": 1024**3,
-    "T": 1024**4,
-    "TB": 1000**4,
-    "TIB": 1024**4,
-    "TI": 1024**4,
-}
-
-
-class PolicyError(Exception):
-    """A policy file or value that cannot be used; the message names the key and the problem."""
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes in ``text`` ("8GiB", "512MB", "1.5G", 1024); ValueError with a readable reason."""
-    if isinstance(text, bool):
-        raise ValueError("a size must be a number of bytes or text like 8GiB")
-    if isinstance(text, int):
-        if text < 0:
-            raise ValueError(f"size {text} is negative")
-        return text
-    match = _SIZE.match(str(text))
-    if not match:
-        raise ValueError(f"{text!r} is not a size (examples: 8GiB, 512MiB, 2GB)")
-    number, unit = match.groups()
-    multiplier = _UNITS.get((unit or "").upper())
-    if multiplier is None:
-        raise ValueError(f"{text!r} has an unknown unit {unit!r}")
-    return int(float(number) * multiplier)
-
-
-def format_size(num_bytes: int) -> str:
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" or value >= 100 else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{num_bytes} B"  # pragma: no cover
+# PolicyError and the size helpers live in schema.py, which both this module and
+# config.py read values through; they are re-exported here, where callers import them.
+__all__ = [
+    "GIB",
+    "Limits",
+    "Policy",
+    "PolicyError",
+    "VictimTraits",
+    "effective_priority",
+    "format_size",
+    "parse_policy",
+    "parse_size",
+    "policy_from_document",
+    "priority_band",
+    "stopping_level",
+    "victim_order_key",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
 class Limits:
-    """The limits that apply to one user after defaults, groups and user sections merge."""
+    """The limits that apply to one user after defaults, groups and user sections merge.
 
-    max_priority: int = PRIORITY_CLASSES["high"] + 49
-    memory_quota: int = 1 << 50  # effectively "the device"
+    The defaults here are those of ``schema.LIMIT_SETTINGS`` (a test keeps them equal).
+    """
+
+    max_priority: int = PRIORITY_CLASSES["high"]
+    memory_quota: int = 1 << 50  # 1 PiB: effectively "the device"
     default_memory: int = 8 * GIB
     max_leases: int = 8
     aging_per_minute: float = 10.0
@@ -137,77 +108,43 @@ class Policy:
         return uid == 0 or user in self.admin_users or any(g in self.admin_groups for g in groups)
 
 
-_LIMIT_FIELDS = {f.name for f in fields(Limits)}
+def _apply(
+    limits: Limits, section: Mapping[str, object], where: str, source: str = "policy"
+) -> Limits:
+    # Sections from a file are already converted, and converting again is a no-op; a
+    # Policy built in code gets its raw sections checked here, on first use.
+    return replace(limits, **schema.read_limits(section, where, source))
 
 
-def _coerce_limit(name: str, value: object, where: str) -> object:
-    try:
-        if name == "max_priority":
-            return priority_value(value)  # type: ignore[arg-type]
-        if name in ("memory_quota", "default_memory"):
-            return parse_size(value)  # type: ignore[arg-type]
-        if name == "max_leases":
-            if not isinstance(value, int) or value < 1:
-                raise ValueError("must be a whole number >= 1")
-            return value
-        if name == "aging_per_minute":
-            if not isinstance(value, int | float) or value < 0:
-                raise ValueError("must be a number >= 0")
-            return float(value)
-        if name == "slice":
-            return SliceWish(str(value))
-    except ValueError as exc:
-        raise PolicyError(f"{where}.{name}: {exc}") from None
-    raise PolicyError(f"{where}.{name}: unknown setting")  # pragma: no cover
-
-
-def _apply(limits: Limits, section: dict, where: str) -> Limits:
-    changes = {}
-    for key, value in section.items():
-        if key not in _LIMIT_FIELDS:
-            raise PolicyError(
-                f"{where}: unknown setting {key!r}; known: {', '.join(sorted(_LIMIT_FIELDS))}"
-            )
-        changes[key] = _coerce_limit(key, value, where)
-    return replace(limits, **changes)
-
-
-def parse_policy(text: str) -> Policy:
-    """Policy from TOML text; PolicyError names the offending key."""
+def parse_policy(text: str, source: str = "policy") -> Policy:
+    """Policy from TOML text; PolicyError (one line) names the offending key."""
     try:
         document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise PolicyError(f"policy is not valid TOML: {exc}") from None
-    return policy_from_document(document)
+        raise PolicyError(f"{source} is not valid TOML: {' '.join(str(exc).split())}") from None
+    return policy_from_document(document, source)
 
 
-def policy_from_document(document: dict) -> Policy:
-    known_top = {"broker", "defaults", "groups", "users"}
-    unknown = set(document) - known_top
-    if unknown:
-        raise PolicyError(f"unknown section(s) {sorted(unknown)}; known: {sorted(known_top)}")
-    broker = document.get("broker", {})
-    sharing = broker.get("sharing", "timeslice")
-    if sharing not in ("timeslice", "exclusive"):
-        raise PolicyError(f"broker.sharing must be 'timeslice' or 'exclusive', not {sharing!r}")
-    defaults = _apply(Limits(), document.get("defaults", {}), "defaults")
-    groups = document.get("groups", {})
-    users = document.get("users", {})
-    for where, table in (("groups", groups), ("users", users)):
-        if not isinstance(table, dict):
-            raise PolicyError(f"{where} must be a table of tables")
-        for name, section in table.items():
-            _apply(defaults, section, f"{where}.{name}")  # validate now, apply per user later
-    return Policy(
-        sharing=sharing,
-        admin_groups=tuple(broker.get("admin_groups", ())),
-        admin_users=tuple(broker.get("admin_users", ())),
-        defaults=defaults,
-        groups=dict(groups),
-        users=dict(users),
-        evict_when_memory_needed=bool(broker.get("evict_when_memory_needed", True)),
-        mps=bool(broker.get("mps", False)),
-    )
+def policy_from_document(document: Mapping[str, object], source: str = "policy") -> Policy:
+    """Policy from a parsed TOML document.
+
+    The whole ``[broker]`` table is checked, not just its policy keys, so a policy read
+    alone (``gpushare admin set-policy``) is refused for the same typos as the broker's
+    config; config.py checking that table again costs microseconds.
+    """
+    tables = schema.sections(document, source)
+    broker = schema.read_broker(tables.broker, source)
+    defaults = _apply(Limits(), tables.defaults, "defaults", source)
+    groups = {
+        name: schema.read_limits(section, f"groups.{name}", source)
+        for name, section in tables.groups.items()
+    }
+    users = {
+        name: schema.read_limits(section, f"users.{name}", source)
+        for name, section in tables.users.items()
+    }
+    policy_keys = {key: broker[key] for key in schema.POLICY_BROKER_KEYS if key in broker}
+    return Policy(defaults=defaults, groups=groups, users=users, **policy_keys)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------ decisions

@@ -90,7 +90,11 @@ def parse_lease_arguments(line: str) -> dict:
                 options["memory_bytes"] = size
             elif key == "device":
                 text = value.strip()
-                if not (text == "auto" or text.isdigit() or text.startswith(("GPU-", "MIG-"))):
+                if not (
+                    text == "auto"
+                    or (text.isascii() and text.isdecimal())
+                    or text.startswith(("GPU-", "MIG-"))
+                ):
                     raise ValueError(f"{text!r} is not auto, an index or a GPU-/MIG- UUID")
                 options["device"] = text
             elif key == "timeout":

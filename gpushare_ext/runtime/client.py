@@ -5,6 +5,13 @@ Both speak :mod:`gpushare_ext.protocol`.  Replies are matched to requests by ``s
 notices the broker sends on its own (grants after queueing, preemptions, resumes,
 state updates) go to listeners.  Neither client decides anything: the session layer
 (:mod:`gpushare_ext.runtime.session`) does.
+
+Before a client says anything it makes sure the peer is a broker it may trust: the
+socket's directory and the socket must belong to root or to this user (or to
+``GPUSHARE_BROKER_USER``) and nobody else may write there, and the process listening
+must run as one of those (``SO_PEERCRED``).  Otherwise it raises
+:class:`UntrustedBroker` naming the path and its owner, and sends nothing: no pid, no
+notebook name, no cell label reaches another user.
 """
 
 from __future__ import annotations
@@ -14,13 +21,14 @@ import contextlib
 import itertools
 import os
 import socket
+import struct
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
-from gpushare_ext.paths import default_socket_path
+from gpushare_ext.paths import default_socket_path, trusted_broker_uids
 from gpushare_ext.protocol import (
     PROTOCOL_VERSION,
     Admin,
@@ -52,6 +60,13 @@ from gpushare_ext.protocol import (
     decode_broker_message,
     encode_frame,
 )
+from gpushare_ext.safe_fs import (
+    PathMissing,
+    UnsafePathError,
+    check_socket,
+    describe_owner,
+    describe_trusted,
+)
 
 
 class BrokerError(Exception):
@@ -71,7 +86,53 @@ class BrokerUnavailable(BrokerError):
         super().__init__(ErrorCode.UNAVAILABLE, message)
 
 
+class UntrustedBroker(BrokerError):
+    """The socket, its directory or the process behind it belongs to someone we do not trust."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.PERMISSION, message)
+
+
 Listener = Callable[[BrokerMessage], None]
+_UCRED = struct.Struct("3i")
+_TRUST_HINT = (
+    "refusing to talk to a broker there (another user may be trying to intercept your "
+    "sessions; remove it, or set GPUSHARE_SOCKET)"
+)
+
+
+def trusted_socket_path(path: Path) -> Path:
+    """``path`` resolved, once its directory and the socket itself check out as trusted."""
+    try:
+        return check_socket(path, trusted=trusted_broker_uids(), hint=_TRUST_HINT)
+    except (PathMissing, FileNotFoundError):
+        raise BrokerUnavailable(f"no broker is listening on {path} (no such file)") from None
+    except UnsafePathError as exc:
+        raise UntrustedBroker(f"{exc}") from None
+
+
+def check_peer(sock: socket.socket, path: Path) -> None:
+    """Refuse a listener that runs as anyone but root, this user or the broker's account."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    pid, uid, _gid = _UCRED.unpack(raw)
+    trusted = trusted_broker_uids()
+    if uid not in trusted:
+        raise UntrustedBroker(
+            f"the process listening on {path} (pid {pid}) runs as {describe_owner(uid)}, "
+            f"not as {describe_trusted(trusted)}: {_TRUST_HINT}"
+        )
+
+
+def expect(reply: BrokerMessage, kind: object, path: Path) -> None:
+    """A reply of another type than the request calls for: not a broker we know."""
+    if not isinstance(reply, kind):  # type: ignore[arg-type]
+        members = getattr(kind, "__args__", (kind,))
+        wanted = " or ".join(getattr(member, "__name__", str(member)) for member in members)
+        raise BrokerError(
+            ErrorCode.MALFORMED,
+            f"the peer on {path} answered {type(reply).__name__} where a gpushare broker "
+            f"answers {wanted}",
+        )
 
 
 class BrokerClient:
@@ -86,17 +147,23 @@ class BrokerClient:
         notebook: str = "",
         reclaim: list[str] | None = None,
         connect_timeout: float = 5.0,
+        listener: Listener | None = None,
     ) -> None:
         self.socket_path = Path(socket_path) if socket_path else default_socket_path()
+        resolved = trusted_socket_path(self.socket_path)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(connect_timeout)
         try:
-            self._sock.connect(str(self.socket_path))
+            self._sock.connect(str(resolved))
+            check_peer(self._sock, self.socket_path)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             self._sock.close()
             raise BrokerUnavailable(
                 f"no broker is listening on {self.socket_path} ({exc.strerror})"
             ) from None
+        except UntrustedBroker:
+            self._sock.close()
+            raise
         except OSError as exc:
             self._sock.close()
             raise BrokerUnavailable(f"cannot connect to {self.socket_path}: {exc}") from None
@@ -108,24 +175,31 @@ class BrokerClient:
         self._send_lock = threading.Lock()
         self.closed = threading.Event()
         self.close_reason = ""
+        if listener is not None:
+            # Registered before the first byte is read: notices the broker sends right
+            # after its welcome (a reclaimed request granted at once) must not be lost.
+            self._listeners.append(listener)
         self._reader = threading.Thread(
             target=self._read_loop, name="gpushare-broker-reader", daemon=True
         )
         self._reader.start()
-        welcome = self._call(
-            Hello(
-                version=PROTOCOL_VERSION,
-                pid=os.getpid(),
-                client=client,  # type: ignore[arg-type]
-                kernel_id=kernel_id,
-                notebook=notebook,
-                reclaim=list(reclaim or []),
-            ),
-            timeout=connect_timeout,
-        )
-        if not isinstance(welcome, Welcome):  # pragma: no cover - protocol guarantees it
-            raise BrokerError(ErrorCode.INTERNAL, f"expected welcome, got {type(welcome).__name__}")
-        self.welcome = welcome
+        try:
+            welcome = self._call(
+                Hello(
+                    version=PROTOCOL_VERSION,
+                    pid=os.getpid(),
+                    client=client,  # type: ignore[arg-type]
+                    kernel_id=kernel_id,
+                    notebook=notebook,
+                    reclaim=list(reclaim or []),
+                ),
+                timeout=connect_timeout,
+            )
+            expect(welcome, Welcome, self.socket_path)
+        except BaseException:
+            self.close()
+            raise
+        self.welcome: Welcome = welcome  # type: ignore[assignment]
 
     # ---- plumbing
 
@@ -248,22 +322,21 @@ class BrokerClient:
                 label=label[:256],
             )
         )
-        if not isinstance(reply, Granted | Queued | Refused):  # pragma: no cover
-            raise BrokerError(ErrorCode.INTERNAL, f"unexpected reply {type(reply).__name__}")
-        return reply
+        expect(reply, Granted | Queued | Refused, self.socket_path)
+        return reply  # type: ignore[return-value]
 
     def release(self, lease_id: str) -> Released:
         reply = self._call(Release(lease_id=lease_id))
-        assert isinstance(reply, Released)
-        return reply
+        expect(reply, Released, self.socket_path)
+        return reply  # type: ignore[return-value]
 
     def heartbeat(self) -> None:
         self._call(Heartbeat())
 
     def status(self) -> Snapshot:
         reply = self._call(StatusRequest())
-        assert isinstance(reply, StatusReply)
-        return reply.snapshot
+        expect(reply, StatusReply, self.socket_path)
+        return reply.snapshot  # type: ignore[attr-defined]
 
     def watch(self, interval_s: float = 1.0) -> None:
         """Start the stream of StateUpdate notices (delivered to listeners)."""
@@ -316,9 +389,10 @@ class AsyncBrokerClient:
         self.welcome: Welcome | None = None
 
     async def connect(self, timeout: float = 5.0) -> Welcome:
+        resolved = trusted_socket_path(self.socket_path)
         try:
             self._reader, self._writer = await asyncio.wait_for(
-                asyncio.open_unix_connection(str(self.socket_path)), timeout
+                asyncio.open_unix_connection(str(resolved)), timeout
             )
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             raise BrokerUnavailable(
@@ -326,12 +400,23 @@ class AsyncBrokerClient:
             ) from None
         except (OSError, asyncio.TimeoutError) as exc:
             raise BrokerUnavailable(f"cannot connect to {self.socket_path}: {exc}") from None
-        reply = await self._call(
-            Hello(version=PROTOCOL_VERSION, pid=os.getpid(), client=self.client)
-        )  # type: ignore[arg-type]
-        assert isinstance(reply, Welcome)
-        self.welcome = reply
-        return reply
+        try:
+            check_peer(self._writer.get_extra_info("socket"), self.socket_path)
+            reply = await asyncio.wait_for(
+                self._call(Hello(version=PROTOCOL_VERSION, pid=os.getpid(), client=self.client)),  # type: ignore[arg-type]
+                timeout,
+            )
+        except asyncio.TimeoutError:
+            await self.close()
+            raise BrokerUnavailable(
+                f"the peer on {self.socket_path} did not answer within {timeout:g} s"
+            ) from None
+        except BaseException:
+            await self.close()
+            raise
+        expect(reply, Welcome, self.socket_path)
+        self.welcome = reply  # type: ignore[assignment]
+        return reply  # type: ignore[return-value]
 
     async def close(self) -> None:
         if self._writer is not None:
@@ -373,8 +458,8 @@ class AsyncBrokerClient:
 
     async def status(self) -> Snapshot:
         reply = await self._call(StatusRequest())
-        assert isinstance(reply, StatusReply)
-        return reply.snapshot
+        expect(reply, StatusReply, self.socket_path)
+        return reply.snapshot  # type: ignore[attr-defined]
 
     async def watch(self, interval_s: float = 1.0) -> AsyncIterator[Snapshot]:
         await self._call(Watch(interval_s=interval_s))

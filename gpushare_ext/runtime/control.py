@@ -28,6 +28,7 @@ from __future__ import annotations
 import enum
 import mmap
 import os
+import stat
 import struct
 import time
 from pathlib import Path
@@ -64,13 +65,15 @@ class ControlBlock:
         self.path = path
         self._map = mapping
         self._fd = fd
+        self.closed = False
 
     @classmethod
     def create(
         cls, path: str | Path, owner_uid: int | None = None, owner_gid: int | None = None
     ) -> ControlBlock:
         path = Path(path)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        # O_EXCL: a fresh name in the broker's own directory; whatever is there is not ours.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.fchmod(fd, 0o600)
             if owner_uid is not None and os.geteuid() == 0:
@@ -90,13 +93,27 @@ class ControlBlock:
     def open(cls, path: str | Path) -> ControlBlock:
         path = Path(path)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except PermissionError as exc:
             raise ControlBlockError(f"control block {path} is not yours: {exc.strerror}") from None
         except OSError as exc:
             raise ControlBlockError(f"cannot open control block {path}: {exc.strerror}") from None
         try:
-            if os.fstat(fd).st_size < SIZE:
+            info = os.fstat(fd)
+            # Only a block the broker made for us: a file someone else owns, or one others
+            # can write, could pause this session or read its state.
+            if not stat.S_ISREG(info.st_mode):
+                raise ControlBlockError(f"{path} is not a control block (not a regular file)")
+            if info.st_uid != os.getuid():
+                raise ControlBlockError(
+                    f"control block {path} belongs to uid {info.st_uid}, not to you"
+                )
+            if stat.S_IMODE(info.st_mode) & 0o077:
+                raise ControlBlockError(
+                    f"control block {path} is open to other users "
+                    f"(mode {stat.S_IMODE(info.st_mode):04o})"
+                )
+            if info.st_size < SIZE:
                 raise ControlBlockError(f"{path} is not a control block (too small)")
             mapping = mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
@@ -109,6 +126,10 @@ class ControlBlock:
         return block
 
     def close(self) -> None:
+        """Unmap; later writes are ignored and reads say open and idle.  Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
         try:
             self._map.close()
         finally:
@@ -117,10 +138,13 @@ class ControlBlock:
     # ---- words
 
     def _read(self, offset: int) -> int:
+        if self.closed:
+            return 0  # gate open, state idle: a closed block holds nobody
         return _WORD.unpack_from(self._map, offset)[0]
 
     def _write(self, offset: int, value: int) -> None:
-        _WORD.pack_into(self._map, offset, value)
+        if not self.closed:
+            _WORD.pack_into(self._map, offset, value)
 
     @property
     def gate_closed(self) -> bool:
@@ -141,13 +165,21 @@ class ControlBlock:
 
     @property
     def reason(self) -> str:
+        if self.closed:
+            return ""
         raw = bytes(self._map[REASON_OFFSET : REASON_OFFSET + REASON_SIZE])
         return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
 
     def publish(
         self, *, gate_closed: bool, state: SessionState, level: int | None = None, reason: str = ""
     ) -> None:
-        """Broker side: write gate, state, level and reason, then bump the generation."""
+        """Broker side: write gate, state, level and reason, then bump the generation.
+
+        A block already closed (its session ended while an actuator was on its way) is
+        left alone.
+        """
+        if self.closed:
+            return
         encoded = reason.encode("utf-8")[: REASON_SIZE - 1]
         self._map[REASON_OFFSET : REASON_OFFSET + REASON_SIZE] = encoded.ljust(REASON_SIZE, b"\0")
         self._write(STATE_OFFSET, int(state))
@@ -163,6 +195,14 @@ class ControlBlock:
         address = ctypes.addressof(buffer)
         del buffer
         return address
+
+    def release_locally(self, reason: str) -> None:
+        """Runtime side, when the broker is gone: open the gate and mark the session running.
+
+        Streams that wait on this page and loops in :meth:`wait_running` go on; the next
+        broker starts from its journal, and nobody else may hold this session paused.
+        """
+        self.publish(gate_closed=False, state=SessionState.RUNNING, reason=reason)
 
     @property
     def paused(self) -> bool:

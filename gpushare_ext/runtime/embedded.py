@@ -5,6 +5,10 @@ With no system broker on the host, the first ``%%gpu`` cell of a user starts
 outlives the kernel that started it) and says so once.  Every other notebook of the
 same user finds it on the same socket.  A file lock keeps two kernels that start at
 the same moment from starting two brokers.
+
+The runtime directory is made private (0700) if it is missing and trusted only if it
+is this user's and closed to others: one prepared by another user (a directory, a
+link) is refused with a one-line :class:`EmbeddedBrokerError`, never used or fixed.
 """
 
 from __future__ import annotations
@@ -19,10 +23,25 @@ import time
 from pathlib import Path
 
 from gpushare_ext.paths import SYSTEM_SOCKET, user_runtime_dir
+from gpushare_ext.safe_fs import UnsafePathError, open_private_file, trusted_directory
 
 
 class EmbeddedBrokerError(Exception):
     """The embedded broker could not be started; the message includes the tail of its log."""
+
+
+def prepare_runtime_dir(runtime: Path) -> Path:
+    """This user's runtime directory, made 0700 if missing; EmbeddedBrokerError if unsafe."""
+    try:
+        return trusted_directory(
+            runtime,
+            trusted={os.getuid()},
+            create_mode=0o700,
+            hint="another user may be trying to intercept your sessions; remove it, or set "
+            "XDG_RUNTIME_DIR to a directory of yours",
+        )
+    except UnsafePathError as exc:
+        raise EmbeddedBrokerError(f"gpushare: {exc}") from None
 
 
 def broker_answers(path: Path, timeout: float = 0.5) -> bool:
@@ -43,12 +62,15 @@ def ensure_embedded_broker(
     """Make sure this user's broker answers; return (socket, started_now)."""
     runtime = user_runtime_dir() if socket_path is None else socket_path.parent
     socket_path = socket_path or runtime / "broker.sock"
+    runtime = prepare_runtime_dir(runtime)
     if broker_answers(socket_path):
         return socket_path, False
-    runtime.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(runtime, 0o700)
     lock_path = runtime / "embedded.lock"
-    with open(lock_path, "w") as lock_file:
+    try:
+        lock_fd = open_private_file(lock_path, os.O_RDWR | os.O_CREAT)
+    except UnsafePathError as exc:
+        raise EmbeddedBrokerError(f"gpushare: {exc}") from None
+    with open(lock_fd, "w") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
         if broker_answers(socket_path):  # another kernel won the race
             return socket_path, False
@@ -63,7 +85,11 @@ def ensure_embedded_broker(
             )
         env = dict(os.environ)
         env.pop("CUDA_VISIBLE_DEVICES", None)  # the broker sees every GPU
-        with open(log_path, "ab") as log:
+        try:
+            log_fd = open_private_file(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        except UnsafePathError as exc:
+            raise EmbeddedBrokerError(f"gpushare: {exc}") from None
+        with open(log_fd, "ab") as log:
             process = subprocess.Popen(
                 command,
                 stdin=subprocess.DEVNULL,

@@ -51,6 +51,10 @@ from gpushare_ext.runtime.client import BrokerClient, BrokerError, BrokerUnavail
 from gpushare_ext.runtime.control import ControlBlock, ControlBlockError
 from gpushare_ext.runtime.embedded import broker_answers, ensure_embedded_broker
 
+HELD_STATES = ("granted", "running", "paused")
+OPEN_STATES = (*HELD_STATES, "queued")  # what a reconnect reclaims
+RECONNECT_DEADLINE_S = 120.0
+
 
 class LeaseRefused(Exception):
     """The broker refused the request (policy, impossible size, bad device)."""
@@ -176,6 +180,7 @@ class GpuSession:
         self.started_embedded = False
         self._lock = threading.RLock()
         self._reconnecting = threading.Event()
+        self._client_token: object = None  # which connection's loss matters (the live one's)
         self._connected_path: Path | None = None
         self._early: dict[str, list[BrokerMessage]] = {}  # notices that beat their lease handle
         self._closed = False
@@ -191,12 +196,18 @@ class GpuSession:
         return self._explicit_socket or default_socket_path()
 
     def connect(self) -> BrokerClient:
+        """The live connection, made (and every earlier lease reclaimed) if there is none.
+
+        The only place a connection is made: a cell asking for a lease and the reconnect
+        thread both come here, so a process never holds two connections, and a lease
+        granted on the new connection is never mistaken for one lost in a restart.
+        """
         with self._lock:
             if self.client is not None and not self.client.closed.is_set():
                 return self.client
-            return self._connect(reclaim=[])
+            return self._connect(path=self._connected_path)
 
-    def _connect(self, reclaim: list[str], path: Path | None = None) -> BrokerClient:
+    def _connect(self, path: Path | None = None) -> BrokerClient:
         # A reconnect goes back to the broker it knew: while a system broker restarts its
         # socket is briefly gone, and starting an embedded one then would lose the leases.
         path = path or self.socket_path
@@ -209,13 +220,41 @@ class GpuSession:
                     f"gpushare: no system broker found; started your embedded broker on {path} "
                     "(it serves all your notebooks on this host)"
                 )
-        client = BrokerClient(path, client="kernel", notebook=self.notebook, reclaim=reclaim)
-        client.add_listener(self._on_message)
+        earlier = [h for h in self.leases.values() if h.state in OPEN_STATES]
+        token = object()
+        client = BrokerClient(
+            path,
+            client="kernel",
+            notebook=self.notebook,
+            reclaim=[h.lease_id for h in earlier],
+            listener=lambda message: self._on_message(message, token),
+        )
+        self._client_token = token
         self.client = client
         self._connected_path = path
         self.simulated = client.welcome.inventory == "simulated"
         self._open_control_block(client.welcome.control_block)
+        for handle in earlier:
+            self._settle_reclaim(handle, handle.lease_id in client.welcome.reclaimed)
+        if client.closed.is_set() and not self._closed:
+            self._broker_lost(client.close_reason)  # lost before its listener counted
         return client
+
+    def _settle_reclaim(self, handle: LeaseHandle, reclaimed: bool) -> None:
+        """After a reconnect: a lease the new broker gave back, or one it did not keep."""
+        if reclaimed:
+            handle.note("reclaimed after a broker restart")
+            return
+        if handle.state == "queued":
+            handle.revoked = (
+                "the broker restarted and did not keep this request; run the cell again"
+            )
+        else:
+            handle.revoked = "the broker restarted and did not give the lease back"
+        handle.state = "revoked"
+        handle.changed.set()
+        if handle.output is not None:
+            handle.output.show(handle.display_key + "-revoked", f"gpushare: {handle.revoked}")
 
     def _open_control_block(self, path: str) -> None:
         if self.control_block is not None:
@@ -253,14 +292,14 @@ class GpuSession:
 
     # ---- notices from the broker (listener thread)
 
-    def _on_message(self, message: BrokerMessage) -> None:
+    def _on_message(self, message: BrokerMessage, token: object = None) -> None:
         if (
             isinstance(message, Error)
             and message.code == ErrorCode.UNAVAILABLE
             and message.reply_to == 0
         ):
-            if not self._closed:
-                self._start_reconnect()
+            if token is self._client_token and not self._closed:
+                self._broker_lost(message.message)
             return
         lease_id = getattr(message, "lease_id", None)
         if not lease_id:
@@ -272,6 +311,29 @@ class GpuSession:
                     self._early.setdefault(lease_id, []).append(message)
                 return
         self._apply_notice(handle, message)
+
+    def _broker_lost(self, why: str) -> None:
+        """The connection is gone (the broker stopped or crashed): nobody may hold us now.
+
+        The control block of the lost broker is opened here, so neither a stream waiting
+        on its gate nor a loop in :meth:`safe_point` stays held by a broker that is no
+        more; the next broker decides again once the session is back.
+        """
+        block = self.control_block
+        if block is not None:
+            block.release_locally("the broker went away")
+        for handle in list(self.leases.values()):
+            if handle.state == "paused":
+                handle.state = "running"
+                handle.paused_since = None
+                handle.note("the broker went away while paused: running on")
+                if handle.output is not None:
+                    handle.output.show(
+                        handle.display_key + "-pause",
+                        "gpushare: the broker went away while this cell was paused; it runs "
+                        "on, and the broker decides again when it is back",
+                    )
+        self._start_reconnect()
 
     def _apply_notice(self, handle: LeaseHandle, message: BrokerMessage) -> None:
         if isinstance(message, Granted):
@@ -323,38 +385,37 @@ class GpuSession:
             target=self._reconnect_loop, name="gpushare-reconnect", daemon=True
         ).start()
 
-    def _reconnect_loop(self, deadline_s: float = 120.0) -> None:
+    def _reconnect_loop(self, deadline_s: float = RECONNECT_DEADLINE_S) -> None:
         deadline = time.monotonic() + deadline_s
         try:
             while time.monotonic() < deadline and not self._closed:
                 time.sleep(0.5)
-                held = [
-                    h.lease_id
-                    for h in self.leases.values()
-                    if h.state in ("granted", "running", "paused")
-                ]
                 try:
-                    with self._lock:
-                        client = self._connect(reclaim=held, path=self._connected_path)
-                except (BrokerError, OSError, Exception):
+                    self.connect()
+                except Exception:  # any failure: the broker is not back yet
                     continue
-                for lease_id in held:
-                    handle = self.leases.get(lease_id)
-                    if handle is None:
-                        continue
-                    if lease_id in client.welcome.reclaimed:
-                        handle.note("reclaimed after a broker restart")
-                    else:
-                        handle.revoked = "the broker restarted and did not give the lease back"
-                        handle.state = "revoked"
-                        handle.changed.set()
-                        if handle.output is not None:
-                            handle.output.show(
-                                handle.display_key + "-revoked", f"gpushare: {handle.revoked}"
-                            )
                 return
+            self._give_up(deadline_s)
         finally:
             self._reconnecting.clear()
+
+    def _give_up(self, waited_s: float) -> None:
+        """The broker did not come back: requests fail clearly, running cells run on."""
+        if self._closed:
+            return
+        where = self._connected_path or self.socket_path
+        for handle in list(self.leases.values()):
+            if handle.state not in OPEN_STATES:
+                continue
+            queued = handle.state == "queued"
+            handle.revoked = (
+                f"the broker on {where} went away and was not back within {waited_s:g} s"
+                + ("; the request is withdrawn" if queued else "; this cell runs on unmanaged")
+            )
+            handle.state = "revoked"
+            handle.changed.set()
+            if handle.output is not None:
+                handle.output.show(handle.display_key + "-revoked", f"gpushare: {handle.revoked}")
 
     # ---- leases
 
@@ -385,7 +446,7 @@ class GpuSession:
             for line in self.announcements:
                 output.show("gpushare-announce", line)
             self.announcements.clear()
-        reply = client.request_lease(
+        request = dict(
             priority=options.priority,
             memory_bytes=options.memory_bytes,
             slice=options.slice,
@@ -394,6 +455,13 @@ class GpuSession:
             capabilities=self.capabilities(options),
             label=label,
         )
+        try:
+            reply = client.request_lease(**request)
+        except BrokerUnavailable:
+            # The connection went in the moment of asking (a broker restart): ask the
+            # broker that is there now, once.
+            client = self._wait_for_connection(output)
+            reply = client.request_lease(**request)
         if isinstance(reply, Refused):
             raise LeaseRefused(f"gpushare: request refused: {reply.message}")
         handle = LeaseHandle(lease_id=reply.lease_id, options=options, output=output)
@@ -411,11 +479,38 @@ class GpuSession:
             self._wait_for_grant(handle)
         except BaseException:
             self.leases.pop(handle.lease_id, None)
-            with contextlib.suppress(BrokerError):
-                client.release(handle.lease_id)
+            current = self.client  # a reconnect may have moved the request to a new one
+            if current is not None and not current.closed.is_set():
+                with contextlib.suppress(BrokerError):
+                    current.release(handle.lease_id)
             raise
         self._bind(handle)
         return handle
+
+    def _wait_for_connection(
+        self, output: CellOutput | None, timeout_s: float = RECONNECT_DEADLINE_S
+    ) -> BrokerClient:
+        """Reconnect now, showing one live line while the broker is away."""
+        started = time.monotonic()
+        key = f"gpushare-reconnect-{uuid.uuid4().hex[:8]}"
+        while True:
+            try:
+                client = self.connect()
+            except BrokerUnavailable as exc:
+                waited = time.monotonic() - started
+                if waited >= timeout_s:
+                    raise BrokerUnavailable(
+                        f"{exc}; gave up after {waited:.0f} s of reconnecting"
+                    ) from None
+                if output is not None:
+                    output.show(
+                        key, f"gpushare: the broker went away; reconnecting -- {waited:.0f} s"
+                    )
+                time.sleep(0.5)
+                continue
+            if output is not None and time.monotonic() - started > 0.5:
+                output.show(key, "gpushare: reconnected to the broker")
+            return client
 
     def _wait_for_grant(self, handle: LeaseHandle) -> None:
         started = time.monotonic()
@@ -432,7 +527,13 @@ class GpuSession:
             if handle.output is not None and (
                 waited - last_shown >= 1.0 or handle.changed.is_set()
             ):
-                handle.output.show(handle.display_key, queue_line(handle, waited))
+                line = queue_line(handle, waited)
+                if self._reconnecting.is_set():
+                    line = (
+                        f"queued -- {waited:.0f} s; the broker went away, reconnecting "
+                        "(interrupt the kernel to withdraw)"
+                    )
+                handle.output.show(handle.display_key, line)
                 last_shown = waited
             handle.changed.clear()
             handle.changed.wait(0.1)  # short waits keep Ctrl-C responsive

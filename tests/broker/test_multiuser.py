@@ -10,7 +10,6 @@ import os
 import pwd
 import re
 import shutil
-import subprocess
 
 import pytest
 from broker_wire import status_of
@@ -24,21 +23,6 @@ pytestmark = [
     pytest.mark.multiuser,
     pytest.mark.skipif(not is_root(), reason="creates Unix users and drops to them: needs root"),
 ]
-
-USERS = ("gpsa", "gpsb")
-
-
-@pytest.fixture(scope="session")
-def two_users() -> tuple[str, str]:
-    for name in USERS:
-        try:
-            pwd.getpwnam(name)
-        except KeyError:
-            subprocess.run(
-                ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-                check=True, capture_output=True,
-            )  # fmt: skip
-    return USERS
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,414 @@
+"""Carrying out the scheduler's actions: journal first, then the actuators, then the clients.
+
+One typed method per action of :mod:`gpushare_ext.broker.core`.  Each writes what must
+survive a crash to the journal before anything else happens, then starts the ladder
+step (off the event loop, as a tracked task the shutdown waits for), then tells the
+sessions concerned.  A session may have gone meanwhile: its control block is then
+closed and writes to it are ignored, and whatever was applied for its lease is still
+undone and journaled as undone.
+
+It decides nothing: the core chose the action, the ladder knows how.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from gpushare_ext.broker import core
+from gpushare_ext.broker.actuators import ActuatorError, Target, pid_alive
+from gpushare_ext.broker.journal import JournaledLease
+from gpushare_ext.broker.peers import Connection
+from gpushare_ext.broker.views import display_user
+from gpushare_ext.protocol import (
+    Granted,
+    LeaseState,
+    Preempt,
+    PreemptionLevel,
+    Queued,
+    Refused,
+    Released,
+    Resume,
+    Revoked,
+)
+from gpushare_ext.runtime.control import SessionState
+
+if TYPE_CHECKING:
+    from gpushare_ext.broker.server import Broker
+
+log = logging.getLogger("gpushare.broker")
+
+
+@dataclass(frozen=True)
+class Reply:
+    """Which request the actions of one event answer.
+
+    ``to`` is the request's ``seq``; actions about ``lease_id`` carry it back.  ``conn``
+    receives the ``Released`` of a lease ended on its behalf (an admin's cancel, or a
+    release from another notebook of the same user).
+    """
+
+    to: int = 0
+    lease_id: str | None = None
+    conn: Connection | None = None
+
+
+NO_REPLY = Reply()
+
+
+def journal_record(lease: core.Lease) -> JournaledLease:
+    """What the journal keeps of a lease, as the core has it now."""
+    level = lease.applied_level if lease.applied_level is not None else lease.pending_level
+    return JournaledLease(
+        lease_id=lease.lease_id,
+        pid=lease.identity.pid,
+        start_ticks=lease.identity.start_ticks,
+        uid=lease.identity.uid,
+        gid=lease.identity.gid,
+        state=lease.state.value,
+        slot=lease.slot,
+        priority=lease.base_priority,
+        memory_bytes=lease.memory_bytes,
+        sm_share=lease.sm_share,
+        slice=lease.slice.value,
+        device=lease.device_wish,
+        capabilities=msgspec.to_builtins(lease.capabilities),
+        label=lease.label,
+        requested_at=lease.requested_at,
+        granted_at=lease.granted_at,
+        aging_bonus=lease.aging_bonus,
+        level=None if level is None else int(level),
+        paused_for=lease.paused_for,
+        reason=lease.reason,
+    )
+
+
+class Effects:
+    """The broker's hands.  ``carry_out`` takes one action of the core."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self.tasks: set[asyncio.Task] = set()
+        self._journaled: set[str] = set()  # queued leases already written
+        # The newest journaled actuation of each lease: an undo marks undone only what
+        # was journaled before it was decided, never a newer pause still on its way.
+        self._last_actuation: dict[str, int] = {}
+        self._handlers: dict[type, Callable[[Any, Reply], None]] = {
+            core.Grant: self.grant,
+            core.NotifyQueued: self.notify_queued,
+            core.Refuse: self.refuse,
+            core.Preempt: self.preempt,
+            core.ResumeLease: self.resume,
+            core.Revoke: self.revoke,
+            core.LeaseEnded: self.lease_ended,
+        }
+
+    def carry_out(self, action: core.Action, reply: Reply = NO_REPLY) -> None:
+        self._handlers[type(action)](action, reply)
+
+    # ---- tasks
+
+    def spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self.tasks.add(task)
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("an actuator step failed unexpectedly: %r", task.exception())
+
+    async def drain(self, timeout: float) -> None:
+        """Let the ladder steps under way finish (shutdown), cancelling the rest after ``timeout``."""
+        pending = set(self.tasks)
+        if not pending:
+            return
+        _, late = await asyncio.wait(pending, timeout=timeout)
+        for task in late:
+            task.cancel()
+        if late:
+            await asyncio.wait(late, timeout=1)
+
+    # ---- helpers
+
+    def _conn(self, session_id: str) -> Connection | None:
+        return self.broker.connections.get(session_id)
+
+    @staticmethod
+    def _direct(action: Any, reply: Reply) -> int:
+        return reply.to if getattr(action, "lease_id", None) == reply.lease_id else 0
+
+    def target(
+        self, lease_id: str, pid: int, slot: str | None, device_index: int | None = None
+    ) -> Target:
+        broker = self.broker
+        lease = broker.scheduler.lease_of(lease_id)
+        session = broker.connections.get(lease.session_id) if lease else None
+        if device_index is None:
+            key = slot or (lease.slot if lease else None)
+            device_index = broker.scheduler.slots[key].device_index if key else 0
+        return Target(
+            lease_id=lease_id,
+            pid=pid,
+            device_index=device_index,
+            control_block=session.control_block if session else None,
+            yield_flag=broker.yield_flags.get(lease_id),
+        )
+
+    # ---- one method per action
+
+    def grant(self, action: core.Grant, reply: Reply) -> None:
+        broker = self.broker
+        lease = broker.scheduler.lease_of(action.lease_id)
+        if lease is not None:
+            broker.journal.lease_recorded(journal_record(lease))
+            self._journaled.discard(action.lease_id)
+            broker.metrics.observe_grant(action.priority, lease.waited_s)
+        if action.notice:
+            broker.metrics.observe_priority_lowered()
+        conn = self._conn(action.session_id)
+        if conn is None:
+            return
+        if conn.control_block is not None:
+            conn.control_block.publish(gate_closed=False, state=SessionState.RUNNING)
+        broker.send(
+            conn,
+            Granted(
+                reply_to=self._direct(action, reply),
+                lease_id=action.lease_id,
+                placement=action.placement,
+                priority=action.priority,
+                notice=action.notice,
+            ),
+        )
+
+    def notify_queued(self, action: core.NotifyQueued, reply: Reply) -> None:
+        broker = self.broker
+        lease = broker.scheduler.lease_of(action.lease_id)
+        if lease is not None and action.lease_id not in self._journaled:
+            # A request is journaled once, when it first waits, so a restart keeps it.
+            broker.journal.lease_recorded(journal_record(lease))
+            self._journaled.add(action.lease_id)
+        conn = self._conn(action.session_id)
+        if conn is None:
+            return
+        holders = [broker.scheduler.lease_of(lid) for lid in action.waiting_for]
+        names = sorted({display_user(broker, h.identity, conn) for h in holders if h is not None})
+        if conn.control_block is not None:
+            conn.control_block.publish(
+                gate_closed=False, state=SessionState.QUEUED, reason=action.reason
+            )
+        broker.send(
+            conn,
+            Queued(
+                reply_to=self._direct(action, reply),
+                lease_id=action.lease_id,
+                position=action.position,
+                waiting_for=", ".join(names) if names else "earlier requests",
+                holder_priority=action.holder_priority,
+                estimate_s=action.estimate_s,
+                reason=action.reason,
+            ),
+        )
+
+    def refuse(self, action: core.Refuse, reply: Reply) -> None:
+        self.broker.metrics.observe_refusal(action.code.value)
+        conn = self._conn(action.session_id)
+        if conn is not None:
+            self.broker.send(
+                conn,
+                Refused(
+                    reply_to=self._direct(action, reply),
+                    lease_id=action.lease_id,
+                    code=action.code,
+                    message=action.message,
+                ),
+            )
+
+    def preempt(self, action: core.Preempt, reply: Reply) -> None:
+        broker = self.broker
+        conn = self._conn(action.session_id)
+        self._last_actuation[action.lease_id] = broker.journal.actuation_applied(
+            action.lease_id,
+            action.pid,
+            action.device_index,
+            int(action.level),
+            str(conn.control_block.path) if conn and conn.control_block else "",
+        )
+        lease = broker.scheduler.lease_of(action.lease_id)
+        if lease is not None:
+            broker.journal.lease_state(
+                action.lease_id,
+                "evicted" if action.level == PreemptionLevel.EVICT else "paused",
+                level=int(action.level),
+                paused_for=lease.paused_for,
+                reason=lease.reason,
+            )
+        broker.metrics.observe_preemption(int(action.level))
+        if conn is not None:
+            for_lease = broker.scheduler.lease_of(action.for_lease) if action.for_lease else None
+            for_user = display_user(broker, for_lease.identity, conn) if for_lease else "the broker"
+            broker.send(
+                conn,
+                Preempt(
+                    lease_id=action.lease_id,
+                    level=action.level,
+                    reason=action.reason,
+                    for_user=for_user,
+                ),
+            )
+        already = lease.applied_level if lease else None
+        target = self.target(action.lease_id, action.pid, lease.slot if lease else None)
+        self.spawn(self._apply_preemption(target, action, already))
+
+    def resume(self, action: core.ResumeLease, reply: Reply) -> None:
+        lease = self.broker.scheduler.lease_of(action.lease_id)
+        self.broker.journal.lease_state(
+            action.lease_id, "running", aging_bonus=lease.aging_bonus if lease else None
+        )
+        target = self.target(action.lease_id, action.pid, None, device_index=action.device_index)
+        self.spawn(
+            self._undo_preemption(
+                target,
+                action.undo_level,
+                self._last_actuation.get(action.lease_id),
+                resume=action,
+            )
+        )
+
+    def revoke(self, action: core.Revoke, reply: Reply) -> None:
+        conn = self._conn(action.session_id)
+        if conn is not None:
+            self.broker.send(conn, Revoked(lease_id=action.lease_id, reason=action.reason))
+
+    def lease_ended(self, action: core.LeaseEnded, reply: Reply) -> None:
+        broker = self.broker
+        broker.journal.lease_ended(action.lease_id, action.reason)
+        self._journaled.discard(action.lease_id)
+        broker.yield_flags.pop(action.lease_id, None)
+        broker.notes.pop(action.lease_id, None)
+        conn = self._conn(action.session_id)
+        if action.undo_level is not None and action.device_index is not None:
+            target = self.target(
+                action.lease_id, action.pid, None, device_index=action.device_index
+            )
+            if conn is None:
+                target.control_block = None
+            self.spawn(
+                self._undo_preemption(
+                    target, action.undo_level, self._last_actuation.pop(action.lease_id, None)
+                )
+            )
+        else:
+            self._last_actuation.pop(action.lease_id, None)
+            if conn is not None and conn.control_block is not None:
+                conn.control_block.publish(gate_closed=False, state=SessionState.IDLE)
+        to = reply.conn if reply.conn is not None else conn
+        if to is not None:
+            broker.send(
+                to,
+                Released(
+                    reply_to=reply.to if reply.conn is not None else 0,
+                    lease_id=action.lease_id,
+                    held_s=action.held_s,
+                ),
+            )
+
+    # ---- the ladder, off the event loop
+
+    async def _apply_preemption(
+        self, target: Target, action: core.Preempt, already: PreemptionLevel | None
+    ) -> None:
+        broker = self.broker
+        try:
+            note = await broker.ladder.apply(target, action.level, action.reason, already)
+        except ActuatorError as exc:
+            await self._preemption_failed(target, action, exc)
+            return
+        if note:
+            broker.notes[action.lease_id] = note
+        broker.dispatch(
+            core.PreemptionApplied(now=time.time(), lease_id=action.lease_id, level=action.level)
+        )
+        lease = broker.scheduler.lease_of(action.lease_id)
+        if lease is None or lease.state not in core.ACTIVE_STATES:
+            # It ended while this step ran: the undo queued behind it releases the process.
+            return
+        if lease.state == LeaseState.EVICTED:
+            broker.journal.lease_state(
+                action.lease_id,
+                "evicted",
+                level=int(action.level),
+                paused_for=lease.paused_for,
+                reason=lease.reason,
+            )
+
+    async def _preemption_failed(
+        self, target: Target, action: core.Preempt, exc: ActuatorError
+    ) -> None:
+        broker = self.broker
+        broker.metrics.observe_preemption(int(action.level), failed=True)
+        broker.notes[action.lease_id] = (
+            f"level {int(action.level)} not supported: {exc}"
+            if exc.not_supported
+            else f"level {int(action.level)} failed: {exc}"
+        )
+        log.warning(
+            "preemption of %s at level %s failed: %s", action.lease_id, int(action.level), exc
+        )
+        if not (action.level == PreemptionLevel.EVICT and broker.ladder.is_locked(target.pid)):
+            # Whatever was applied (the gate) is undone: it keeps running, time-sliced.
+            # (A failed eviction keeps the lock: it stays paused, its memory on the device.)
+            with contextlib.suppress(ActuatorError):
+                await broker.ladder.undo(target, None)
+            broker.journal.actuations_undone(
+                action.lease_id, up_to=self._last_actuation.get(action.lease_id)
+            )
+        broker.dispatch(
+            core.PreemptionFailed(
+                now=time.time(), lease_id=action.lease_id, level=action.level, reason=str(exc)
+            )
+        )
+        lease = broker.scheduler.lease_of(action.lease_id)
+        if lease is not None and lease.state == LeaseState.RUNNING:
+            broker.journal.lease_state(action.lease_id, "running", reason=lease.reason)
+        conn = self._conn(action.session_id)
+        if conn is not None and action.level != PreemptionLevel.EVICT:
+            broker.send(
+                conn,
+                Resume(
+                    lease_id=action.lease_id,
+                    paused_s=0.0,
+                    note=f"could not be paused ({exc}); it runs beside the other session",
+                ),
+            )
+
+    async def _undo_preemption(
+        self,
+        target: Target,
+        level: PreemptionLevel | None,
+        up_to: int | None,
+        resume: core.ResumeLease | None = None,
+    ) -> None:
+        broker = self.broker
+        try:
+            await broker.ladder.undo(target, level)
+        except ActuatorError as exc:
+            log.error("could not undo level %s for %s: %s", level, target.lease_id, exc)
+            broker.notes[target.lease_id] = f"resume failed: {exc}"
+            if pid_alive(target.pid):
+                return  # it may still be locked: the journal keeps it for the next start
+        # Undone, or its process is gone: either way nothing is left for recovery.
+        broker.journal.actuations_undone(target.lease_id, up_to=up_to)
+        if resume is not None:
+            broker.notes.pop(target.lease_id, None)
+            conn = self._conn(resume.session_id)
+            if conn is not None:
+                broker.send(conn, Resume(lease_id=resume.lease_id, paused_s=resume.paused_s))

@@ -1,0 +1,118 @@
+"""Who is at the other end of a client connection, and how much it may ask.
+
+Identity comes from the kernel, never from a message: uid, gid and pid from
+``SO_PEERCRED``, the user's name and groups from the host's user database, the
+process's start time from ``/proc`` (so a lease outlives neither its process nor a
+reused pid).  A client's own claim (``Hello.pid``) is checked against the kernel's,
+across PID namespaces (a notebook pod sees its own numbers).  The per-user token bucket
+limits how fast one user may send.
+
+Nothing here reads or writes the socket's data, and nothing decides policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import os
+import pwd
+import socket
+import struct
+import time
+from dataclasses import dataclass
+
+from gpushare_ext.protocol import Hello
+from gpushare_ext.runtime.control import ControlBlock
+
+_UCRED = struct.Struct("3i")
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    pid, uid, gid = _UCRED.unpack(raw)
+    return pid, uid, gid
+
+
+def user_and_groups(uid: int, gid: int) -> tuple[str, tuple[str, ...]]:
+    try:
+        entry = pwd.getpwuid(uid)
+        name = entry.pw_name
+        gids = os.getgrouplist(name, gid)
+    except KeyError:
+        return f"uid{uid}", ()
+    names = []
+    for g in gids:
+        with contextlib.suppress(KeyError):
+            names.append(grp.getgrgid(g).gr_name)
+    return name, tuple(names)
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot), or None if it is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            raw = stat_file.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
+    fields = raw[raw.rfind(b")") + 2 :].split()
+    try:
+        return int(fields[19])  # field 22 of stat(5), counted from field 3
+    except (IndexError, ValueError):
+        return None
+
+
+def pid_as_seen_by_itself(pid: int) -> int | None:
+    """The number ``pid`` has in its own PID namespace (``NSpid``), None if unreadable."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError):
+        return None
+    return pid  # kernels before 4.1 have no NSpid line: one namespace
+
+
+def claimed_pid_matches(peer_pid: int, claimed: int) -> bool:
+    """Whether a client that says it is ``claimed`` is the process the kernel names."""
+    return claimed == peer_pid or claimed == pid_as_seen_by_itself(peer_pid)
+
+
+class TokenBucket:
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.tokens = burst
+        self.stamp = time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return True
+        return False
+
+
+@dataclass(eq=False, kw_only=True)
+class Connection:
+    """One client connection and what the broker knows of its peer."""
+
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    pid: int
+    uid: int
+    gid: int
+    user: str
+    groups: tuple[str, ...]
+    is_admin: bool
+    start_ticks: int | None = None
+    session_id: str | None = None
+    hello: Hello | None = None
+    control_block: ControlBlock | None = None
+    watch_task: asyncio.Task | None = None
+    closed: bool = False

@@ -1,0 +1,119 @@
+"""Reading the journal back when a broker starts: nothing left paused, no lease lost.
+
+1. Every actuator step the journal says was applied and never undone is undone (the
+   process is restored and unlocked), so no process stays paused by a broker that is no
+   more.
+2. Every open lease (queued, running, paused) whose process still lives, the same
+   process and not a reused pid, comes back into the scheduler *detached*, in the
+   state it had, until its session reconnects and names it in ``hello`` or the grace
+   period ends.  A paused lease is paused again on reconnect if it still has to be.
+3. Leases of processes that ended are closed.
+
+It runs before the socket accepts anyone and must not serve clients itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from gpushare_ext.broker import core
+from gpushare_ext.broker.actuators import ActuatorError, pid_alive
+from gpushare_ext.broker.journal import JournaledLease
+from gpushare_ext.broker.peers import process_start_ticks, user_and_groups
+from gpushare_ext.protocol import Capabilities, LeaseState, SliceWish
+
+if TYPE_CHECKING:
+    from gpushare_ext.broker.server import Broker
+
+log = logging.getLogger("gpushare.broker")
+
+
+def placeholder_session(pid: int) -> str:
+    """The session id a process's restored leases wait under until it reconnects."""
+    return f"R{pid}"
+
+
+def same_process(pid: int, start_ticks: int | None) -> bool:
+    if not pid_alive(pid):
+        return False
+    return start_ticks is None or process_start_ticks(pid) in (start_ticks, None)
+
+
+def undo_applied_actuators(broker: Broker) -> None:
+    for step in broker.journal.pending_actuations():
+        log.warning(
+            "recovery: undoing level %s on pid %s (lease %s)", step.level, step.pid, step.lease_id
+        )
+        try:
+            broker.ladder.undo_blocking(step.pid, step.device_index, step.level)
+        except ActuatorError as exc:
+            log.error("recovery could not undo level %s on pid %s: %s", step.level, step.pid, exc)
+        broker.journal.actuation_undone(step.id)
+
+
+def _restored_event(record: JournaledLease) -> core.LeaseRestored:
+    user, groups = user_and_groups(record.uid, record.gid)
+    identity = core.Identity(
+        uid=record.uid,
+        gid=record.gid,
+        pid=record.pid,
+        user=user,
+        groups=groups,
+        start_ticks=record.start_ticks,
+    )
+    return core.LeaseRestored(
+        now=time.time(),
+        session_id=placeholder_session(record.pid),
+        identity=identity,
+        lease_id=record.lease_id,
+        state=LeaseState(record.state),
+        priority=record.priority,
+        memory_bytes=record.memory_bytes,
+        slot=record.slot or None,
+        sm_share=record.sm_share,
+        slice=SliceWish(record.slice),
+        device=record.device,
+        capabilities=msgspec.convert(record.capabilities or {}, Capabilities),
+        label=record.label,
+        requested_at=record.requested_at,
+        granted_at=record.granted_at,
+        aging_bonus=record.aging_bonus,
+        paused_for=record.paused_for,
+        reason=record.reason,
+    )
+
+
+def restore_open_leases(broker: Broker) -> int:
+    """Open leases of live processes back into the scheduler; returns how many."""
+    restored = 0
+    for record in broker.journal.open_leases():
+        if not same_process(record.pid, record.start_ticks):
+            broker.journal.lease_ended(
+                record.lease_id, "its process ended while the broker was down"
+            )
+            continue
+        try:
+            broker.dispatch(_restored_event(record))
+        except (core.SchedulerError, ValueError, msgspec.ValidationError) as exc:
+            reason = getattr(exc, "message", str(exc))
+            log.warning("recovery: lease %s not restored: %s", record.lease_id, reason)
+            broker.journal.lease_ended(record.lease_id, f"not restored after a restart: {reason}")
+            continue
+        broker.journal.note("restored", record.lease_id, {"pid": record.pid, "state": record.state})
+        restored += 1
+    return restored
+
+
+def recover(broker: Broker) -> None:
+    undo_applied_actuators(broker)
+    restored = restore_open_leases(broker)
+    if restored:
+        log.info(
+            "recovery: %d lease(s) wait %g s for their notebooks to reconnect",
+            restored,
+            broker.config.reclaim_grace_s,
+        )

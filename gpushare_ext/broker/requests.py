@@ -1,0 +1,324 @@
+"""From client messages to scheduler events: one method per message type.
+
+Each method checks what only the server can know (the peer's identity and rights, the
+session's state on this connection), turns the message into a core event and hands it
+to the broker's ``dispatch``; a message that cannot be accepted raises
+:class:`~gpushare_ext.protocol.ProtocolError` or the core's ``SchedulerError``, which the
+connection loop answers with a typed error, and nothing changes.
+
+Admins (root, or the policy's admin users and groups) may drain, cancel anyone's lease
+and change the policy.  A new policy applies at once to everything that can change
+while the broker runs; the reply names the ``[broker]`` settings that need a restart.
+
+It must not touch sockets or actuators itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from gpushare_ext.broker import core, schema
+from gpushare_ext.broker.config import BrokerConfig, load_config, parse_config, restart_needed
+from gpushare_ext.broker.effects import Reply
+from gpushare_ext.broker.peers import Connection, claimed_pid_matches
+from gpushare_ext.broker.policy import PolicyError
+from gpushare_ext.broker.views import snapshot
+from gpushare_ext.protocol import (
+    PROTOCOL_VERSION,
+    Admin,
+    AdminAction,
+    ClientMessageUnion,
+    ErrorCode,
+    Heartbeat,
+    Hello,
+    Ok,
+    ProtocolError,
+    RegisterYieldFlag,
+    Release,
+    RequestLease,
+    StateUpdate,
+    StatusReply,
+    StatusRequest,
+    Unwatch,
+    Watch,
+    Welcome,
+)
+from gpushare_ext.runtime.control import ControlBlock, SessionState
+
+if TYPE_CHECKING:
+    from gpushare_ext.broker.server import Broker
+
+
+class Requests:
+    """Handles every client message of one broker."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self._session_counter = 0
+        self._handlers: dict[type, Any] = {
+            Hello: self.hello,
+            RequestLease: self.request_lease,
+            Release: self.release,
+            Heartbeat: self.heartbeat,
+            StatusRequest: self.status,
+            Watch: self.watch,
+            Unwatch: self.unwatch,
+            RegisterYieldFlag: self.register_yield_flag,
+            Admin: self.admin,
+        }
+
+    def handle(self, conn: Connection, message: ClientMessageUnion) -> None:
+        if conn.hello is None and not isinstance(message, Hello):
+            raise ProtocolError(
+                ErrorCode.OUT_OF_ORDER, "say hello first: the first message must be 'hello'"
+            )
+        self._handlers[type(message)](conn, message)
+
+    # ---- the session
+
+    def hello(self, conn: Connection, hello: Hello) -> None:
+        broker = self.broker
+        if conn.hello is not None:
+            raise ProtocolError(ErrorCode.OUT_OF_ORDER, "hello was already said on this connection")
+        if hello.version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                ErrorCode.VERSION,
+                f"protocol version {hello.version} is not supported; this broker speaks "
+                f"version {PROTOCOL_VERSION} (upgrade gpushare-ext on one side)",
+            )
+        if not claimed_pid_matches(conn.pid, hello.pid):
+            raise ProtocolError(
+                ErrorCode.PERMISSION,
+                f"hello names pid {hello.pid}, but the connecting process is pid {conn.pid}; "
+                "identity comes from the socket, not from the message",
+            )
+        self._session_counter += 1
+        session_id = f"S{self._session_counter}-{secrets.token_hex(3)}"
+        block_path = broker.sessions_dir / f"{session_id}.cb"
+        try:
+            block = ControlBlock.create(block_path, owner_uid=conn.uid, owner_gid=conn.gid)
+        except OSError as exc:
+            raise ProtocolError(
+                ErrorCode.INTERNAL, f"cannot create the session's control block: {exc.strerror}"
+            ) from None
+        block.publish(gate_closed=False, state=SessionState.IDLE)
+        conn.hello = hello
+        conn.session_id = session_id
+        conn.control_block = block
+        broker.connections[session_id] = conn
+        broker.dispatch(
+            core.SessionOpened(
+                now=time.time(),
+                session_id=session_id,
+                identity=core.Identity(
+                    uid=conn.uid,
+                    gid=conn.gid,
+                    pid=conn.pid,
+                    user=conn.user,
+                    groups=conn.groups,
+                    start_ticks=conn.start_ticks,
+                ),
+                notebook=hello.notebook,
+            )
+        )
+        # The welcome goes first: what reclaiming sets off (a resume, a pause again, a
+        # grant) are notices about leases the session must know it holds.
+        reclaimed = broker.scheduler.reclaimable(session_id, list(hello.reclaim))
+        broker.send(
+            conn,
+            Welcome(
+                reply_to=hello.seq,
+                version=PROTOCOL_VERSION,
+                broker_pid=broker.pid,
+                mode=broker.paths.mode,  # type: ignore[arg-type]
+                session_id=session_id,
+                uid=conn.uid,
+                user=conn.user,
+                is_admin=conn.is_admin,
+                inventory=broker.inventory.kind,
+                inventory_description=broker.inventory.description,
+                control_block=str(block_path),
+                reclaimed=reclaimed,
+            ),
+        )
+        for lease_id in reclaimed:
+            broker.dispatch(
+                core.LeaseReclaimed(now=time.time(), session_id=session_id, lease_id=lease_id)
+            )
+            broker.journal.note("reclaimed", lease_id, {"pid": conn.pid})
+
+    def request_lease(self, conn: Connection, request: RequestLease) -> None:
+        broker = self.broker
+        if broker.should_exit:
+            raise ProtocolError(ErrorCode.UNAVAILABLE, "the broker is shutting down")
+        lease_id = f"L{broker.journal.next_lease_number()}"
+        broker.dispatch(
+            core.LeaseRequested(
+                now=time.time(),
+                session_id=conn.session_id,  # type: ignore[arg-type]
+                lease_id=lease_id,
+                priority=request.priority,
+                memory_bytes=request.memory_bytes,
+                slice=request.slice,
+                device=request.device,
+                sm_share=request.sm_share,
+                capabilities=request.capabilities,
+                label=request.label,
+            ),
+            Reply(to=request.seq, lease_id=lease_id),
+        )
+
+    def release(self, conn: Connection, release: Release) -> None:
+        lease = self.broker.scheduler.lease_of(release.lease_id)
+        if lease is None:
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_LEASE, f"there is no active lease {release.lease_id}"
+            )
+        # Another notebook of the same user may release it; other users may not.
+        if lease.identity.uid != conn.uid and not conn.is_admin:
+            raise ProtocolError(
+                ErrorCode.PERMISSION, f"lease {release.lease_id} belongs to another user"
+            )
+        self.broker.dispatch(
+            core.LeaseReleased(
+                now=time.time(),
+                session_id=lease.session_id,
+                lease_id=release.lease_id,
+                by_admin=lease.identity.uid != conn.uid,
+            ),
+            Reply(to=release.seq, conn=conn),
+        )
+
+    def heartbeat(self, conn: Connection, message: Heartbeat) -> None:
+        self.broker.send(conn, Ok(reply_to=message.seq))
+
+    def status(self, conn: Connection, message: StatusRequest) -> None:
+        self.broker.send(
+            conn, StatusReply(reply_to=message.seq, snapshot=snapshot(self.broker, conn))
+        )
+
+    def watch(self, conn: Connection, message: Watch) -> None:
+        if conn.watch_task is not None:
+            conn.watch_task.cancel()
+        conn.watch_task = asyncio.get_running_loop().create_task(
+            self._watch(conn, message.interval_s)
+        )
+        self.broker.send(conn, Ok(reply_to=message.seq, detail="watching"))
+
+    def unwatch(self, conn: Connection, message: Unwatch) -> None:
+        if conn.watch_task is not None:
+            conn.watch_task.cancel()
+            conn.watch_task = None
+        self.broker.send(conn, Ok(reply_to=message.seq))
+
+    async def _watch(self, conn: Connection, interval: float) -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            while not conn.closed:
+                self.broker.send(conn, StateUpdate(snapshot=snapshot(self.broker, conn)))
+                with contextlib.suppress(ConnectionError):
+                    await conn.writer.drain()
+                await asyncio.sleep(interval)
+
+    def register_yield_flag(self, conn: Connection, message: RegisterYieldFlag) -> None:
+        broker = self.broker
+        lease = broker.scheduler.lease_of(message.lease_id)
+        if lease is None or lease.session_id != conn.session_id:
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_LEASE, f"lease {message.lease_id} is not yours or not active"
+            )
+        if broker.inventory.kind != "nvml":
+            raise ProtocolError(
+                ErrorCode.NOT_SUPPORTED, "yield flags need a real GPU; this broker simulates one"
+            )
+        broker.yield_flags[message.lease_id] = (message.ipc_handle_hex, message.offset)
+        broker.send(conn, Ok(reply_to=message.seq, detail="yield flag registered"))
+
+    # ---- administration
+
+    def admin(self, conn: Connection, message: Admin) -> None:
+        if not conn.is_admin:
+            raise ProtocolError(
+                ErrorCode.PERMISSION,
+                f"only admins may {message.action.value}; {conn.user} is not one",
+            )
+        if message.action in (AdminAction.DRAIN, AdminAction.UNDRAIN):
+            detail = self._drain(conn, message)
+        elif message.action == AdminAction.CANCEL:
+            detail = self._cancel(message)
+        elif message.action == AdminAction.SET_POLICY:
+            if not message.policy_toml:
+                raise ProtocolError(ErrorCode.INVALID, "set_policy needs policy_toml")
+            detail = self._new_config(conn, self._parse(message.policy_toml, "the new policy"))
+        else:
+            detail = self._new_config(conn, self._reload())
+        self.broker.send(conn, Ok(reply_to=message.seq, detail=detail))
+
+    def _drain(self, conn: Connection, message: Admin) -> str:
+        if message.device is None:
+            raise ProtocolError(ErrorCode.INVALID, "drain and undrain need a device index")
+        drained = message.action == AdminAction.DRAIN
+        self.broker.dispatch(
+            core.DeviceDrained(now=time.time(), device_index=message.device, drained=drained),
+            Reply(to=message.seq),
+        )
+        self.broker.journal.note(
+            message.action.value, None, {"device": message.device, "by": conn.user}
+        )
+        return f"device {message.device} {message.action.value}ed"
+
+    def _cancel(self, message: Admin) -> str:
+        if message.lease_id is None:
+            raise ProtocolError(ErrorCode.INVALID, "cancel needs a lease id")
+        lease = self.broker.scheduler.lease_of(message.lease_id)
+        if lease is None:
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_LEASE, f"there is no active lease {message.lease_id}"
+            )
+        self.broker.dispatch(
+            core.LeaseReleased(
+                now=time.time(), session_id=lease.session_id, lease_id=lease.lease_id, by_admin=True
+            ),
+            Reply(to=message.seq),
+        )
+        return f"lease {message.lease_id} cancelled"
+
+    @staticmethod
+    def _parse(text: str, source: str) -> BrokerConfig:
+        try:
+            return parse_config(text, source)
+        except PolicyError as exc:
+            raise ProtocolError(ErrorCode.INVALID, str(exc)) from None
+
+    def _reload(self) -> BrokerConfig:
+        path = self.broker.config_path
+        if path is None:
+            raise ProtocolError(
+                ErrorCode.INVALID,
+                "this broker was started without a config file (--config), so there is "
+                "nothing to reload; use set-policy FILE",
+            )
+        try:
+            return load_config(path)
+        except PolicyError as exc:
+            raise ProtocolError(ErrorCode.INVALID, str(exc)) from None
+
+    def _new_config(self, conn: Connection, new: BrokerConfig) -> str:
+        """Apply everything a running broker can change; name what needs a restart."""
+        broker = self.broker
+        running = broker.config
+        later = restart_needed(running, new)
+        # Settings only a restart changes keep their running values (some came from the
+        # command line, which a new file does not override either).
+        applied = replace(new, **{key: getattr(running, key) for key in schema.restart_keys()})
+        broker.apply_config(applied)
+        broker.journal.note("policy", None, {"by": conn.user, "restart_needed": later})
+        if later:
+            return "policy updated; restart the broker to apply " + ", ".join(
+                f"broker.{key}" for key in later
+            )
+        return "policy updated"

@@ -1,0 +1,154 @@
+"""What a client sees of the broker: the status snapshot, from one viewer's point of view.
+
+Users see their own leases in full; others appear as ``user-xxxx`` (a salted hash of
+the uid) without pid, notebook or label; admins see everything.  The snapshot feeds
+``gpushare status``, the widget, the JupyterLab panel and the metrics.
+
+It reads broker state and changes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from typing import TYPE_CHECKING
+
+from gpushare_ext.broker import core
+from gpushare_ext.broker.inventory import MIB
+from gpushare_ext.broker.peers import Connection
+from gpushare_ext.protocol import DeviceView, LeaseState, LeaseView, Snapshot, priority_class
+
+if TYPE_CHECKING:
+    from gpushare_ext.broker.server import Broker
+
+DETACHED_NOTE = "waiting for its notebook to reconnect after a broker restart"
+
+
+def anonymous_name(salt: str, uid: int) -> str:
+    digest = hashlib.sha256(f"{salt}:{uid}".encode()).hexdigest()
+    return f"user-{digest[:4]}"
+
+
+def display_user(broker: Broker, identity: core.Identity, viewer: Connection | None) -> str:
+    if viewer is None or viewer.is_admin or viewer.uid == identity.uid:
+        return identity.user
+    return anonymous_name(broker.salt, identity.uid)
+
+
+def _level_of(lease: core.Lease) -> int | None:
+    level = lease.applied_level if lease.applied_level is not None else lease.pending_level
+    return None if level is None else int(level)
+
+
+def _lease_view(
+    broker: Broker, lease: core.Lease, viewer: Connection | None, position: int | None, now: float
+) -> LeaseView:
+    scheduler = broker.scheduler
+    own = viewer is not None and viewer.uid == lease.identity.uid
+    detailed = viewer is None or own or viewer.is_admin
+    slot = scheduler.slots.get(lease.slot or "")
+    session = scheduler.sessions.get(lease.session_id)
+    reason = lease.reason
+    if lease.detached:
+        reason = f"{reason}; {DETACHED_NOTE}" if reason else DETACHED_NOTE
+    note = broker.notes.get(lease.lease_id)
+    if note:
+        reason = f"{reason} ({note})" if reason else note
+    return LeaseView(
+        lease_id=lease.lease_id,
+        user=display_user(broker, lease.identity, viewer),
+        own=own,
+        priority=lease.base_priority,
+        state=lease.state,
+        device_index=slot.device_index if slot else None,
+        mig_uuid=slot.mig_uuid if slot else None,
+        memory_bytes=lease.memory_bytes,
+        sm_share=lease.sm_share,
+        since_s=round(now - lease.state_since, 3),
+        waited_s=round(lease.waited_s if lease.granted_at else now - lease.requested_at, 3),
+        position=position,
+        reason=reason,
+        label=lease.label if detailed else "",
+        pid=lease.identity.pid if detailed else None,
+        notebook=(session.notebook if session else "") if detailed else "",
+        preemption_level=_level_of(lease),
+    )
+
+
+def _device_views(broker: Broker) -> list[DeviceView]:
+    scheduler = broker.scheduler
+    views = []
+    for device in broker.devices:
+        reading = broker.readings.get(device.index)
+        leased = 0
+        holders = []
+        for lease in scheduler.active_leases():
+            slot = scheduler.slots.get(lease.slot or "")
+            if slot is None or slot.device_index != device.index:
+                continue
+            if lease.state in (LeaseState.RUNNING, LeaseState.PAUSED):
+                leased += lease.memory_bytes
+                holders.append(lease.lease_id)
+        views.append(
+            DeviceView(
+                info=device,
+                drained=device.index in scheduler.drained,
+                memory_used_mib=reading.memory_used_mib if reading else 0,
+                memory_leased_mib=leased // MIB,
+                utilization_pct=reading.utilization_pct if reading else 0,
+                utilization_history=list(broker.history.get(device.index, ())),
+                holders=holders,
+            )
+        )
+    return views
+
+
+def _notes(broker: Broker) -> list[str]:
+    notes = []
+    if broker.inventory.kind == "simulated":
+        notes.append(broker.inventory.description)
+        if broker.inventory_note:
+            notes.append(broker.inventory_note)
+    if broker.control.kind == "simulated":
+        notes.append(
+            "simulated GPU: preemption gates the session's launch points; no process is locked"
+        )
+    for lease in broker.scheduler.active_leases():
+        if not lease.lockable:
+            notes.append(
+                f"lease {lease.lease_id} cannot be paused (checkpoint lock unsupported, "
+                "e.g. an MPS client): it time-slices"
+            )
+    return notes
+
+
+def snapshot(broker: Broker, viewer: Connection | None) -> Snapshot:
+    """The whole picture as ``viewer`` may see it (None: everything, for metrics)."""
+    now = time.time()
+    scheduler = broker.scheduler
+    queue_counts = {"low": 0, "normal": 0, "high": 0}
+    positions: dict[str, int] = {}
+    for lease in scheduler.queue():
+        if lease.state == LeaseState.QUEUED:
+            positions[lease.lease_id] = len(positions) + 1
+            queue_counts[priority_class(lease.base_priority)] += 1
+    leases = [
+        _lease_view(broker, lease, viewer, positions.get(lease.lease_id), now)
+        for lease in sorted(scheduler.active_leases(), key=lambda item: item.arrival)
+    ]
+    return Snapshot(
+        host=os.uname().nodename,
+        node=broker.node,
+        broker_pid=os.getpid(),
+        mode=broker.paths.mode,
+        inventory=broker.inventory.kind,
+        inventory_description=broker.inventory.description,
+        time=now,
+        you=viewer.user if viewer else "",
+        is_admin=bool(viewer and viewer.is_admin),
+        devices=_device_views(broker),
+        leases=leases,
+        queue_by_priority=queue_counts,
+        notes=_notes(broker),
+    )

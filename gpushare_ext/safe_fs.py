@@ -1,0 +1,276 @@
+"""Directories, sockets and files that no other user can swap or read: make them, or trust them.
+
+A broker and its sessions meet in the file system (a socket, control blocks, a journal),
+often under ``/tmp`` or ``/dev/shm`` where every user may create names.  So nothing here
+takes a path on trust:
+
+* a directory is *trusted* when every directory on its way from ``/`` is owned by root
+  or a trusted user and cannot be written by anyone else (a sticky directory such as
+  ``/tmp`` may be passed through, because others cannot rename or delete what is ours
+  in it), and a symbolic link on the way is followed only if root or a trusted user
+  owns it;
+* a directory that is missing is created with its exact mode, one level at a time, and
+  one that is already there is never ``chmod``-ed: if it is not owned right or is open
+  to others, the caller gets a :class:`UnsafePathError` whose one-line message names
+  the path, its owner and what to do;
+* files are opened with ``O_NOFOLLOW`` and checked through their descriptor.
+
+Both sides use it: the broker before it creates its socket, sessions directory and
+journal; the notebook runtime and the CLI before they connect to a broker.  This
+module does no networking and decides no policy: callers say whom they trust.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fnmatch
+import os
+import pwd
+import stat
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+_MAX_SYMLINKS = 40
+
+
+class UnsafePathError(Exception):
+    """A path that another user could control; the message is one line for the user."""
+
+
+class PathMissing(UnsafePathError):
+    """A directory on the way does not exist (and was not to be created)."""
+
+
+def user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+def describe_owner(uid: int) -> str:
+    name = user_name(uid)
+    return name if name.startswith("uid ") else f"{name} (uid {uid})"
+
+
+def describe_trusted(uids: Iterable[int]) -> str:
+    me = os.geteuid()
+    names = []
+    for uid in sorted(set(uids)):
+        if uid == me and uid != 0:
+            names.append("you")
+        elif uid == 0:
+            names.append("root")
+        else:
+            names.append(user_name(uid))
+    return " or ".join(names)
+
+
+def _check_directory(
+    path: str, info: os.stat_result, trusted: frozenset[int], *, final: bool, allow_sticky: bool
+) -> None:
+    if info.st_uid not in trusted:
+        raise UnsafePathError(
+            f"{path} belongs to {describe_owner(info.st_uid)}, not to {describe_trusted(trusted)}"
+        )
+    others_write = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    sticky = info.st_mode & stat.S_ISVTX
+    if others_write and not (sticky and (allow_sticky or not final)):
+        raise UnsafePathError(
+            f"{path} can be written by other users (mode {stat.S_IMODE(info.st_mode):04o})"
+        )
+
+
+def trusted_directory(
+    path: str | Path,
+    *,
+    trusted: Iterable[int],
+    create_mode: int | None = None,
+    allow_sticky: bool = False,
+    private: bool = False,
+    hint: str = "",
+) -> Path:
+    """Walk to ``path`` checking every step; create what is missing when ``create_mode`` is set.
+
+    ``trusted`` are the uids that may own the directory itself and the directories and
+    links on the way (root is always trusted).  ``allow_sticky`` accepts a sticky,
+    world-writable final directory (a socket straight in ``/tmp``); ``private`` demands
+    that the final directory grants nothing to group and others.  Returns the resolved
+    path; raises :class:`UnsafePathError`.
+    """
+    trusted_uids = frozenset(trusted) | {0}
+    text = os.fspath(path)
+    if not os.path.isabs(text):
+        raise UnsafePathError(f"{text} is not an absolute path")
+    suffix = f": {hint}" if hint else ""
+    pending = [part for part in text.split("/") if part and part != "."]
+    pending.reverse()  # a stack: the next component is last
+    current = "/"
+    followed = 0
+    try:
+        _check_directory("/", os.lstat("/"), trusted_uids, final=not pending, allow_sticky=False)
+        while pending:
+            part = pending.pop()
+            if part == "..":
+                current = os.path.dirname(current) or "/"
+                continue
+            candidate = os.path.join(current, part)
+            final = not pending
+            try:
+                info = os.lstat(candidate)
+            except FileNotFoundError:
+                if create_mode is None:
+                    raise PathMissing(f"{candidate} does not exist") from None
+                info = _make_directory(candidate, create_mode)
+            if stat.S_ISLNK(info.st_mode):
+                if info.st_uid not in trusted_uids:
+                    raise UnsafePathError(
+                        f"{candidate} is a symbolic link owned by {describe_owner(info.st_uid)}: "
+                        "refusing to follow it"
+                    )
+                followed += 1
+                if followed > _MAX_SYMLINKS:
+                    raise UnsafePathError(f"{text} has too many levels of symbolic links")
+                target = os.readlink(candidate)
+                if os.path.isabs(target):
+                    current = "/"
+                parts = [p for p in target.split("/") if p and p != "."]
+                pending.extend(reversed(parts))
+                continue
+            if not stat.S_ISDIR(info.st_mode):
+                raise UnsafePathError(f"{candidate} is not a directory")
+            _check_directory(candidate, info, trusted_uids, final=final, allow_sticky=allow_sticky)
+            if final and private and stat.S_IMODE(info.st_mode) & 0o077:
+                raise UnsafePathError(
+                    f"{candidate} is open to other users (mode {stat.S_IMODE(info.st_mode):04o}); "
+                    f"it must be private (chmod 700 {candidate})"
+                )
+            current = candidate
+    except UnsafePathError as exc:
+        raise type(exc)(f"{exc}{suffix}") from None
+    except OSError as exc:
+        raise UnsafePathError(f"cannot use {text}: {exc.strerror}{suffix}") from None
+    return Path(current)
+
+
+def _make_directory(path: str, mode: int) -> os.stat_result:
+    """mkdir one level with exactly ``mode``; a name that appeared meanwhile is checked instead."""
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        return os.lstat(path)  # somebody was faster: the caller checks what is there
+    # mkdir obeys the umask; set the mode we asked for on what we just made, through
+    # a descriptor so that nothing swapped in between is touched.
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        os.fchmod(fd, mode)
+        return os.fstat(fd)
+    finally:
+        os.close(fd)
+
+
+def fresh_private_directory(parent: str | Path, prefix: str, mode: int = 0o700) -> Path:
+    """A new directory with an unguessable name under a trusted ``parent`` (like mkdtemp).
+
+    Nobody can have prepared it, so nothing in it is anyone else's.
+    """
+    parent_path = trusted_directory(parent, trusted={os.geteuid()}, allow_sticky=True)
+    made = Path(tempfile.mkdtemp(prefix=prefix, dir=parent_path))
+    fd = os.open(made, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+    return made
+
+
+def remove_own_files(path: str | Path, patterns: tuple[str, ...] = ("*",)) -> bool:
+    """Unlink the plain files (and sockets) matching ``patterns`` in a directory of ours.
+
+    Returns False (and touches nothing) if ``path`` is a link, not a directory, or
+    another user's.  Names are unlinked relative to the opened directory, so a name
+    swapped for a link elsewhere cannot redirect the deletion.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        if os.fstat(fd).st_uid != os.geteuid():
+            return False
+        for name in os.listdir(fd):
+            if not any(fnmatch.fnmatch(name, pattern) for pattern in patterns):
+                continue
+            with contextlib.suppress(OSError):
+                info = os.lstat(name, dir_fd=fd)
+                if stat.S_ISREG(info.st_mode) or stat.S_ISSOCK(info.st_mode):
+                    os.unlink(name, dir_fd=fd)
+    finally:
+        os.close(fd)
+    return True
+
+
+def remove_own_directory(path: str | Path, patterns: tuple[str, ...] = ("*",)) -> bool:
+    """Delete a directory of ours after its files matching ``patterns``; False if not ours."""
+    if not remove_own_files(path, patterns):
+        return False
+    try:
+        os.rmdir(path)
+    except OSError:
+        return False
+    return True
+
+
+def check_socket(path: str | Path, *, trusted: Iterable[int], hint: str = "") -> Path:
+    """The resolved path of a broker socket whose directory and file trusted users own.
+
+    A socket straight in a sticky directory (``/tmp``) is accepted: others cannot
+    replace it there.  Raises :class:`UnsafePathError`; ``FileNotFoundError`` when
+    nothing is there (no broker yet).
+    """
+    path = Path(path)
+    trusted_uids = frozenset(trusted) | {0}
+    directory = trusted_directory(path.parent, trusted=trusted_uids, allow_sticky=True, hint=hint)
+    resolved = directory / path.name
+    try:
+        info = os.lstat(resolved)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise UnsafePathError(f"cannot use {path}: {exc.strerror}") from None
+    suffix = f": {hint}" if hint else ""
+    if not stat.S_ISSOCK(info.st_mode):
+        raise UnsafePathError(f"{path} is not a socket{suffix}")
+    if info.st_uid not in trusted_uids:
+        raise UnsafePathError(
+            f"{path} belongs to {describe_owner(info.st_uid)}, not to "
+            f"{describe_trusted(trusted_uids)}{suffix}"
+        )
+    return resolved
+
+
+def open_private_file(path: str | Path, flags: int = os.O_RDWR, mode: int = 0o600) -> int:
+    """Open (or create) a file of ours, never through a link; tighten our own file to ``mode``.
+
+    Raises :class:`UnsafePathError` if it is not a regular file or not ours.
+    """
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafePathError(f"{path} is a symbolic link: refusing to follow it") from None
+        raise UnsafePathError(f"cannot open {path}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UnsafePathError(f"{path} is not a regular file")
+        if info.st_uid != os.geteuid():
+            raise UnsafePathError(f"{path} belongs to {describe_owner(info.st_uid)}, not to you")
+        if stat.S_IMODE(info.st_mode) & ~mode:
+            os.fchmod(fd, mode)  # ours, opened without following links: safe to tighten
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
