@@ -27,6 +27,7 @@ from gpushare_ext.broker.config import BrokerConfig, load_config, parse_config, 
 from gpushare_ext.broker.effects import Reply
 from gpushare_ext.broker.peers import Connection, claimed_pid_matches
 from gpushare_ext.broker.policy import PolicyError
+from gpushare_ext.broker.recovery import placeholder_session
 from gpushare_ext.broker.views import snapshot
 from gpushare_ext.protocol import (
     PROTOCOL_VERSION,
@@ -151,6 +152,20 @@ class Requests:
                 core.LeaseReclaimed(now=time.time(), session_id=session_id, lease_id=lease_id)
             )
             broker.journal.note("reclaimed", lease_id, {"pid": conn.pid})
+        if hello.client == "kernel":
+            # A notebook that is back and does not name a lease of its process has let it
+            # go (its cell ended while the broker was away): it must not hold others off
+            # until the grace period ends.
+            placeholder = placeholder_session(conn.pid)
+            record = broker.scheduler.sessions.get(placeholder)
+            if record is not None and record.detached and record.identity.uid == conn.uid:
+                broker.dispatch(
+                    core.SessionClosed(
+                        now=time.time(),
+                        session_id=placeholder,
+                        reason="its notebook reconnected without it",
+                    )
+                )
 
     def request_lease(self, conn: Connection, request: RequestLease) -> None:
         broker = self.broker

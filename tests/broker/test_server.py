@@ -160,6 +160,23 @@ BAD_INPUT = {
         lambda raw: (_hello(raw), raw.send(RequestLease(seq=2, device="7"))),
         ErrorCode.INVALID, "there is no device 7", True,
     ),
+    "deeply nested frame": (
+        lambda raw: (_hello(raw), raw.send_body(b"[" * 987 + b"]" * 987)),
+        ErrorCode.MALFORMED, "invalid message", True,
+    ),
+    "deeply nested field": (
+        lambda raw: (_hello(raw), raw.send_body(
+            b'{"type":"status","seq":2,"x":' + b"[" * 5000 + b"]" * 5000 + b"}")),
+        ErrorCode.MALFORMED, "invalid message", True,
+    ),
+    "a device number in superscript digits": (
+        lambda raw: _body(raw, {"type": "request_lease", "seq": 2, "device": "\u00b2"}),
+        ErrorCode.INVALID, "no device or MIG instance", True,
+    ),
+    "a very long unknown type": (
+        lambda raw: _body(raw, {"type": "x" * 262_000, "seq": 2}),
+        ErrorCode.UNKNOWN_MESSAGE, "unknown message type 'xxxx", True,
+    ),
     "drain of a device that does not exist": (
         lambda raw: (_hello(raw), raw.send(Admin(seq=2, action=AdminAction.DRAIN, device=7))),
         ErrorCode.INVALID, "no device 7", True,
