@@ -8,7 +8,9 @@ recorded and the others go on) and writes each suite's JSON plus its log into DI
 * ``kernels``    -- preemptible kernels: overhead over the corpus, yield-to-drain latency,
                     snapshot/rollback bandwidth against the copy ceiling (GPU);
 * ``contention`` -- interactive latency under contention, low-priority throughput kept (GPU);
-* ``checkpoint`` -- lock / evict / restore times against resident memory (GPU).
+* ``checkpoint`` -- lock / evict / restore times against resident memory (GPU);
+* ``fuzz``       -- a million hostile frames against a live broker (CPU);
+* ``soak``       -- 100 ``kill -9``s of the broker under lease traffic (CPU).
 
 ``report`` turns a results folder into PNG plots and a markdown table (``report.md``)
 and, with ``--readme``, replaces the README's performance section with it.
@@ -27,6 +29,8 @@ SUITES = {
     "kernels": ["benchmarks.kernels_bench", []],
     "contention": ["benchmarks.contention", []],
     "checkpoint": ["benchmarks.checkpoint", []],
+    "fuzz": ["benchmarks.fuzz_frames", ["--frames", "1000000", "--clients", "2"]],
+    "soak": ["benchmarks.crash_soak", ["--kills", "100"]],
 }
 GPU_SUITES = {"kernels", "contention", "checkpoint"}
 

@@ -46,10 +46,10 @@ MIB = 1024 * 1024
 CONFIG = """
 [broker]
 max_connections_per_uid = 100000
-max_requests_per_second = 1000000000
+max_requests_per_second = 1000000
 
 [defaults]
-max_leases = 100000
+max_leases = 10000
 """
 
 

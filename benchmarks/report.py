@@ -1,8 +1,9 @@
 """Turn a results folder into PNG plots and a markdown table; optionally update the README.
 
 Reads whatever suites the folder holds (``control_plane.json``, ``kernels_bench.json``,
-``contention.json``, ``checkpoint.json``), states device, driver and date for each, and
-marks every target as met or not -- an unmet target stays in the table.
+``contention.json``, ``checkpoint.json``, ``fuzz_frames.json``, ``crash_soak.json``),
+states device, driver and date for each, and marks every target as met or not -- an
+unmet target stays in the table.
 """
 
 from __future__ import annotations
@@ -257,6 +258,53 @@ def _kernels_section(doc: dict) -> list[str]:
     return [*lines, ""]
 
 
+def _robustness_section(fuzz: dict | None, soak: dict | None) -> list[str]:
+    some = fuzz or soak or {}
+    lines = [
+        f"**Robustness** ({some.get('host', '?')}, {some.get('cpu_count', '?')} CPUs, "
+        f"{(some.get('date') or '?')[:10]}; simulated H200, real broker processes)",
+        "",
+        "| run | measure | figure | target | verdict |",
+        "|---|---|---:|---|---|",
+    ]
+    if fuzz:
+        f = fuzz["summary"]
+        rows = [
+            ("frames sent", f["frames_sent"], ">= 1,000,000", f["frames_sent"] >= 1_000_000),
+            ("frames left unanswered", f["unanswered"], "0", f["unanswered"] == 0),
+            ("connections closed unasked", f["closed_unasked"], "0", f["closed_unasked"] == 0),
+            ("broker crashes", 0 if f["broker_alive_at_end"] else 1, "0", f["broker_alive_at_end"]),
+            ("internal errors / tracebacks", f"{f['internal_errors']} / {f['tracebacks_in_log']}",
+             "0 / 0", f["internal_errors"] == 0 and f["tracebacks_in_log"] == 0),
+            ("broker RSS before -> after (MiB)",
+             f"{f['broker_rss_mib_before']} -> {f['broker_rss_mib_after']}", "-", None),
+            ("frames per second", f["frames_per_second"], "-", None),
+        ]  # fmt: skip
+        for measure, figure, target, ok in rows:
+            lines.append(f"| fuzz | {measure} | {figure} | {target} | {_verdict(ok)} |")
+    if soak:
+        k = soak["summary"]
+        rows = [
+            ("broker kill -9s", k["broker_kills"], ">= 100", k["broker_kills"] >= 100),
+            ("requests (granted)", f"{k['requests']} ({k['granted']})", "-", None),
+            ("leases paused by preemption / reclaimed after a kill",
+             f"{k['leases_paused_by_preemption']} / {k['leases_reclaimed_after_a_kill']}", "-", None),
+            ("live leases lost", k["live_leases_lost"], "0", k["live_leases_lost"] == 0),
+            ("requests left unanswered", k["unanswered_requests"], "0", k["unanswered_requests"] == 0),
+            ("client errors", k["client_errors"], "0", k["client_errors"] == 0),
+            ("sessions left paused at the end", k["sessions_held_at_end"], "0",
+             k["sessions_held_at_end"] == 0),
+            ("actuations left applied after the stop", k["pending_actuations_after_stop"], "0",
+             k["pending_actuations_after_stop"] == 0),
+            ("broker exits not ours / tracebacks",
+             f"{k['broker_exits_not_ours']} / {k['tracebacks_in_log']}", "0 / 0",
+             k["broker_exits_not_ours"] == 0 and k["tracebacks_in_log"] == 0),
+        ]  # fmt: skip
+        for measure, figure, target, ok in rows:
+            lines.append(f"| soak | {measure} | {figure} | {target} | {_verdict(ok)} |")
+    return [*lines, ""]
+
+
 def build_report(folders: list[Path], readme: Path | None = None) -> int:
     """Report on ``folders`` (later ones fill in suites the earlier lack); plots and
     ``report.md`` go into the first folder."""
@@ -266,6 +314,8 @@ def build_report(folders: list[Path], readme: Path | None = None) -> int:
         "kernels": "kernels_bench.json",
         "contention": "contention.json",
         "checkpoint": "checkpoint.json",
+        "fuzz": "fuzz_frames.json",
+        "soak": "crash_soak.json",
     }
     for folder in folders:
         for key, name in names.items():
@@ -285,6 +335,8 @@ def build_report(folders: list[Path], readme: Path | None = None) -> int:
         sections += _checkpoint_section(documents["checkpoint"])
     if "control" in documents:
         sections += _control_section(documents["control"])
+    if "fuzz" in documents or "soak" in documents:
+        sections += _robustness_section(documents.get("fuzz"), documents.get("soak"))
     body = "\n".join(sections)
     (target / "report.md").write_text(
         body + "\n" + "\n".join(f"![{i}]({i})" for i in images) + "\n"

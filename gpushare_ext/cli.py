@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-port",
         type=int,
         metavar="PORT",
-        help="serve Prometheus metrics on 127.0.0.1:PORT",
+        help="serve Prometheus metrics on PORT of broker.metrics_address (default 127.0.0.1); "
+        "broker.metrics_token_file makes scrapers send a bearer token",
     )
     broker.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]

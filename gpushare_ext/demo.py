@@ -27,6 +27,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from gpushare_ext.broker.launch import BrokerProcess, BrokerStartError
 from gpushare_ext.protocol import LeaseState
 
 
@@ -92,37 +93,14 @@ def _value(text: str, key: str) -> str | None:
     return None
 
 
-def _start_broker(socket_path: Path, journal: Path, simulate: str | None) -> subprocess.Popen:
-    command = [
-        sys.executable,
-        "-m",
-        "gpushare_ext.cli",
-        "broker",
-        "--socket",
-        str(socket_path),
-        "--journal",
-        str(journal),
-        "--log-level",
-        "warning",
-    ]
-    if simulate:
-        command += ["--simulate", simulate]
-    else:
-        command += ["--devices", "0"]  # both sessions on one GPU: the demo is about contention
-    log = open(socket_path.parent / "broker.log", "wb")  # noqa: SIM115 - lives as long as the broker
-    process = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
-    from gpushare_ext.runtime.embedded import broker_answers
-
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if broker_answers(socket_path):
-            return process
-        if process.poll() is not None:
-            break
-        time.sleep(0.05)
-    raise RuntimeError(
-        "the demo broker did not start:\n" + (socket_path.parent / "broker.log").read_text()[-2000:]
-    )
+def _start_broker(workdir: Path, simulate: str | None) -> BrokerProcess:
+    # Both sessions on one GPU: the demo is about contention.
+    extra = () if simulate else ("--devices", "0")
+    broker = BrokerProcess(workdir, simulate=simulate, log_level="warning", extra_args=extra)
+    try:
+        return broker.start()
+    except BrokerStartError as exc:
+        raise RuntimeError(f"the demo broker did not start: {exc}") from None
 
 
 def _gpu_usable() -> bool:
@@ -195,13 +173,13 @@ def run_demo(*, simulate: str | None = None, steps: int = 40, out: str | None = 
         return 2
     workdir = Path(tempfile.mkdtemp(prefix="gpushare-demo-"))
     os.chmod(workdir, 0o700)
-    socket_path = workdir / "broker.sock"
     use_gpu = False
     if simulate is None:
         use_gpu = _gpu_usable()
         if not use_gpu:
             simulate = "h200"
-    broker = _start_broker(socket_path, workdir / "journal.sqlite", simulate)
+    broker = _start_broker(workdir, simulate)
+    socket_path = broker.socket
     os.environ["GPUSHARE_SOCKET"] = str(socket_path)
     try:
         from gpushare_ext.runtime.client import BrokerClient
@@ -271,9 +249,8 @@ def run_demo(*, simulate: str | None = None, steps: int = 40, out: str | None = 
             console.print(f"executed notebooks and timeline in {target}")
         return 0 if same else 1
     finally:
-        broker.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            broker.wait(timeout=10)
+        with contextlib.suppress(BrokerStartError):
+            broker.stop(timeout=10)
         os.environ.pop("GPUSHARE_SOCKET", None)
 
 

@@ -441,27 +441,27 @@ class GpuSession:
         self, options: LeaseOptions, *, output: CellOutput | None = None, label: str = ""
     ) -> LeaseHandle:
         """Ask for a lease and wait for it, showing the queue; raises on refusal/timeout."""
-        client = self.connect()
+        try:
+            self.connect()
+        except BrokerUnavailable:
+            if self._connected_path is None:
+                raise  # never had a broker: nothing to wait for
         if output is not None:
             for line in self.announcements:
                 output.show("gpushare-announce", line)
             self.announcements.clear()
-        request = dict(
-            priority=options.priority,
-            memory_bytes=options.memory_bytes,
-            slice=options.slice,
-            device=options.device,
-            sm_share=options.sm_share,
-            capabilities=self.capabilities(options),
-            label=label,
+        reply = self._request(
+            dict(
+                priority=options.priority,
+                memory_bytes=options.memory_bytes,
+                slice=options.slice,
+                device=options.device,
+                sm_share=options.sm_share,
+                capabilities=self.capabilities(options),
+                label=label,
+            ),
+            output,
         )
-        try:
-            reply = client.request_lease(**request)
-        except BrokerUnavailable:
-            # The connection went in the moment of asking (a broker restart): ask the
-            # broker that is there now, once.
-            client = self._wait_for_connection(output)
-            reply = client.request_lease(**request)
         if isinstance(reply, Refused):
             raise LeaseRefused(f"gpushare: request refused: {reply.message}")
         handle = LeaseHandle(lease_id=reply.lease_id, options=options, output=output)
@@ -486,6 +486,19 @@ class GpuSession:
             raise
         self._bind(handle)
         return handle
+
+    def _request(self, request: dict, output: CellOutput | None) -> Granted | Queued | Refused:
+        """Send the request; if the broker is restarting, wait for it (visibly) and ask again."""
+        deadline = time.monotonic() + RECONNECT_DEADLINE_S
+        while True:
+            try:
+                return self.connect().request_lease(**request)
+            except BrokerUnavailable:
+                # Never connected: there is no broker to wait for, say so at once.
+                left = deadline - time.monotonic()
+                if self._connected_path is None or left <= 0:
+                    raise
+                self._wait_for_connection(output, left)
 
     def _wait_for_connection(
         self, output: CellOutput | None, timeout_s: float = RECONNECT_DEADLINE_S
