@@ -255,7 +255,17 @@ def main() -> int:
     ]
     for worker in workers:
         worker.start()
-    results = [queue.get() for _ in workers]
+    # The broker's RSS over the run: a plateau is warm-up, a steady climb a leak.
+    samples: list[tuple[float, float]] = []
+    results = []
+    while len(results) < len(workers):
+        try:
+            results.append(queue.get(timeout=5))
+        except Exception:  # queue.Empty: time for a sample
+            if broker.alive():
+                samples.append(
+                    (round(time.monotonic() - started, 1), round(_rss_mib(broker.pid), 1))
+                )
     for worker in workers:
         worker.join()
     took = time.monotonic() - started
@@ -283,6 +293,9 @@ def main() -> int:
         "log_bytes": len(log.encode()),
         "broker_rss_mib_before": round(rss_before, 1),
         "broker_rss_mib_after": round(rss_after, 1) if rss_after else None,
+        "broker_rss_mib_second_half_growth": (
+            round(samples[-1][1] - samples[len(samples) // 2][1], 1) if len(samples) > 3 else None
+        ),
         "seconds": round(took, 1),
         "frames_per_second": round(sum(r["sent"] for r in results) / took),
     }
@@ -293,6 +306,7 @@ def main() -> int:
         "summary": summary,
         "replies": dict(sorted(total.items())),
         "fuzz_kinds": dict(sorted(kinds.items())),
+        "broker_rss_mib_samples": samples,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "fuzz_frames.json").write_text(json.dumps(record, indent=2) + "\n")

@@ -278,6 +278,8 @@ def _robustness_section(fuzz: dict | None, soak: dict | None) -> list[str]:
              "0 / 0", f["internal_errors"] == 0 and f["tracebacks_in_log"] == 0),
             ("broker RSS before -> after (MiB)",
              f"{f['broker_rss_mib_before']} -> {f['broker_rss_mib_after']}", "-", None),
+            ("broker RSS growth over the second half (MiB)",
+             _fmt(f.get("broker_rss_mib_second_half_growth"), 1), "flat", None),
             ("frames per second", f["frames_per_second"], "-", None),
         ]  # fmt: skip
         for measure, figure, target, ok in rows:

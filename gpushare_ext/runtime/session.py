@@ -181,6 +181,7 @@ class GpuSession:
         self._lock = threading.RLock()
         self._reconnecting = threading.Event()
         self._client_token: object = None  # which connection's loss matters (the live one's)
+        self._generation = 0  # connections made so far: which one answered a request
         self._connected_path: Path | None = None
         self._early: dict[str, list[BrokerMessage]] = {}  # notices that beat their lease handle
         self._closed = False
@@ -230,6 +231,7 @@ class GpuSession:
             listener=lambda message: self._on_message(message, token),
         )
         self._client_token = token
+        self._generation += 1
         self.client = client
         self._connected_path = path
         self.simulated = client.welcome.inventory == "simulated"
@@ -450,29 +452,33 @@ class GpuSession:
             for line in self.announcements:
                 output.show("gpushare-announce", line)
             self.announcements.clear()
-        reply = self._request(
-            dict(
-                priority=options.priority,
-                memory_bytes=options.memory_bytes,
-                slice=options.slice,
-                device=options.device,
-                sm_share=options.sm_share,
-                capabilities=self.capabilities(options),
-                label=label,
-            ),
-            output,
+        request = dict(
+            priority=options.priority,
+            memory_bytes=options.memory_bytes,
+            slice=options.slice,
+            device=options.device,
+            sm_share=options.sm_share,
+            capabilities=self.capabilities(options),
+            label=label,
         )
-        if isinstance(reply, Refused):
-            raise LeaseRefused(f"gpushare: request refused: {reply.message}")
-        handle = LeaseHandle(lease_id=reply.lease_id, options=options, output=output)
-        if isinstance(reply, Granted):
-            handle.placement = reply.placement
-            handle.state = "granted"
-        else:
-            handle.queued = reply
-        with self._lock:
-            self.leases[reply.lease_id] = handle
-            early = self._early.pop(reply.lease_id, [])
+        while True:
+            reply, generation = self._request(request, output)
+            if isinstance(reply, Refused):
+                raise LeaseRefused(f"gpushare: request refused: {reply.message}")
+            handle = LeaseHandle(lease_id=reply.lease_id, options=options, output=output)
+            if isinstance(reply, Granted):
+                handle.placement = reply.placement
+                handle.state = "granted"
+            else:
+                handle.queued = reply
+            with self._lock:
+                # A reconnect between the answer and here did not know this lease, so
+                # the new broker may have let it go: ask again rather than wait for ever.
+                if generation != self._generation:
+                    continue
+                self.leases[reply.lease_id] = handle
+                early = self._early.pop(reply.lease_id, [])
+            break
         for message in early:
             self._apply_notice(handle, message)
         try:
@@ -487,12 +493,20 @@ class GpuSession:
         self._bind(handle)
         return handle
 
-    def _request(self, request: dict, output: CellOutput | None) -> Granted | Queued | Refused:
-        """Send the request; if the broker is restarting, wait for it (visibly) and ask again."""
+    def _request(
+        self, request: dict, output: CellOutput | None
+    ) -> tuple[Granted | Queued | Refused, int]:
+        """Send the request; if the broker is restarting, wait for it (visibly) and ask again.
+
+        Returns the answer and the generation of the connection that gave it.
+        """
         deadline = time.monotonic() + RECONNECT_DEADLINE_S
         while True:
             try:
-                return self.connect().request_lease(**request)
+                with self._lock:
+                    client = self.connect()
+                    generation = self._generation
+                return client.request_lease(**request), generation
             except BrokerUnavailable:
                 # Never connected: there is no broker to wait for, say so at once.
                 left = deadline - time.monotonic()
@@ -529,7 +543,9 @@ class GpuSession:
         started = time.monotonic()
         last_shown = -1.0
         timeout = handle.options.timeout_s
-        while handle.state not in ("granted", "refused", "revoked"):
+        # Granted is when a placement came, whatever followed it: a grant may be paused
+        # again (or the broker go away) before this loop looks.
+        while handle.placement is None and handle.state not in ("refused", "revoked"):
             waited = time.monotonic() - started
             if timeout is not None and waited >= timeout:
                 position = handle.queued.position if handle.queued else "?"
@@ -581,7 +597,8 @@ class GpuSession:
             self.device_gate = self.gates.get(applied.ordinal)
             self._connect_kernels(handle)
         memory.apply_quota(placement.memory_bytes)
-        handle.state = "running"
+        if handle.state == "granted":  # a pause that came meanwhile stands
+            handle.state = "running"
 
     def _connect_kernels(self, handle: LeaseHandle) -> None:
         """Give preemptible kernels the session's gate and yield flag, and tell the broker
