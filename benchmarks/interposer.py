@@ -1,0 +1,323 @@
+"""The launch interposer on a real GPU: what it sees, how it holds, how fast a pause drains,
+and what it costs a training loop nobody preempts.
+
+Each scenario runs in its own process (CUPTI takes one subscriber per process) on a
+control block of its own under /dev/shm, written here the way the broker writes it:
+
+* ``count``    -- CuPy and PyTorch operations: launches the interposer saw, per library;
+* ``hold``     -- a CuPy loop is paused for a second: launches and iterations stop, then go
+                  on; its result is bit-identical to an undisturbed run;
+* ``drain``    -- a thread queues 300 fp32 4096^2 matmuls; 0.2 s in, the session is paused:
+                  the time until the GPU is idle, with the bound on work in flight (about
+                  3 ms of GPU time) and without it;
+* ``overhead`` -- ResNet-18 training steps (torchvision, batch 64, fp32) and a k-means style
+                  CuPy loop: without the interposer, with it (nobody pausing), and with its
+                  callbacks alone (no bound), in alternating blocks: the median step time.
+
+Usage: ``python -m benchmarks.interposer all --out DIR`` (writes ``interposer.json`` and
+prints a table) or ``python -m benchmarks.interposer SCENARIO`` (prints one JSON line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+SCENARIOS = ("count", "hold", "drain", "overhead")
+
+
+def _block(tmp: Path):
+    from gpushare_ext.runtime.control import ControlBlock, SessionState
+
+    block = ControlBlock.create(tmp / "session.cb")
+    block.publish(gate_closed=False, state=SessionState.RUNNING)
+    return block
+
+
+def _pause(block) -> None:
+    from gpushare_ext.runtime.control import SessionState
+
+    block.publish(gate_closed=False, state=SessionState.PAUSED, level=0, reason="benchmark")
+
+
+def _resume(block) -> None:
+    from gpushare_ext.runtime.control import SessionState
+
+    block.publish(gate_closed=False, state=SessionState.RUNNING)
+
+
+def scenario_count(tmp: Path) -> dict:
+    import cupy as cp
+    import torch
+
+    from gpushare_ext.runtime import interpose
+
+    block = _block(tmp)
+    cp.zeros(1).sum()  # CUDA up before the subscription, as in a notebook
+    torch.zeros(1, device="cuda").sum().item()
+    attached = interpose.attach(block.address())
+    before = interpose.stats()["launches"]
+    a = cp.random.standard_normal((1024, 1024), dtype=cp.float32)
+    for _ in range(50):
+        a = a * 1.0001 + 1.0
+    (a @ a).sum().item()
+    cp.cuda.Device().synchronize()
+    cupy_seen = interpose.stats()["launches"] - before
+    before = interpose.stats()["launches"]
+    x = torch.randn(512, 512, device="cuda")
+    for _ in range(50):
+        x = torch.relu(x @ x * 1e-3)
+    x.sum().item()
+    torch_seen = interpose.stats()["launches"] - before
+    return {
+        "scenario": "count",
+        "cupy_ops": 52,
+        "cupy_launches_seen": cupy_seen,
+        "torch_ops": 101,
+        "torch_launches_seen": torch_seen,
+        "how": attached.describe(),
+        "stats": interpose.stats(),
+    }
+
+
+def _series(cp, steps: int, pause_at: int | None, block) -> tuple[str, dict]:
+    """A deterministic CuPy loop; optionally paused for a second from another thread."""
+    x = cp.arange(1 << 22, dtype=cp.float32) / (1 << 22)
+    progress = {"steps": 0}
+    observed: dict = {}
+    if pause_at is not None:
+
+        def pauser() -> None:
+            from gpushare_ext.runtime import interpose
+
+            while progress["steps"] < pause_at:
+                time.sleep(0.001)
+            _pause(block)
+            time.sleep(0.1)  # let what is in flight drain
+            steps_then, launches_then = progress["steps"], interpose.stats()["launches"]
+            time.sleep(1.0)
+            observed["steps_while_paused"] = progress["steps"] - steps_then
+            observed["launches_while_paused"] = interpose.stats()["launches"] - launches_then
+            _resume(block)
+
+        thread = threading.Thread(target=pauser, daemon=True)
+        thread.start()
+    for step in range(steps):
+        x = cp.sin(x) * 0.5 + x * 0.5 + step * 1e-6
+        progress["steps"] = step + 1
+    cp.cuda.Device().synchronize()
+    import hashlib
+
+    digest = hashlib.sha256(cp.asnumpy(x).tobytes()).hexdigest()
+    if pause_at is not None:
+        thread.join(timeout=10)
+    return digest, observed
+
+
+def scenario_hold(tmp: Path) -> dict:
+    import cupy as cp
+
+    from gpushare_ext.runtime import interpose
+
+    block = _block(tmp)
+    cp.zeros(1).sum()
+    reference, _ = _series(cp, 3000, None, block)
+    interpose.attach(block.address())
+    started = time.monotonic()
+    paused_digest, observed = _series(cp, 3000, 500, block)
+    return {
+        "scenario": "hold",
+        "identical_to_undisturbed": paused_digest == reference,
+        "seconds": round(time.monotonic() - started, 2),
+        **observed,
+        "stats": interpose.stats(),
+    }
+
+
+def scenario_drain(tmp: Path, window: int | None) -> dict:
+    import cupy as cp
+
+    from gpushare_ext.runtime import interpose
+
+    block = _block(tmp)
+    a = cp.random.standard_normal((4096, 4096), dtype=cp.float32)
+    b = a @ a
+    cp.cuda.Device().synchronize()
+    started = time.perf_counter()
+    for _ in range(10):
+        b = a @ a
+    cp.cuda.Device().synchronize()
+    one_ms = (time.perf_counter() - started) * 100
+    attached = interpose.attach(block.address(), window=window)
+    issued = {"count": 0}
+
+    def issuer() -> None:
+        nonlocal b
+        for _ in range(300):
+            b = a @ a
+            issued["count"] += 1
+
+    thread = threading.Thread(target=issuer, daemon=True)
+    thread.start()
+    time.sleep(0.2)
+    _pause(block)
+    paused_at = time.perf_counter()
+    issued_at_pause = issued["count"]
+    cp.cuda.Device().synchronize()  # the other thread is held: this waits for what is queued
+    drain_ms = (time.perf_counter() - paused_at) * 1000
+    _resume(block)
+    thread.join(timeout=60)
+    cp.cuda.Device().synchronize()
+    return {
+        "scenario": "drain",
+        "bound": attached.describe(),
+        "matmul_ms": round(one_ms, 3),
+        "issued_before_pause": issued_at_pause,
+        "drain_ms": round(drain_ms, 2),
+        "drain_in_matmuls": round(drain_ms / one_ms, 1),
+        "stats": interpose.stats(),
+    }
+
+
+def _resnet_steps(steps: int):
+    import torch
+    import torchvision
+
+    model = torchvision.models.resnet18(weights=None).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    data = torch.randn(64, 3, 224, 224, device="cuda")
+    target = torch.randint(0, 1000, (64,), device="cuda")
+
+    def step() -> float:
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(data), target)
+        loss.backward()
+        optimizer.step()
+        torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    for _ in range(10):
+        step()
+    return step
+
+
+def _kmeans_steps():
+    import cupy as cp
+
+    points = cp.random.standard_normal((200_000, 16), dtype=cp.float32)
+    centers = points[:64].copy()
+
+    def step() -> float:
+        nonlocal centers
+        started = time.perf_counter()
+        distances = ((points[:, None, :] - centers[None, :, :]) ** 2).sum(axis=2)
+        labels = distances.argmin(axis=1)
+        sums = cp.zeros_like(centers)
+        cp.add.at(sums, labels, points)
+        counts = cp.bincount(labels, minlength=64)[:, None]
+        centers = sums / cp.maximum(counts, 1)
+        float(centers.sum())  # a host sync per iteration, as k-means loops do
+        return time.perf_counter() - started
+
+    for _ in range(5):
+        step()
+    return step
+
+
+def scenario_overhead(tmp: Path, rounds: int = 8, per_block: int = 25) -> dict:
+    from gpushare_ext.runtime import interpose
+
+    block = _block(tmp)
+    loops = {"resnet18_train_step": _resnet_steps(per_block), "cupy_kmeans_step": _kmeans_steps()}
+    modes = ("without", "with", "callbacks_only")
+    result: dict = {"scenario": "overhead", "rounds": rounds, "steps_per_block": per_block}
+    for name, step in loops.items():
+        times: dict[str, list[float]] = {mode: [] for mode in modes}
+        for _ in range(rounds):
+            for mode in modes:
+                if mode == "without":
+                    interpose.detach()
+                else:
+                    interpose.attach(
+                        block.address(), window=0 if mode == "callbacks_only" else None
+                    )
+                times[mode] += [step() for _ in range(per_block)]
+            if name == "resnet18_train_step":
+                result.setdefault("bound_seen", interpose.stats())
+        interpose.detach()
+        without = statistics.median(times["without"])
+        entry = {"median_ms_without": round(without * 1000, 3)}
+        for mode in modes[1:]:
+            median = statistics.median(times[mode])
+            entry[f"median_ms_{mode}"] = round(median * 1000, 3)
+            entry[f"overhead_pct_{mode}"] = round((median / without - 1) * 100, 2)
+        result[name] = entry
+    result["stats"] = interpose.stats()
+    return result
+
+
+def run_one(name: str, window: int | None = None) -> dict:
+    with tempfile.TemporaryDirectory(prefix="gps-interpose-", dir="/dev/shm") as tmp:
+        path = Path(tmp)
+        if name == "count":
+            return scenario_count(path)
+        if name == "hold":
+            return scenario_hold(path)
+        if name == "drain":
+            return scenario_drain(path, window)
+        return scenario_overhead(path)
+
+
+def _subprocess(name: str, *extra: str) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.interposer", name, *extra],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode != 0 or not lines:
+        return {"scenario": name, "error": (result.stderr or result.stdout)[-2000:]}
+    return json.loads(lines[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("scenario", choices=[*SCENARIOS, "all"])
+    parser.add_argument("--window", type=int, default=None)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--quick", action="store_true", help="accepted for the suite runner")
+    args = parser.parse_args()
+    if args.scenario != "all":
+        print(json.dumps(run_one(args.scenario, args.window)), flush=True)
+        return 0
+    from benchmarks.environment import describe
+
+    runs = [
+        _subprocess("count"),
+        _subprocess("hold"),
+        _subprocess("drain"),
+        _subprocess("drain", "--window", "0"),
+        _subprocess("overhead"),
+    ]
+    record = {**describe(), "runs": runs}
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "interposer.json").write_text(json.dumps(record, indent=2) + "\n")
+    for run in runs:
+        shown = {k: v for k, v in run.items() if k != "stats"}
+        print(json.dumps(shown))
+    return 0 if not any("error" in run for run in runs) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,248 @@
+"""The launch interposer, from Python: hold every framework's launches while paused.
+
+A notebook's GPU work mostly comes from code gpushare did not write (CuPy's array
+operations, PyTorch and cuBLAS/cuDNN under it, Numba).  The native library
+``native/libgpushare_interpose.so`` subscribes to CUPTI's driver callbacks for every
+kernel and graph launch, so while the broker holds the session paused each launch
+waits on the host before it reaches the GPU, and the work in flight stays within a
+small window: a pause drains in about one window instead of a whole queue.
+
+Why CUPTI: it is CUDA's documented callback interface, it sees the launches of every
+library (entry points handed out by ``cuGetProcAddress`` included) and it can be
+attached to a kernel process that is already running, which an ``LD_PRELOAD`` shim
+cannot.  Its one limit: a process has one CUPTI client, so a profiler attached first
+(Nsight, the PyTorch profiler) keeps the interposer out, and the session falls back to
+the checkpoint lock, saying why.
+
+This module finds the libraries and speaks to the native one; it decides nothing.
+Without a GPU it is still testable: ``use_driver`` hands the native code a fake
+driver table.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+NATIVE = Path(__file__).with_name("native") / "libgpushare_interpose.so"
+GATE_OFFSET = 8  # the control block's words (runtime/control.py)
+STATE_OFFSET = 12
+DEFAULT_WINDOW = 2  # until a launch's GPU time is known, and in the fixed mode
+DEFAULT_RECORD_EVERY = 4
+DEFAULT_QUEUE_US = 3000  # GPU work kept queued: drains in ~3 ms, keeps small kernels fed
+
+
+class InterposerError(Exception):
+    """The interposer cannot be attached here; the message says why in one line."""
+
+
+class Stats(ctypes.Structure):
+    _fields_ = [
+        ("launches", ctypes.c_uint64),
+        ("held", ctypes.c_uint64),
+        ("held_ns", ctypes.c_uint64),
+        ("window_waits", ctypes.c_uint64),
+        ("window_wait_ns", ctypes.c_uint64),
+        ("captured", ctypes.c_uint64),
+        ("driver_errors", ctypes.c_uint64),
+        ("interrupted", ctypes.c_uint64),
+        ("per_launch_ns", ctypes.c_uint64),
+        ("window", ctypes.c_uint64),
+        ("record_every", ctypes.c_uint64),
+    ]
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: int(getattr(self, name)) for name, _ in self._fields_}
+
+
+CUresult = ctypes.c_int
+EVENT_CREATE = ctypes.CFUNCTYPE(CUresult, ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint)
+EVENT_OP = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p)
+EVENT_RECORD = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p, ctypes.c_void_p)
+IS_CAPTURING = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))
+ELAPSED = ctypes.CFUNCTYPE(
+    CUresult, ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p
+)
+
+
+class DriverTable(ctypes.Structure):
+    """The driver entry points the native code calls (``gps_driver`` in the C source)."""
+
+    _fields_ = [
+        ("event_create", EVENT_CREATE),
+        ("event_record", EVENT_RECORD),
+        ("event_query", EVENT_OP),
+        ("event_synchronize", EVENT_OP),
+        ("event_destroy", EVENT_OP),
+        ("stream_is_capturing", IS_CAPTURING),
+        ("event_elapsed", ELAPSED),
+    ]
+
+
+_library: ctypes.CDLL | None = None
+
+
+def native_library() -> ctypes.CDLL:
+    """The native interposer, loaded once; InterposerError if it was not built."""
+    global _library
+    if _library is not None:
+        return _library
+    if not NATIVE.exists():
+        raise InterposerError(
+            f"the launch interposer was not built ({NATIVE.name} is missing: no C compiler "
+            "when gpushare-ext was installed)"
+        )
+    library = ctypes.CDLL(str(NATIVE))
+    library.gps_attach.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+    library.gps_attach.restype = ctypes.c_int
+    library.gps_set_block.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    library.gps_set_window.argtypes = [ctypes.c_uint, ctypes.c_uint]
+    library.gps_set_target.argtypes = [ctypes.c_uint]
+    library.gps_get_stats.argtypes = [ctypes.POINTER(Stats)]
+    library.gps_use_driver.argtypes = [ctypes.POINTER(DriverTable)]
+    library.gps_launch_enter.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    library.gps_launch_enter.restype = ctypes.c_int
+    library.gps_launch_exit.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    library.gps_launch_exit.restype = ctypes.c_int
+    library.gps_attached.restype = ctypes.c_int
+    _library = library
+    return library
+
+
+def find_cupti() -> str | None:
+    """A CUPTI library matching this process's CUDA, or None.
+
+    ``$GPUSHARE_CUPTI`` first; then the pip wheels (``nvidia-cuda-cupti``: CUDA 13 puts
+    it under ``nvidia/cu13/lib``, CUDA 12 under ``nvidia/cuda_cupti/lib``); then a CUDA
+    toolkit's ``extras/CUPTI``.
+    """
+    explicit = os.environ.get("GPUSHARE_CUPTI")
+    if explicit:
+        return explicit
+    patterns = []
+    for entry in sys.path:
+        base = Path(entry) / "nvidia"
+        patterns += [
+            str(base / "cu13" / "lib" / "libcupti.so*"),
+            str(base / "cuda_cupti" / "lib" / "libcupti.so*"),
+        ]
+    patterns += [
+        "/usr/local/cuda/extras/CUPTI/lib64/libcupti.so*",
+        "/usr/local/cuda-*/extras/CUPTI/lib64/libcupti.so*",
+        "/usr/lib/x86_64-linux-gnu/libcupti.so*",
+    ]
+    for pattern in patterns:
+        found = sorted(glob.glob(pattern))
+        if found:
+            return found[-1]
+    return None
+
+
+@dataclass
+class Attached:
+    """The interposer in this process: how much work it lets queue."""
+
+    queue_us: int
+    window: int
+    record_every: int
+    cupti: str
+
+    def describe(self) -> str:
+        if self.queue_us:
+            return (
+                "launches held on the host while paused (CUPTI); about "
+                f"{self.queue_us / 1000:g} ms of GPU work in flight at most"
+            )
+        if self.window == 0:
+            return "launches held on the host while paused (CUPTI); no bound on work in flight"
+        return (
+            "launches held on the host while paused (CUPTI); at most about "
+            f"{self.window * self.record_every} launches in flight"
+        )
+
+
+_attached: Attached | None = None
+
+
+def _setting(name: str, given: int | None, default: int) -> int:
+    text = os.environ.get(name)
+    if text is not None:
+        try:
+            return max(0, int(text))
+        except ValueError:
+            raise InterposerError(f"{name}={text!r} is not a whole number") from None
+    return default if given is None else given
+
+
+def attach(
+    block_address: int,
+    *,
+    queue_us: int | None = None,
+    window: int | None = None,
+    record_every: int | None = None,
+) -> Attached:
+    """Subscribe to launches and point at the control block at ``block_address``.
+
+    ``queue_us`` (``$GPUSHARE_QUEUE_US``) is the GPU time allowed in flight; 0 uses the
+    fixed ``window`` x ``record_every`` (``$GPUSHARE_WINDOW``, ``$GPUSHARE_RECORD_EVERY``;
+    a window of 0 turns the bound off).
+    """
+    global _attached
+    library = native_library()
+    queue_us = _setting("GPUSHARE_QUEUE_US", queue_us, DEFAULT_QUEUE_US)
+    window = _setting("GPUSHARE_WINDOW", window, DEFAULT_WINDOW)
+    record_every = _setting("GPUSHARE_RECORD_EVERY", record_every, DEFAULT_RECORD_EVERY)
+    if _attached is None:
+        cupti = find_cupti()
+        if cupti is None:
+            raise InterposerError(
+                "no CUPTI library found (install nvidia-cuda-cupti, or set GPUSHARE_CUPTI)"
+            )
+        message = ctypes.create_string_buffer(512)
+        code = library.gps_attach(cupti.encode(), message, len(message))
+        if code != 0:
+            raise InterposerError(message.value.decode(errors="replace"))
+        _attached = Attached(queue_us=0, window=0, record_every=0, cupti=cupti)
+    library.gps_set_window(window, record_every)
+    library.gps_set_target(queue_us if window else 0)
+    _attached.queue_us = queue_us if window else 0
+    _attached.window, _attached.record_every = window, record_every
+    point_at(block_address)
+    return _attached
+
+
+def point_at(block_address: int | None) -> None:
+    """Follow a new control block (after a reconnect); None: never hold."""
+    library = native_library()
+    if block_address is None:
+        library.gps_set_block(None, None)
+    else:
+        library.gps_set_block(block_address + GATE_OFFSET, block_address + STATE_OFFSET)
+
+
+def stats() -> dict[str, int]:
+    library = native_library()
+    out = Stats()
+    library.gps_get_stats(ctypes.byref(out))
+    return out.as_dict()
+
+
+def attached() -> Attached | None:
+    return _attached
+
+
+def detach() -> None:
+    global _attached
+    if _library is not None:
+        _library.gps_detach()
+    _attached = None
+
+
+def use_driver(table: DriverTable | None) -> None:
+    """Tests: the native code calls these entry points instead of the CUDA driver's."""
+    library = native_library()
+    library.gps_use_driver(ctypes.byref(table) if table is not None else None)

@@ -1,0 +1,579 @@
+/*
+ * gpushare launch interposer: holds every framework's kernel launches on the host while
+ * the session is paused, and bounds the work a session keeps in flight.
+ *
+ * It is a CUPTI subscriber (the CUDA profiling interface's callback API, a documented
+ * interface): the driver calls it at the entry and exit of every kernel and graph
+ * launch, whatever library made the call (CuPy, PyTorch and the libraries under it,
+ * Numba, cuBLAS, entry points handed out by cuGetProcAddress), and it can be attached
+ * to a process that is already running, which is what a notebook kernel is.
+ *
+ * At entry: while the session's control block says paused (or its gate is closed), the
+ * launching thread waits here, before the launch reaches the GPU, with the Python GIL
+ * released if it held it; Ctrl-C lets the launch go.
+ * At exit: every `record_every` launches an event is recorded on the launch's stream;
+ * when `window` such events are outstanding, the next launch first waits for the
+ * oldest.  So at most about window x record_every launches are queued on the GPU, and
+ * a pause drains in about that much work instead of a whole queue.  With a target
+ * (the default), both numbers follow the GPU time a launch takes, measured between
+ * completed events, so that about `target` microseconds of work stay queued: enough to
+ * keep the GPU busy behind a host that launches small kernels, little enough that a
+ * pause of long kernels drains in a few of them.
+ *
+ * Nothing here decides anything: the broker writes the control block, the runtime
+ * attaches and sets the window.  It needs no CUDA or CUPTI header at build time (the
+ * few types and numbers of those interfaces that it uses are declared below), and it
+ * reaches CUPTI and the driver through dlopen/dlsym at attach time, so it builds on any
+ * machine with a C compiler and is inert until attached.  The driver calls it makes go
+ * through a table that tests replace with fakes.
+ */
+
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+/* ---- the parts of the CUDA driver and CUPTI interfaces used here (their ABI) */
+
+typedef int CUresult;
+typedef void *CUcontext;
+typedef void *CUstream;
+typedef void *CUevent;
+typedef int CUptiResult;
+typedef void *CUpti_SubscriberHandle;
+
+#define CUDA_SUCCESS 0
+#define CUDA_ERROR_NOT_READY 600
+#define CU_STREAM_PER_THREAD ((CUstream)0x2)
+
+enum { CUPTI_API_ENTER = 0, CUPTI_API_EXIT = 1 };
+enum { CUPTI_CB_DOMAIN_DRIVER_API = 1 };
+enum {
+    CBID_cuLaunchKernel = 307,
+    CBID_cuLaunchKernel_ptsz = 442,
+    CBID_cuLaunchCooperativeKernel = 477,
+    CBID_cuLaunchCooperativeKernel_ptsz = 478,
+    CBID_cuGraphLaunch = 514,
+    CBID_cuGraphLaunch_ptsz = 515,
+    CBID_cuLaunchKernelEx = 652,
+    CBID_cuLaunchKernelEx_ptsz = 653,
+};
+#define CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED 39
+
+typedef struct {
+    int callbackSite;
+    const char *functionName;
+    const void *functionParams;
+    void *functionReturnValue;
+    const char *symbolName;
+    CUcontext context;
+    uint32_t contextUid;
+    uint64_t *correlationData;
+    uint32_t correlationId;
+} CUpti_CallbackData;
+
+typedef struct { /* cuLaunchKernel, cuLaunchCooperativeKernel and their _ptsz forms */
+    void *f;
+    unsigned int grid[3], block[3], shared;
+    CUstream hStream;
+} LaunchParams;
+
+typedef struct {
+    unsigned int grid[3], block[3], shared;
+    CUstream hStream;
+} LaunchConfig;
+
+typedef struct { /* cuLaunchKernelEx(_ptsz) */
+    const LaunchConfig *config;
+} LaunchExParams;
+
+typedef struct { /* cuGraphLaunch(_ptsz) */
+    void *graph;
+    CUstream hStream;
+} GraphLaunchParams;
+
+typedef void (*CUpti_CallbackFunc)(void *, int, uint32_t, const void *);
+
+/* ---- the driver calls made here, through a table tests can replace */
+
+typedef struct {
+    CUresult (*event_create)(CUevent *, unsigned int);
+    CUresult (*event_record)(CUevent, CUstream);
+    CUresult (*event_query)(CUevent);
+    CUresult (*event_synchronize)(CUevent);
+    CUresult (*event_destroy)(CUevent);
+    CUresult (*stream_is_capturing)(CUstream, int *);
+    CUresult (*event_elapsed)(float *, CUevent, CUevent);
+} gps_driver;
+
+/* ---- state */
+
+#define MAX_CONTEXTS 16
+#define MAX_WINDOW 64 /* ring size; at most MAX_WINDOW - 2 outstanding keeps head - 1 intact */
+#define MAX_OUTSTANDING (MAX_WINDOW - 2)
+
+typedef struct {
+    CUcontext ctx;
+    CUevent events[MAX_WINDOW];
+    uint64_t launches_at[MAX_WINDOW]; /* launches of this context when each was recorded */
+    int created;
+    unsigned head, count;   /* ring of outstanding events; head - 1 is the last completed */
+    int have_completed;
+    unsigned since_record;  /* launches since the last event */
+    unsigned every;         /* launches between events, as last worked out */
+    uint64_t launches;      /* launches of this context so far */
+    double per_launch_us;   /* GPU time a launch takes here (0: not known yet) */
+} ContextWindow;
+
+typedef struct {
+    uint64_t launches;        /* launches seen */
+    uint64_t held;            /* launches that waited for a resume */
+    uint64_t held_ns;         /* time spent waiting for resumes */
+    uint64_t window_waits;    /* launches that waited for the GPU to catch up */
+    uint64_t window_wait_ns;
+    uint64_t captured;        /* launches into a stream being captured (let through) */
+    uint64_t driver_errors;   /* driver calls of ours that failed (the launch went on) */
+    uint64_t interrupted;     /* holds ended by Ctrl-C */
+    uint64_t per_launch_ns;   /* the latest estimate of a launch's GPU time (any context) */
+    uint64_t window;          /* the window and spacing in force (the latest context's) */
+    uint64_t record_every;
+} gps_stats;
+
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+static gps_driver g_driver;
+static int g_driver_ready;
+static volatile uint32_t *volatile g_gate;   /* control block: 0 open, else closed */
+static volatile uint32_t *volatile g_state;  /* control block: session state */
+static unsigned g_window = 2, g_record_every = 4; /* fixed bound, or the start of an adaptive one */
+static unsigned g_target_us = 0;                   /* 0: the fixed bound */
+static ContextWindow g_windows[MAX_CONTEXTS];
+static gps_stats g_stats;
+static volatile sig_atomic_t g_interrupt;
+static struct sigaction g_previous_sigint;
+static void *g_cupti;
+static CUpti_SubscriberHandle g_subscriber;
+static __thread int t_inside; /* our own driver calls must not re-enter us */
+
+#define STATE_PAUSED 3
+#define STATE_EVICTED 4
+
+/* CPython's GIL, found in the process if it is a Python process: a launching thread
+ * that holds it lets the session's other threads run while it waits. */
+static int (*py_gil_check)(void);
+static void *(*py_save_thread)(void);
+static void (*py_restore_thread)(void *);
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void nap_us(long us) {
+    struct timespec ts = {0, us * 1000};
+    nanosleep(&ts, NULL);
+}
+
+static int session_paused(void) {
+    volatile uint32_t *gate = g_gate, *state = g_state;
+    if (gate == NULL || state == NULL) return 0;
+    uint32_t s = __atomic_load_n(state, __ATOMIC_ACQUIRE);
+    return __atomic_load_n(gate, __ATOMIC_ACQUIRE) != 0 || s == STATE_PAUSED || s == STATE_EVICTED;
+}
+
+static void on_sigint(int sig, siginfo_t *info, void *context) {
+    g_interrupt = 1;
+    if (g_previous_sigint.sa_flags & SA_SIGINFO) {
+        if (g_previous_sigint.sa_sigaction) g_previous_sigint.sa_sigaction(sig, info, context);
+    } else if (g_previous_sigint.sa_handler != SIG_IGN && g_previous_sigint.sa_handler != SIG_DFL) {
+        g_previous_sigint.sa_handler(sig);
+    } else if (g_previous_sigint.sa_handler == SIG_DFL) {
+        signal(SIGINT, SIG_DFL);
+        raise(SIGINT);
+    }
+}
+
+/* ---- the two halves of a launch, callable without CUPTI (tests drive them directly) */
+
+/* Entry: wait here while the session is paused.  Returns 1 if it waited. */
+int gps_launch_enter(CUstream stream, int ptsz) {
+    (void)stream;
+    (void)ptsz;
+    __atomic_add_fetch(&g_stats.launches, 1, __ATOMIC_RELAXED);
+    if (!session_paused()) return 0;
+    void *saved = NULL;
+    if (py_gil_check && py_save_thread && py_gil_check()) saved = py_save_thread();
+    uint64_t started = now_ns();
+    long nap = 5;
+    g_interrupt = 0;
+    while (session_paused()) {
+        if (g_interrupt) {
+            __atomic_add_fetch(&g_stats.interrupted, 1, __ATOMIC_RELAXED);
+            break;
+        }
+        nap_us(nap);
+        if (nap < 200) nap *= 2; /* answer a resume within a fifth of a millisecond */
+    }
+    __atomic_add_fetch(&g_stats.held, 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&g_stats.held_ns, now_ns() - started, __ATOMIC_RELAXED);
+    if (saved) py_restore_thread(saved);
+    return 1;
+}
+
+/* The window of a context already seen, without the lock (a slot's context never
+ * changes once it is created, until a test resets everything). */
+static ContextWindow *known_window(CUcontext ctx) {
+    for (int i = 0; i < MAX_CONTEXTS; i++) {
+        if (__atomic_load_n(&g_windows[i].created, __ATOMIC_ACQUIRE) && g_windows[i].ctx == ctx)
+            return &g_windows[i];
+    }
+    return NULL;
+}
+
+/* Called with g_lock held. */
+static ContextWindow *window_of(CUcontext ctx) {
+    ContextWindow *known = known_window(ctx);
+    if (known != NULL) return known;
+    ContextWindow *free_slot = NULL;
+    for (int i = 0; i < MAX_CONTEXTS && free_slot == NULL; i++) {
+        if (!g_windows[i].created) free_slot = &g_windows[i];
+    }
+    if (free_slot == NULL) return NULL; /* more contexts than slots: no bound for this one */
+    memset(free_slot, 0, sizeof(*free_slot));
+    free_slot->ctx = ctx;
+    for (unsigned i = 0; i < MAX_WINDOW; i++) {
+        /* Timed events: the GPU time between two of them is what the bound learns from. */
+        if (g_driver.event_create(&free_slot->events[i], 0) != CUDA_SUCCESS) {
+            for (unsigned j = 0; j < i; j++) g_driver.event_destroy(free_slot->events[j]);
+            g_stats.driver_errors++;
+            return NULL;
+        }
+    }
+    __atomic_store_n(&free_slot->created, 1, __ATOMIC_RELEASE);
+    return free_slot;
+}
+
+static int capturing(CUstream stream) {
+    int status = 0;
+    if (g_driver.stream_is_capturing(stream, &status) != CUDA_SUCCESS) return 1; /* play safe */
+    return status != 0;
+}
+
+/* Learn a launch's GPU time from the completed event at head, measured from the one
+ * completed before it.  Called with g_lock held, after the head event completed. */
+static void learn_from_completion(ContextWindow *w) {
+    unsigned done = w->head;
+    if (w->have_completed && g_driver.event_elapsed != NULL) {
+        unsigned previous = (done + MAX_WINDOW - 1) % MAX_WINDOW;
+        uint64_t launches = w->launches_at[done] - w->launches_at[previous];
+        float ms = 0;
+        if (launches > 0
+            && g_driver.event_elapsed(&ms, w->events[previous], w->events[done]) == CUDA_SUCCESS
+            && ms > 0) {
+            double sample = (double)ms * 1000.0 / (double)launches;
+            w->per_launch_us = w->per_launch_us == 0 ? sample : 0.8 * w->per_launch_us + 0.2 * sample;
+            g_stats.per_launch_ns = (uint64_t)(w->per_launch_us * 1000.0);
+        }
+    }
+    w->have_completed = 1;
+}
+
+/* The window and spacing for this context: fixed, or from its launches' GPU time. */
+static void bound_of(const ContextWindow *w, unsigned *window, unsigned *every) {
+    *window = g_window;
+    *every = g_record_every;
+    if (g_target_us == 0 || w->per_launch_us <= 0) return;
+    double per = w->per_launch_us;
+    double spacing = (double)g_target_us / (4.0 * per); /* about four events per target */
+    *every = spacing < 1 ? 1 : spacing > 64 ? 64 : (unsigned)(spacing + 1e-6);
+    double outstanding = (double)g_target_us / (per * (double)*every);
+    *window = outstanding < 2 ? 2 : outstanding > MAX_OUTSTANDING ? MAX_OUTSTANDING : (unsigned)(outstanding + 0.999);
+}
+
+/* Exit of a successful launch: every record_every launches, record an event after it;
+ * with window events outstanding, first wait for the oldest.  Returns 1 if it waited. */
+int gps_launch_exit(CUcontext ctx, CUstream stream, int ptsz) {
+    if (!g_driver_ready || g_window == 0 || ctx == NULL) return 0;
+    if (stream == NULL && ptsz) stream = CU_STREAM_PER_THREAD;
+    /* Most launches only count: no lock, no driver call. */
+    ContextWindow *w = known_window(ctx);
+    if (w != NULL) {
+        __atomic_add_fetch(&w->launches, 1, __ATOMIC_RELAXED);
+        unsigned every = __atomic_load_n(&w->every, __ATOMIC_RELAXED);
+        if (__atomic_add_fetch(&w->since_record, 1, __ATOMIC_RELAXED) < every) return 0;
+    }
+    int waited = 0;
+    t_inside = 1;
+    pthread_mutex_lock(&g_lock);
+    if (w == NULL) {
+        w = window_of(ctx);
+        if (w == NULL) goto done;
+        w->launches++;
+        w->since_record++;
+    }
+    unsigned window, every;
+    bound_of(w, &window, &every);
+    w->every = every;
+    g_stats.window = window;
+    g_stats.record_every = every;
+    if (w->since_record < every) goto done;
+    w->since_record = 0;
+    if (capturing(stream)) {
+        g_stats.captured++; /* a graph being built: nothing runs now, nothing to bound */
+        goto done;
+    }
+    /* Forget events the GPU has passed, learning from each; if the window is still
+     * full, wait for the oldest. */
+    while (w->count > 0 && g_driver.event_query(w->events[w->head]) == CUDA_SUCCESS) {
+        learn_from_completion(w);
+        w->head = (w->head + 1) % MAX_WINDOW;
+        w->count--;
+    }
+    bound_of(w, &window, &every); /* with what the completions just taught */
+    w->every = every;
+    g_stats.window = window;
+    g_stats.record_every = every;
+    if (w->count >= window) {
+        uint64_t started = now_ns();
+        CUevent oldest = w->events[w->head];
+        pthread_mutex_unlock(&g_lock); /* other threads' launches need not wait for ours */
+        void *saved = NULL;
+        if (py_gil_check && py_save_thread && py_gil_check()) saved = py_save_thread();
+        CUresult r = g_driver.event_synchronize(oldest);
+        if (saved) py_restore_thread(saved);
+        pthread_mutex_lock(&g_lock);
+        if (r != CUDA_SUCCESS) g_stats.driver_errors++;
+        if (w->count > 0 && w->events[w->head] == oldest) {
+            if (r == CUDA_SUCCESS) learn_from_completion(w);
+            w->head = (w->head + 1) % MAX_WINDOW;
+            w->count--;
+        }
+        g_stats.window_waits++;
+        g_stats.window_wait_ns += now_ns() - started;
+        waited = 1;
+    }
+    if (w->count < MAX_OUTSTANDING) {
+        unsigned slot = (w->head + w->count) % MAX_WINDOW;
+        if (g_driver.event_record(w->events[slot], stream) == CUDA_SUCCESS) {
+            w->launches_at[slot] = w->launches;
+            w->count++;
+        } else {
+            g_stats.driver_errors++;
+        }
+    }
+done:
+    pthread_mutex_unlock(&g_lock);
+    t_inside = 0;
+    return waited;
+}
+
+/* ---- CUPTI glue */
+
+static CUstream stream_of(uint32_t cbid, const void *params, int *ptsz) {
+    *ptsz = 0;
+    switch (cbid) {
+    case CBID_cuLaunchKernel_ptsz:
+    case CBID_cuLaunchCooperativeKernel_ptsz:
+        *ptsz = 1; /* fall through */
+    case CBID_cuLaunchKernel:
+    case CBID_cuLaunchCooperativeKernel:
+        return ((const LaunchParams *)params)->hStream;
+    case CBID_cuLaunchKernelEx_ptsz:
+        *ptsz = 1; /* fall through */
+    case CBID_cuLaunchKernelEx: {
+        const LaunchConfig *config = ((const LaunchExParams *)params)->config;
+        return config ? config->hStream : NULL;
+    }
+    case CBID_cuGraphLaunch_ptsz:
+        *ptsz = 1; /* fall through */
+    case CBID_cuGraphLaunch:
+        return ((const GraphLaunchParams *)params)->hStream;
+    }
+    return NULL;
+}
+
+static void on_api(void *userdata, int domain, uint32_t cbid, const void *data) {
+    (void)userdata;
+    const CUpti_CallbackData *info = (const CUpti_CallbackData *)data;
+    if (domain != CUPTI_CB_DOMAIN_DRIVER_API || t_inside || info == NULL) return;
+    int ptsz = 0;
+    CUstream stream = stream_of(cbid, info->functionParams, &ptsz);
+    if (info->callbackSite == CUPTI_API_ENTER) {
+        if (session_paused()) {
+            t_inside = 1;
+            int status = 0;
+            int being_captured = g_driver_ready && stream != NULL
+                                 && g_driver.stream_is_capturing(stream, &status) == CUDA_SUCCESS
+                                 && status != 0;
+            t_inside = 0;
+            if (being_captured) {
+                __atomic_add_fetch(&g_stats.launches, 1, __ATOMIC_RELAXED);
+                return;
+            }
+        }
+        gps_launch_enter(stream, ptsz);
+    } else if (info->functionReturnValue == NULL
+               || *(const CUresult *)info->functionReturnValue == CUDA_SUCCESS) {
+        gps_launch_exit(info->context, stream, ptsz);
+    }
+}
+
+static int load_driver(char *err, size_t errlen) {
+    void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (cuda == NULL) cuda = dlopen("libcuda.so.1", RTLD_NOW);
+    if (cuda == NULL) {
+        snprintf(err, errlen, "the CUDA driver (libcuda.so.1) is not loadable: %s", dlerror());
+        return -1;
+    }
+    gps_driver d;
+    d.event_create = (CUresult(*)(CUevent *, unsigned int))dlsym(cuda, "cuEventCreate");
+    d.event_record = (CUresult(*)(CUevent, CUstream))dlsym(cuda, "cuEventRecord");
+    d.event_query = (CUresult(*)(CUevent))dlsym(cuda, "cuEventQuery");
+    d.event_synchronize = (CUresult(*)(CUevent))dlsym(cuda, "cuEventSynchronize");
+    d.event_destroy = (CUresult(*)(CUevent))dlsym(cuda, "cuEventDestroy_v2");
+    d.stream_is_capturing = (CUresult(*)(CUstream, int *))dlsym(cuda, "cuStreamIsCapturing");
+    d.event_elapsed = (CUresult(*)(float *, CUevent, CUevent))dlsym(cuda, "cuEventElapsedTime_v2");
+    if (!d.event_elapsed) d.event_elapsed = (CUresult(*)(float *, CUevent, CUevent))dlsym(cuda, "cuEventElapsedTime");
+    if (!d.event_create || !d.event_record || !d.event_query
+        || !d.event_synchronize || !d.event_destroy || !d.stream_is_capturing || !d.event_elapsed) {
+        snprintf(err, errlen, "the CUDA driver lacks an event or capture entry point");
+        return -1;
+    }
+    g_driver = d;
+    g_driver_ready = 1;
+    return 0;
+}
+
+static void find_python(void) {
+    py_gil_check = (int (*)(void))dlsym(RTLD_DEFAULT, "PyGILState_Check");
+    py_save_thread = (void *(*)(void))dlsym(RTLD_DEFAULT, "PyEval_SaveThread");
+    py_restore_thread = (void (*)(void *))dlsym(RTLD_DEFAULT, "PyEval_RestoreThread");
+}
+
+/* Wrap whatever SIGINT handler is in place (Python's), once more if it was replaced. */
+static void install_sigint(void) {
+    struct sigaction current;
+    if (sigaction(SIGINT, NULL, &current) != 0) return;
+    if ((current.sa_flags & SA_SIGINFO) && current.sa_sigaction == on_sigint) return;
+    struct sigaction ours;
+    memset(&ours, 0, sizeof(ours));
+    ours.sa_sigaction = on_sigint;
+    ours.sa_flags = SA_SIGINFO | SA_RESTART;
+    sigemptyset(&ours.sa_mask);
+    g_previous_sigint = current;
+    sigaction(SIGINT, &ours, NULL);
+}
+
+/* ---- what the runtime calls (ctypes) */
+
+/* Point at the session's control block words (NULL, NULL: never hold). */
+void gps_set_block(volatile uint32_t *gate, volatile uint32_t *state) {
+    g_gate = gate;
+    g_state = state;
+    if (gate != NULL) install_sigint();
+}
+
+/* At most `window` recorded events outstanding, one every `record_every` launches;
+ * window 0 turns the bound off. */
+void gps_set_window(unsigned window, unsigned record_every) {
+    pthread_mutex_lock(&g_lock);
+    g_window = window > MAX_OUTSTANDING ? MAX_OUTSTANDING : window;
+    g_record_every = record_every == 0 ? 1 : record_every;
+    pthread_mutex_unlock(&g_lock);
+}
+
+/* Keep about `target_us` microseconds of GPU work queued (0: the fixed window above). */
+void gps_set_target(unsigned target_us) {
+    pthread_mutex_lock(&g_lock);
+    g_target_us = target_us;
+    pthread_mutex_unlock(&g_lock);
+}
+
+void gps_get_stats(gps_stats *out) {
+    pthread_mutex_lock(&g_lock);
+    *out = g_stats;
+    pthread_mutex_unlock(&g_lock);
+}
+
+/* Tests: use these driver entry points instead of libcuda's (NULL: none). */
+void gps_use_driver(const gps_driver *driver) {
+    pthread_mutex_lock(&g_lock);
+    memset(g_windows, 0, sizeof(g_windows));
+    if (driver) {
+        g_driver = *driver;
+        g_driver_ready = 1;
+    } else {
+        g_driver_ready = 0;
+    }
+    memset(&g_stats, 0, sizeof(g_stats));
+    pthread_mutex_unlock(&g_lock);
+    find_python();
+    install_sigint();
+}
+
+/* Subscribe to CUPTI's driver launch callbacks.  Returns 0, or a negative number with a
+ * one-line reason in err: -1 driver, -2 CUPTI library, -3 another CUPTI subscriber (a
+ * profiler), -4 CUPTI refused. */
+int gps_attach(const char *cupti_path, char *err, size_t errlen) {
+    if (g_subscriber != NULL) return 0;
+    if (!g_driver_ready && load_driver(err, errlen) != 0) return -1;
+    find_python();
+    if (g_cupti == NULL) g_cupti = dlopen(cupti_path, RTLD_NOW | RTLD_LOCAL);
+    if (g_cupti == NULL) {
+        snprintf(err, errlen, "CUPTI could not be loaded from %s: %s", cupti_path, dlerror());
+        return -2;
+    }
+    CUptiResult (*subscribe)(CUpti_SubscriberHandle *, CUpti_CallbackFunc, void *) =
+        (CUptiResult(*)(CUpti_SubscriberHandle *, CUpti_CallbackFunc, void *))dlsym(g_cupti, "cuptiSubscribe");
+    CUptiResult (*enable)(uint32_t, CUpti_SubscriberHandle, int, uint32_t) =
+        (CUptiResult(*)(uint32_t, CUpti_SubscriberHandle, int, uint32_t))dlsym(g_cupti, "cuptiEnableCallback");
+    if (!subscribe || !enable) {
+        snprintf(err, errlen, "%s is not a CUPTI library (no cuptiSubscribe)", cupti_path);
+        return -2;
+    }
+    CUpti_SubscriberHandle handle = NULL;
+    CUptiResult r = subscribe(&handle, on_api, NULL);
+    if (r == CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED) {
+        snprintf(err, errlen, "another CUPTI client (a profiler) is attached to this process");
+        return -3;
+    }
+    if (r != 0) {
+        snprintf(err, errlen, "cuptiSubscribe failed with CUPTI error %d", r);
+        return -4;
+    }
+    static const uint32_t cbids[] = {
+        CBID_cuLaunchKernel, CBID_cuLaunchKernel_ptsz, CBID_cuLaunchCooperativeKernel,
+        CBID_cuLaunchCooperativeKernel_ptsz, CBID_cuGraphLaunch, CBID_cuGraphLaunch_ptsz,
+        CBID_cuLaunchKernelEx, CBID_cuLaunchKernelEx_ptsz,
+    };
+    for (size_t i = 0; i < sizeof(cbids) / sizeof(cbids[0]); i++) {
+        r = enable(1, handle, CUPTI_CB_DOMAIN_DRIVER_API, cbids[i]);
+        if (r != 0) {
+            snprintf(err, errlen, "cuptiEnableCallback(%u) failed with CUPTI error %d", cbids[i], r);
+            CUptiResult (*unsubscribe)(CUpti_SubscriberHandle) =
+                (CUptiResult(*)(CUpti_SubscriberHandle))dlsym(g_cupti, "cuptiUnsubscribe");
+            if (unsubscribe) unsubscribe(handle);
+            return -4;
+        }
+    }
+    g_subscriber = handle;
+    install_sigint();
+    return 0;
+}
+
+/* Unsubscribe (a profiler may then attach); the control block is forgotten too. */
+void gps_detach(void) {
+    gps_set_block(NULL, NULL);
+    if (g_subscriber == NULL || g_cupti == NULL) return;
+    CUptiResult (*unsubscribe)(CUpti_SubscriberHandle) =
+        (CUptiResult(*)(CUpti_SubscriberHandle))dlsym(g_cupti, "cuptiUnsubscribe");
+    if (unsubscribe) unsubscribe(g_subscriber);
+    g_subscriber = NULL;
+}
+
+int gps_attached(void) { return g_subscriber != NULL; }

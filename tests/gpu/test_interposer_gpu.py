@@ -1,0 +1,66 @@
+"""The launch interposer on a real GPU, through CUPTI: it sees CuPy's and PyTorch's
+launches, holds them while the session is paused (results bit-identical afterwards), and
+a pause drains in about a window of work.
+
+Each case runs ``benchmarks/interposer.py`` in a fresh process (one CUPTI client per
+process).  Skipped cleanly without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _gpu_available() -> bool:
+    probe = "import cupy, torch; assert cupy.cuda.runtime.getDeviceCount() > 0"
+    try:
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(not _gpu_available(), reason="needs an NVIDIA GPU with CuPy and PyTorch"),
+]
+
+
+def _scenario(name: str, *extra: str) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.interposer", name, *extra],
+        capture_output=True, text=True, timeout=500, cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_it_sees_the_launches_of_cupy_and_pytorch():
+    seen = _scenario("count")
+    assert seen["cupy_launches_seen"] >= seen["cupy_ops"], seen
+    assert seen["torch_launches_seen"] >= seen["torch_ops"], seen
+
+
+def test_a_paused_cupy_loop_stops_and_resumes_with_a_bit_identical_result():
+    held = _scenario("hold")
+    assert held["launches_while_paused"] <= 1, held
+    assert held["steps_while_paused"] <= 1, held
+    assert held["stats"]["held"] >= 1
+    assert held["identical_to_undisturbed"], held
+
+
+def test_a_pause_drains_in_a_few_long_kernels_not_a_queue_of_them():
+    bounded = _scenario("drain")
+    assert bounded["issued_before_pause"] > 20, bounded  # the host ran ahead of the GPU
+    assert bounded["drain_in_matmuls"] <= 8, bounded

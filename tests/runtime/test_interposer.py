@@ -1,0 +1,266 @@
+"""The native launch interposer without a GPU: the install built it, it holds a launch
+while the control block says paused, lets it go on resume or Ctrl-C, gives up the GIL
+while it waits, and bounds the launches in flight (driven with a fake driver table).
+
+On a GPU host, tests/gpu/test_interposer_gpu.py attaches it to real CUPTI callbacks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import threading
+import time
+
+import pytest
+
+from gpushare_ext.runtime import interpose
+from gpushare_ext.runtime.control import ControlBlock, SessionState
+
+NOT_READY = 600
+CONTEXT = ctypes.c_void_p(0x5EED)
+
+
+@pytest.fixture
+def block(tmp_path):
+    control = ControlBlock.create(tmp_path / "session.cb")
+    control.publish(gate_closed=False, state=SessionState.RUNNING)
+    interpose.use_driver(None)
+    interpose.point_at(control.address())
+    yield control
+    interpose.point_at(None)
+    control.close()
+
+
+def test_the_install_built_the_native_interposer():
+    assert interpose.NATIVE.exists(), "pip install should have compiled launch_interpose.c"
+    library = interpose.native_library()
+    assert library.gps_attached() == 0  # nothing attaches until a session asks
+
+
+def _enter_in_thread(enter) -> tuple[threading.Thread, list]:
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(enter(None, 0)), daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_a_launch_waits_while_paused_and_goes_on_resume(block):
+    library = interpose.native_library()
+    assert library.gps_launch_enter(None, 0) == 0  # running: straight through
+
+    block.publish(gate_closed=False, state=SessionState.PAUSED, level=3)
+    thread, result = _enter_in_thread(library.gps_launch_enter)
+    time.sleep(0.3)
+    assert thread.is_alive(), "the launch went through although the session is paused"
+
+    block.publish(gate_closed=False, state=SessionState.RUNNING)
+    thread.join(timeout=2)
+    assert not thread.is_alive() and result == [1]
+    stats = interpose.stats()
+    assert stats["held"] == 1 and stats["launches"] == 2
+    assert stats["held_ns"] >= 0.3e9
+
+
+def test_a_closed_gate_and_an_eviction_hold_launches_too(block):
+    library = interpose.native_library()
+    for how in (
+        dict(gate_closed=True, state=SessionState.PAUSED),
+        dict(gate_closed=False, state=SessionState.EVICTED),
+    ):
+        block.publish(**how)
+        thread, _ = _enter_in_thread(library.gps_launch_enter)
+        time.sleep(0.1)
+        assert thread.is_alive(), how
+        block.publish(gate_closed=False, state=SessionState.RUNNING)
+        thread.join(timeout=2)
+        assert not thread.is_alive()
+
+
+def test_a_held_launch_gives_up_the_gil_so_the_session_can_hear_the_broker(block):
+    # PyDLL keeps the GIL across the call, as CuPy's launches do; the interposer must let
+    # the session's other threads (the broker listener) run meanwhile.
+    held_with_gil = ctypes.PyDLL(str(interpose.NATIVE)).gps_launch_enter
+    held_with_gil.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    block.publish(gate_closed=False, state=SessionState.PAUSED)
+    ticks = []
+    stop = threading.Event()
+
+    def ticker() -> None:
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.01)
+
+    holder, _ = _enter_in_thread(held_with_gil)
+    time.sleep(0.05)
+    counter = threading.Thread(target=ticker, daemon=True)
+    counter.start()
+    time.sleep(0.3)
+    progressed = len(ticks)
+    block.publish(gate_closed=False, state=SessionState.RUNNING)
+    holder.join(timeout=2)
+    stop.set()
+    counter.join(timeout=2)
+    assert progressed >= 10, f"other Python threads ran {progressed} times in 0.3 s"
+
+
+def test_ctrl_c_lets_a_held_launch_go_and_still_reaches_python(block, tmp_path):
+    library = interpose.native_library()
+    seen = []
+    previous = signal.signal(signal.SIGINT, lambda *_: seen.append("SIGINT"))
+    try:
+        interpose.point_at(block.address())  # wraps the handler now in place
+        block.publish(gate_closed=False, state=SessionState.PAUSED)
+        thread, result = _enter_in_thread(library.gps_launch_enter)
+        time.sleep(0.1)
+        assert thread.is_alive()
+        signal.raise_signal(signal.SIGINT)
+        thread.join(timeout=2)
+        assert not thread.is_alive() and result == [1]
+        assert interpose.stats()["interrupted"] == 1
+        time.sleep(0.05)  # Python runs its handler between bytecodes of this thread
+        assert seen == ["SIGINT"]
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        block.publish(gate_closed=False, state=SessionState.RUNNING)
+
+
+class FakeGpu:
+    """A driver table whose events complete when the test says the GPU got there."""
+
+    def __init__(self) -> None:
+        self.next_event = 1
+        self.done: set[int] = set()
+        self.outstanding: list[int] = []
+        self.most_outstanding = 0
+        self.synchronized: list[int] = []
+        self.capturing = False
+        self.gpu_ms_between_events = 0.0
+        self.table = interpose.DriverTable(
+            event_create=interpose.EVENT_CREATE(self._create),
+            event_record=interpose.EVENT_RECORD(self._record),
+            event_query=interpose.EVENT_OP(self._query),
+            event_synchronize=interpose.EVENT_OP(self._synchronize),
+            event_destroy=interpose.EVENT_OP(lambda event: 0),
+            stream_is_capturing=interpose.IS_CAPTURING(self._is_capturing),
+            event_elapsed=interpose.ELAPSED(self._elapsed),
+        )
+
+    def _create(self, out, flags) -> int:
+        out[0] = self.next_event
+        self.next_event += 1
+        return 0
+
+    def _record(self, event, stream) -> int:
+        self.done.discard(event)
+        self.outstanding.append(event)
+        self.most_outstanding = max(self.most_outstanding, len(self.outstanding))
+        return 0
+
+    def _query(self, event) -> int:
+        return 0 if event in self.done else NOT_READY
+
+    def _synchronize(self, event) -> int:
+        self.synchronized.append(event)
+        self.gpu_reaches(event)
+        return 0
+
+    def _elapsed(self, out, start, end) -> int:
+        out[0] = self.gpu_ms_between_events
+        return 0
+
+    def _is_capturing(self, stream, status) -> int:
+        status[0] = 1 if self.capturing else 0
+        return 0
+
+    def gpu_reaches(self, event: int) -> None:
+        while self.outstanding:
+            first = self.outstanding.pop(0)
+            self.done.add(first)
+            if first == event:
+                break
+
+
+@pytest.fixture
+def fake_gpu():
+    gpu = FakeGpu()
+    interpose.use_driver(gpu.table)
+    interpose.native_library().gps_set_window(2, 4)
+    yield gpu
+    interpose.use_driver(None)
+    interpose.native_library().gps_set_window(
+        interpose.DEFAULT_WINDOW, interpose.DEFAULT_RECORD_EVERY
+    )
+
+
+def test_at_most_a_window_of_checkpoints_stays_in_flight(fake_gpu):
+    library = interpose.native_library()
+    waits = [library.gps_launch_exit(CONTEXT, None, 0) for _ in range(8)]
+    assert waits == [0] * 8  # two checkpoints, one every four launches: within the window
+    assert len(fake_gpu.outstanding) == 2 and fake_gpu.synchronized == []
+
+    waits = [library.gps_launch_exit(CONTEXT, None, 0) for _ in range(4)]
+
+    assert waits == [0, 0, 0, 1]  # the third checkpoint waits for the oldest
+    assert len(fake_gpu.synchronized) == 1
+    assert fake_gpu.most_outstanding == 2
+    assert interpose.stats()["window_waits"] == 1
+
+
+def test_checkpoints_the_gpu_already_passed_cost_no_wait(fake_gpu):
+    library = interpose.native_library()
+    for _ in range(8):
+        library.gps_launch_exit(CONTEXT, None, 0)
+    fake_gpu.gpu_reaches(fake_gpu.outstanding[-1])  # the GPU caught up on its own
+
+    assert [library.gps_launch_exit(CONTEXT, None, 0) for _ in range(8)] == [0] * 8
+    assert fake_gpu.synchronized == []
+
+
+def test_launches_into_a_stream_being_captured_are_not_bounded(fake_gpu):
+    library = interpose.native_library()
+    fake_gpu.capturing = True
+    assert [library.gps_launch_exit(CONTEXT, None, 0) for _ in range(40)] == [0] * 40
+    assert fake_gpu.outstanding == [] and interpose.stats()["captured"] == 10
+
+
+def test_a_window_of_zero_turns_the_bound_off(fake_gpu):
+    library = interpose.native_library()
+    library.gps_set_window(0, 4)
+    assert [library.gps_launch_exit(CONTEXT, None, 0) for _ in range(40)] == [0] * 40
+    assert fake_gpu.outstanding == []
+
+
+@pytest.mark.parametrize(
+    ("ms_between_events", "window", "every"),
+    [
+        pytest.param(10.0, 2, 1, id="long kernels: one checkpoint each, two in flight"),
+        pytest.param(0.1, 4, 30, id="short kernels: ~3 ms of them in flight"),
+    ],
+)
+def test_the_bound_follows_the_gpu_time_a_launch_takes(fake_gpu, ms_between_events, window, every):
+    library = interpose.native_library()
+    library.gps_set_target(3000)  # keep about 3 ms of GPU work queued
+    fake_gpu.gpu_ms_between_events = ms_between_events  # for the 4 launches between events
+    for _ in range(3):
+        for _ in range(4):
+            library.gps_launch_exit(CONTEXT, None, 0)
+        fake_gpu.gpu_reaches(fake_gpu.outstanding[-1])
+    library.gps_launch_exit(CONTEXT, None, 0)  # the bound is worked out again here
+
+    stats = interpose.stats()
+    assert stats["per_launch_ns"] == pytest.approx(ms_between_events / 4 * 1e6, rel=0.01)
+    assert (stats["window"], stats["record_every"]) == (window, every)
+
+
+def test_without_a_gpu_attaching_says_why_in_one_line(monkeypatch, tmp_path):
+    monkeypatch.setenv("GPUSHARE_CUPTI", str(tmp_path / "libcupti.so.13"))
+    library = interpose.native_library()
+    message = ctypes.create_string_buffer(512)
+    code = library.gps_attach(str(tmp_path / "libcupti.so.13").encode(), message, len(message))
+    text = message.value.decode()
+    assert code in (-1, -2), text  # no driver here, or (on a GPU host) no such CUPTI file
+    assert "\n" not in text and text
+    with pytest.raises(interpose.InterposerError) as raised:
+        interpose.attach(0)
+    assert str(raised.value) == text
