@@ -8,7 +8,11 @@ cells of ``--requests-per-cell`` requests.  Modes:
 * ``alone``      -- the high tenant alone (through the broker), the baseline;
 * ``timeslice``  -- both tenants, no broker: plain time-slicing;
 * ``levels03``   -- broker with the gate and the process lock only;
-* ``full``       -- broker with the whole ladder (instrumented neighbours yield, level 1).
+* ``full``       -- broker with the whole ladder (instrumented neighbours yield, level 1);
+* ``shim``       -- ``levels03`` with both tenants started with the launch shim in
+                    ``LD_PRELOAD``, as the server extension starts kernels: the paused
+                    neighbour's launches are held and it keeps about 3 ms queued
+                    (``GPUSHARE_BENCH_SHIM_ROLES=low`` gives it to the neighbour only).
 
 Reported: p50/p99 latency ratio against ``alone`` (same run), and the low tenant's
 throughput retained: its iterations while the high tenant held no lease, over what it
@@ -74,9 +78,14 @@ def start_broker(workdir: Path, config: str | None = None) -> tuple[subprocess.P
 
 
 def _tenant(args: list[str], socket_path: Path | None) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.tenant", *args], cwd=ROOT, env=_env(socket_path)
-    )
+    env = _env(socket_path)
+    shim_for = os.environ.get("GPUSHARE_BENCH_SHIM_ROLES", "low,high").split(",")
+    role = args[args.index("--role") + 1] if "--role" in args else ""
+    if "shim" in args and role in shim_for:
+        from gpushare_ext.runtime.interpose import shim_path
+
+        env["LD_PRELOAD"] = str(shim_path())
+    return subprocess.Popen([sys.executable, "-m", "benchmarks.tenant", *args], cwd=ROOT, env=env)
 
 
 def percentile(values: list[float], q: float) -> float:

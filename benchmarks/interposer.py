@@ -1,8 +1,10 @@
 """The launch interposer on a real GPU: what it sees, how it holds, how fast a pause drains,
-and what it costs a training loop nobody preempts.
+what it costs a training loop nobody preempts, and that the checkpoint lock still works.
 
-Each scenario runs in its own process (CUPTI takes one subscriber per process) on a
-control block of its own under /dev/shm, written here the way the broker writes it:
+Each scenario runs in its own process, started with the launch shim in ``LD_PRELOAD``
+as the gpushare server extension starts kernels (``--mechanism cupti`` attaches the
+CUPTI way instead), on a control block of its own under /dev/shm, written here the way
+the broker writes it:
 
 * ``count``    -- CuPy and PyTorch operations: launches the interposer saw, per library;
 * ``hold``     -- a CuPy loop is paused for a second: launches and iterations stop, then go
@@ -11,8 +13,10 @@ control block of its own under /dev/shm, written here the way the broker writes 
                   the time until the GPU is idle, with the bound on work in flight (about
                   3 ms of GPU time) and without it;
 * ``overhead`` -- ResNet-18 training steps (torchvision, batch 64, fp32) and a k-means style
-                  CuPy loop: without the interposer, with it (nobody pausing), and with its
-                  callbacks alone (no bound), in alternating blocks: the median step time.
+                  CuPy loop in processes without the shim, with it attached (nobody
+                  pausing) and with it attached but no bound, in turn: median step times;
+* ``lock``     -- the checkpoint lock, checkpoint, restore and unlock of a process the shim
+                  holds (levels 3 and 4 of the ladder), and its data afterwards.
 
 Usage: ``python -m benchmarks.interposer all --out DIR`` (writes ``interposer.json`` and
 prints a table) or ``python -m benchmarks.interposer SCENARIO`` (prints one JSON line).
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -30,7 +35,7 @@ import threading
 import time
 from pathlib import Path
 
-SCENARIOS = ("count", "hold", "drain", "overhead")
+SCENARIOS = ("count", "hold", "drain", "overhead", "lock")
 
 
 def _block(tmp: Path):
@@ -233,39 +238,70 @@ def _kmeans_steps():
     return step
 
 
-def scenario_overhead(tmp: Path, rounds: int = 8, per_block: int = 25) -> dict:
+def scenario_overhead(tmp: Path, mode: str, steps: int = 100) -> dict:
+    """One process's median step times, ``mode``: without, with, or unbounded."""
     from gpushare_ext.runtime import interpose
 
     block = _block(tmp)
-    loops = {"resnet18_train_step": _resnet_steps(per_block), "cupy_kmeans_step": _kmeans_steps()}
-    modes = ("without", "with", "callbacks_only")
-    result: dict = {"scenario": "overhead", "rounds": rounds, "steps_per_block": per_block}
+    loops = {"resnet18_train_step": _resnet_steps(steps), "cupy_kmeans_step": _kmeans_steps()}
+    if mode != "without":
+        interpose.attach(block.address(), window=0 if mode == "unbounded" else None)
+    result: dict = {"scenario": "overhead", "mode": mode, "steps": steps}
     for name, step in loops.items():
-        times: dict[str, list[float]] = {mode: [] for mode in modes}
-        for _ in range(rounds):
-            for mode in modes:
-                if mode == "without":
-                    interpose.detach()
-                else:
-                    interpose.attach(
-                        block.address(), window=0 if mode == "callbacks_only" else None
-                    )
-                times[mode] += [step() for _ in range(per_block)]
-            if name == "resnet18_train_step":
-                result.setdefault("bound_seen", interpose.stats())
-        interpose.detach()
-        without = statistics.median(times["without"])
-        entry = {"median_ms_without": round(without * 1000, 3)}
-        for mode in modes[1:]:
-            median = statistics.median(times[mode])
-            entry[f"median_ms_{mode}"] = round(median * 1000, 3)
-            entry[f"overhead_pct_{mode}"] = round((median / without - 1) * 100, 2)
-        result[name] = entry
-    result["stats"] = interpose.stats()
+        result[name] = round(statistics.median(step() for _ in range(steps)) * 1000, 3)
+    if mode != "without":
+        result["stats"] = interpose.stats()
     return result
 
 
-def run_one(name: str, window: int | None = None) -> dict:
+def scenario_lock(tmp: Path) -> dict:
+    """Levels 3 and 4 on a process the shim holds: lock, checkpoint, restore, unlock."""
+    import cupy as cp
+
+    from gpushare_ext.runtime import interpose
+
+    block = _block(tmp)
+    a = cp.arange(1 << 24, dtype=cp.float32)
+    expected = float((a * 2).sum())
+    attached = interpose.attach(block.address())
+    child_pid = os.getpid()
+    # The checkpoint API acts on another process: ask the parent (no shim) to do it.
+    request = Path(tmp) / "lock-me"
+    request.write_text(str(child_pid))
+    answer = Path(tmp) / "done"
+    deadline = time.monotonic() + 60
+    while not answer.exists() and time.monotonic() < deadline:
+        (a * 1.0).sum()  # keep launching meanwhile
+        time.sleep(0.01)
+    steps = json.loads(answer.read_text()) if answer.exists() else {"error": "no answer"}
+    return {
+        "scenario": "lock",
+        "how": attached.describe(),
+        **steps,
+        "data_intact": float((a * 2).sum()) == expected,
+    }
+
+
+def lock_from_outside(tmp: Path, pid: int) -> dict:
+    from cuda.bindings import driver as cu
+
+    def name(result) -> str:
+        code = result[0] if isinstance(result, tuple) else result
+        return cu.cuGetErrorName(code)[1].decode()
+
+    cu.cuInit(0)
+    args = cu.CUcheckpointLockArgs()
+    args.timeoutMs = 5000
+    steps = {"lock": name(cu.cuCheckpointProcessLock(pid, args))}
+    if steps["lock"] == "CUDA_SUCCESS":
+        steps["checkpoint"] = name(cu.cuCheckpointProcessCheckpoint(pid, None))
+        if steps["checkpoint"] == "CUDA_SUCCESS":
+            steps["restore"] = name(cu.cuCheckpointProcessRestore(pid, None))
+        steps["unlock"] = name(cu.cuCheckpointProcessUnlock(pid, None))
+    return steps
+
+
+def run_one(name: str, window: int | None = None, mode: str = "with") -> dict:
     with tempfile.TemporaryDirectory(prefix="gps-interpose-", dir="/dev/shm") as tmp:
         path = Path(tmp)
         if name == "count":
@@ -274,49 +310,110 @@ def run_one(name: str, window: int | None = None) -> dict:
             return scenario_hold(path)
         if name == "drain":
             return scenario_drain(path, window)
-        return scenario_overhead(path)
+        if name == "lock":
+            return scenario_lock(path)
+        return scenario_overhead(path, mode)
 
 
-def _subprocess(name: str, *extra: str) -> dict:
-    result = subprocess.run(
+def _subprocess(name: str, *extra: str, mechanism: str = "preload", shim: bool = True) -> dict:
+    from gpushare_ext.runtime.interpose import shim_path
+
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    if shim and mechanism == "preload":
+        env["LD_PRELOAD"] = str(shim_path())
+    if mechanism == "cupti":
+        env["GPUSHARE_INTERPOSER"] = "cupti"
+    if name == "lock":
+        env["GPUSHARE_LOCK_CHILD"] = "1"
+    process = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.interposer", name, *extra],
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    if result.returncode != 0 or not lines:
-        return {"scenario": name, "error": (result.stderr or result.stdout)[-2000:]}
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    if name == "lock":
+        _serve_lock_request(process)
+    stdout, stderr = process.communicate(timeout=400)
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    if process.returncode != 0 or not lines:
+        return {"scenario": name, "error": (stderr or stdout)[-2000:]}
     return json.loads(lines[-1])
+
+
+def _serve_lock_request(process: subprocess.Popen) -> None:
+    """The parent's half of ``lock``: find the child's request under /dev/shm, act on it."""
+    import glob
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None:
+        for request in glob.glob("/dev/shm/gps-interpose-*/lock-me"):
+            tmp = Path(request).parent
+            pid = int(Path(request).read_text())
+            if pid != process.pid:
+                continue
+            steps = lock_from_outside(tmp, pid)
+            Path(request).unlink()
+            (tmp / "done").write_text(json.dumps(steps))
+            return
+        time.sleep(0.05)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("scenario", choices=[*SCENARIOS, "all"])
     parser.add_argument("--window", type=int, default=None)
+    parser.add_argument("--mode", choices=["without", "with", "unbounded"], default="with")
+    parser.add_argument("--mechanism", choices=["preload", "cupti"], default="preload")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--quick", action="store_true", help="accepted for the suite runner")
     args = parser.parse_args()
+    if args.scenario == "lock" and not os.environ.get("GPUSHARE_LOCK_CHILD"):
+        # The checkpoint API acts on another process: this one is the parent, the child
+        # (started with the shim) is the one locked.
+        result = _subprocess("lock", mechanism=args.mechanism)
+        print(json.dumps(result), flush=True)
+        return 0 if "error" not in result else 1
     if args.scenario != "all":
-        print(json.dumps(run_one(args.scenario, args.window)), flush=True)
+        print(json.dumps(run_one(args.scenario, args.window, args.mode)), flush=True)
         return 0
     from benchmarks.environment import describe
 
+    run = lambda *a, **k: _subprocess(*a, mechanism=args.mechanism, **k)  # noqa: E731
     runs = [
-        _subprocess("count"),
-        _subprocess("hold"),
-        _subprocess("drain"),
-        _subprocess("drain", "--window", "0"),
-        _subprocess("overhead"),
+        run("count"),
+        run("hold"),
+        run("drain"),
+        run("drain", "--window", "0"),
+        run("lock"),
     ]
-    record = {**describe(), "runs": runs}
+    overhead: dict[str, list] = {"without": [], "with": [], "unbounded": []}
+    for _ in range(3):  # alternate processes so that drift hits every mode alike
+        for mode in overhead:
+            overhead[mode].append(run("overhead", "--mode", mode, shim=mode != "without"))
+    summary: dict = {"scenario": "overhead_summary"}
+    for loop in ("resnet18_train_step", "cupy_kmeans_step"):
+        medians = {
+            mode: statistics.median(r[loop] for r in results if loop in r)
+            for mode, results in overhead.items()
+            if any(loop in r for r in results)
+        }
+        if "without" in medians:
+            summary[loop] = {
+                **{f"median_ms_{mode}": round(value, 3) for mode, value in medians.items()},
+                **{
+                    f"overhead_pct_{mode}": round((value / medians["without"] - 1) * 100, 2)
+                    for mode, value in medians.items()
+                    if mode != "without"
+                },
+            }
+    runs.append(summary)
+    runs += [r for results in overhead.values() for r in results if "error" in r]
+    record = {**describe(), "mechanism": args.mechanism, "runs": runs, "overhead_runs": overhead}
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "interposer.json").write_text(json.dumps(record, indent=2) + "\n")
-    for run in runs:
-        shown = {k: v for k, v in run.items() if k != "stats"}
-        print(json.dumps(shown))
-    return 0 if not any("error" in run for run in runs) else 1
+    for entry in runs:
+        print(json.dumps({k: v for k, v in entry.items() if k != "stats"}))
+    return 0 if not any("error" in entry for entry in runs) else 1
 
 
 if __name__ == "__main__":

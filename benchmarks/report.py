@@ -157,10 +157,12 @@ def _control_section(doc: dict) -> list[str]:
     return [*lines, ""]
 
 
-def _contention_section(doc: dict) -> list[str]:
+def _contention_section(
+    doc: dict, title: str = "Interactive latency under contention"
+) -> list[str]:
     rows = doc["rows"]
     lines = [
-        f"**Interactive latency under contention** ({_where(doc)}): the high-priority tenant's "
+        f"**{title}** ({_where(doc)}): the high-priority tenant's "
         "latency over running alone in the same run",
         "",
         "| low-priority neighbour | mode | request | p50 ms | p99 ms | p50 x alone | p99 x alone | low kept | target | verdict |",
@@ -172,7 +174,7 @@ def _contention_section(doc: dict) -> list[str]:
         target, ok = "-", None
         if row["mode"] == "full" and row["low"] == "instrumented":
             target, ok = "p99 <= 1.03", row["p99_ratio"] <= 1.03
-        elif row["mode"] in ("levels03", "full"):
+        elif row["mode"] in ("levels03", "full", "shim"):
             target, ok = "p99 <= 1.3", row["p99_ratio"] <= 1.3
         kept = row.get("low_retained")
         kept_text = (
@@ -258,6 +260,66 @@ def _kernels_section(doc: dict) -> list[str]:
     return [*lines, ""]
 
 
+def _interposer_section(doc: dict) -> list[str]:
+    runs = {}
+    for run in doc["runs"]:
+        key = run["scenario"]
+        if key == "drain":
+            key = "drain_unbounded" if "no bound" in run.get("bound", "") else "drain_bounded"
+        runs[key] = run
+    lines = [
+        f"**Launch shim** ({_where(doc)}; preloaded as the server extension starts kernels)",
+        "",
+        "| measure | figure | target | verdict |",
+        "|---|---|---|---|",
+    ]
+    count = runs.get("count")
+    if count:
+        lines.append(
+            f"| launches seen: CuPy ({count['cupy_ops']} operations) / PyTorch "
+            f"({count['torch_ops']}) | {count['cupy_launches_seen']} / "
+            f"{count['torch_launches_seen']} | every one | "
+            f"{_verdict(count['cupy_launches_seen'] >= count['cupy_ops'] and count['torch_launches_seen'] >= count['torch_ops'])} |"
+        )
+    hold = runs.get("hold")
+    if hold:
+        lines.append(
+            f"| a paused CuPy loop: launches during a 1 s pause; result identical | "
+            f"{hold['launches_while_paused']}; {'yes' if hold['identical_to_undisturbed'] else 'no'} | "
+            f"0; yes | {_verdict(hold['launches_while_paused'] == 0 and hold['identical_to_undisturbed'])} |"
+        )
+    bounded, unbounded = runs.get("drain_bounded"), runs.get("drain_unbounded")
+    if bounded and unbounded:
+        lines.append(
+            f"| drain after a pause, 300 queued 4096^2 matmuls: bounded / unbounded | "
+            f"{bounded['drain_ms']:.1f} ms ({bounded['drain_in_matmuls']} matmuls) / "
+            f"{unbounded['drain_ms']:.0f} ms ({unbounded['drain_in_matmuls']}) | a few kernels | "
+            f"{_verdict(bounded['drain_in_matmuls'] <= 8)} |"
+        )
+    lock = runs.get("lock")
+    if lock:
+        ok = all(lock.get(k) == "CUDA_SUCCESS" for k in ("lock", "checkpoint", "restore", "unlock"))
+        lines.append(
+            f"| checkpoint lock, checkpoint, restore, unlock of a held process; data intact | "
+            f"{'all succeed' if ok else lock.get('lock')}; {'yes' if lock.get('data_intact') else 'no'} | "
+            f"all succeed; yes | {_verdict(ok and lock.get('data_intact'))} |"
+        )
+    summary = runs.get("overhead_summary", {})
+    for loop, label, target in (
+        ("resnet18_train_step", "ResNet-18 training step (batch 64)", 2.0),
+        ("cupy_kmeans_step", "CuPy k-means step", None),
+    ):
+        entry = summary.get(loop)
+        if entry:
+            pct = entry["overhead_pct_with"]
+            lines.append(
+                f"| overhead, nobody pausing: {label}, median {entry['median_ms_without']:.2f} ms alone | "
+                f"{pct:+.1f}% (no bound: {entry['overhead_pct_unbounded']:+.1f}%) | "
+                f"{'<= 2 %' if target else '-'} | {_verdict(pct <= target) if target else 'n/a'} |"
+            )
+    return [*lines, ""]
+
+
 def _robustness_section(fuzz: dict | None, soak: dict | None) -> list[str]:
     some = fuzz or soak or {}
     lines = [
@@ -318,6 +380,7 @@ def build_report(folders: list[Path], readme: Path | None = None) -> int:
         "checkpoint": "checkpoint.json",
         "fuzz": "fuzz_frames.json",
         "soak": "crash_soak.json",
+        "interposer": "interposer.json",
     }
     for folder in folders:
         for key, name in names.items():
@@ -326,15 +389,33 @@ def build_report(folders: list[Path], readme: Path | None = None) -> int:
     if not documents:
         print(f"no results in {', '.join(map(str, folders))}")
         return 1
+    # A later run that measured the launch shim gets a table of its own.
+    for folder in folders:
+        shim_run = _load(folder, "contention.json")
+        if (
+            shim_run
+            and shim_run is not documents.get("contention")
+            and shim_run != documents.get("contention")
+            and any(row.get("mode") == "shim" for row in shim_run.get("rows", []))
+        ):
+            documents["contention_shim"] = shim_run
+            break
     target = folders[0]
     images = _plots(target, documents)
     sections = []
     if "contention" in documents:
         sections += _contention_section(documents["contention"])
+    if "contention_shim" in documents:
+        sections += _contention_section(
+            documents["contention_shim"],
+            "Interactive latency with the launch shim (neighbours held on the host)",
+        )
     if "kernels" in documents:
         sections += _kernels_section(documents["kernels"])
     if "checkpoint" in documents:
         sections += _checkpoint_section(documents["checkpoint"])
+    if "interposer" in documents:
+        sections += _interposer_section(documents["interposer"])
     if "control" in documents:
         sections += _control_section(documents["control"])
     if "fuzz" in documents or "soak" in documents:

@@ -21,58 +21,31 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
-import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from gpushare_ext.runtime.client import BrokerClient, BrokerError
+from gpushare_ext.broker import launch
 
 BROKER_START_TIMEOUT_S = 15.0
 _FORK = multiprocessing.get_context("fork")
 
 
-@dataclass
-class RunningBroker:
-    """A broker subprocess and where it keeps its things."""
+class RunningBroker(launch.BrokerProcess):
+    """A broker subprocess of a test; failures to start or stop are test failures."""
 
-    process: subprocess.Popen
-    socket: Path
-    journal: Path
-    directory: Path
-    log: Path
-    argv: list[str]
-    metrics_port: int | None = None
-    extra_dirs: list[Path] = field(default_factory=list)
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:  # type: ignore[override]
         """Send ``sig`` and wait for the exit status."""
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
         try:
-            return self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=5)
+            status = super().stop(sig, timeout)
+        except launch.BrokerStartError:
             raise AssertionError(f"broker did not exit within {timeout} s after {sig}") from None
-
-    def kill9(self) -> None:
-        self.process.kill()
-        self.process.wait(timeout=10)
-
-    def output(self) -> str:
-        with contextlib.suppress(OSError):
-            return self.log.read_text()
-        return ""
+        assert status is not None, "the broker was never started"
+        return status
 
 
 def short_tempdir(prefix: str = "gps-") -> Path:
@@ -83,25 +56,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def wait_until_answering(running: RunningBroker, timeout: float = BROKER_START_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    last = ""
-    while time.monotonic() < deadline:
-        if running.process.poll() is not None:
-            raise AssertionError(
-                f"broker exited with {running.process.returncode}:\n{running.output()}"
-            )
-        if running.socket.exists():
-            try:
-                with BrokerClient(running.socket, client="cli", connect_timeout=2) as client:
-                    client.status()
-                return
-            except BrokerError as exc:
-                last = str(exc)
-        time.sleep(0.05)
-    raise AssertionError(f"broker did not answer within {timeout} s ({last}):\n{running.output()}")
 
 
 def launch_broker(
@@ -122,42 +76,26 @@ def launch_broker(
         # Other users must reach a system broker's socket; the broker never widens a
         # directory it did not create, so the test that made this one opens it.
         directory.chmod(0o755)
-    sock = directory / "broker.sock"
-    journal = journal or directory / "journal.sqlite"
-    argv = [
-        sys.executable, "-m", "gpushare_ext.cli", "broker",
-        "--simulate", simulate,
-        "--socket", str(sock),
-        "--journal", str(journal),
-        "--log-level", "debug",
-    ]  # fmt: skip
-    if system:
-        argv.append("--system")
-    if config_toml is not None:
-        config = directory / "broker.toml"
-        config.write_text(config_toml)
-        argv += ["--config", str(config)]
+    extra = list(extra_args)
     if metrics_port is not None:
-        argv += ["--metrics-port", str(metrics_port)]
-    argv += list(extra_args)
-    log = directory / "broker.log"
-    env = dict(os.environ)
-    env.pop("GPUSHARE_SOCKET", None)
-    with open(log, "ab") as out:
-        process = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        extra += ["--metrics-port", str(metrics_port)]
     running = RunningBroker(
-        process=process, socket=sock, journal=journal, directory=directory, log=log, argv=argv,
-        metrics_port=metrics_port,
-    )  # fmt: skip
+        directory,
+        simulate=simulate,
+        config_toml=config_toml,
+        system=system,
+        journal=journal or directory / "journal.sqlite",
+        log_level="debug",
+        extra_args=tuple(extra),
+    )
+    running.start(wait=False)
     if wait:
         try:
-            wait_until_answering(running)
-        except BaseException:
+            running.wait_answering(BROKER_START_TIMEOUT_S)
+        except launch.BrokerStartError as exc:
             with contextlib.suppress(Exception):
                 running.stop(signal.SIGKILL, timeout=5)
-            raise
+            raise AssertionError(str(exc)) from None
     return running
 
 

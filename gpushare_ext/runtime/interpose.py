@@ -2,21 +2,27 @@
 
 A notebook's GPU work mostly comes from code gpushare did not write (CuPy's array
 operations, PyTorch and cuBLAS/cuDNN under it, Numba).  The native library
-``native/libgpushare_interpose.so`` subscribes to CUPTI's driver callbacks for every
-kernel and graph launch, so while the broker holds the session paused each launch
-waits on the host before it reaches the GPU, and the work in flight stays within a
-small window: a pause drains in about one window instead of a whole queue.
+``native/libgpushare_interpose.so`` stands between them and the driver, so while the
+broker holds the session paused each launch waits on the host before it reaches the
+GPU, and the work in flight stays at about ``DEFAULT_QUEUE_US`` of GPU time: a pause
+drains in a few kernels instead of a whole queue.
 
-Why CUPTI: it is CUDA's documented callback interface, it sees the launches of every
-library (entry points handed out by ``cuGetProcAddress`` included) and it can be
-attached to a kernel process that is already running, which an ``LD_PRELOAD`` shim
-cannot.  Its one limit: a process has one CUPTI client, so a profiler attached first
-(Nsight, the PyTorch profiler) keeps the interposer out, and the session falls back to
-the checkpoint lock, saying why.
+How it gets between them:
 
-This module finds the libraries and speaks to the native one; it decides nothing.
-Without a GPU it is still testable: ``use_driver`` hands the native code a fake
-driver table.
+* **preloaded** (the default): the gpushare Jupyter server extension puts the library
+  in ``LD_PRELOAD`` for the kernels its server starts.  It overrides ``dlsym`` and
+  wraps the launch entry points that ``dlsym`` and ``cuGetProcAddress`` hand out,
+  which is how CuPy, PyTorch's CUDA runtime and cuBLAS reach the driver.  Inert until
+  a session points it at its control block; the checkpoint lock and eviction keep
+  working.
+* **CUPTI** (``GPUSHARE_INTERPOSER=cupti``): attaches to a kernel already running, but
+  once CUPTI is in a process the checkpoint lock answers NOT_SUPPORTED for it (also
+  after unsubscribing; measured on an H200), so levels 3 and 4 are lost.  Opt-in.
+
+A kernel started some other way (no preload) is paused by the checkpoint lock alone,
+and the session says so.  This module finds the library and speaks to it; it decides
+nothing.  Without a GPU it is still testable: ``use_driver`` hands the native code a
+fake driver table, and a fake ``libcuda.so.1`` exercises the preloaded path.
 """
 
 from __future__ import annotations
@@ -84,19 +90,38 @@ class DriverTable(ctypes.Structure):
 
 
 _library: ctypes.CDLL | None = None
+MODES = ("auto", "cupti", "off")
+
+
+def shim_path() -> Path:
+    """What to put in ``LD_PRELOAD`` of a kernel (by the server extension)."""
+    return NATIVE
+
+
+def _preloaded() -> ctypes.CDLL | None:
+    """The process's global scope, if a preloaded copy of the library is in it."""
+    everything = ctypes.CDLL(None)
+    probe = getattr(everything, "gps_preloaded", None)
+    if probe is None:
+        return None
+    probe.restype = ctypes.c_int
+    return everything if probe() else None
 
 
 def native_library() -> ctypes.CDLL:
-    """The native interposer, loaded once; InterposerError if it was not built."""
+    """The native interposer (the preloaded copy if there is one), loaded once;
+    InterposerError if it was not built."""
     global _library
     if _library is not None:
         return _library
-    if not NATIVE.exists():
-        raise InterposerError(
-            f"the launch interposer was not built ({NATIVE.name} is missing: no C compiler "
-            "when gpushare-ext was installed)"
-        )
-    library = ctypes.CDLL(str(NATIVE))
+    library = _preloaded()
+    if library is None:
+        if not NATIVE.exists():
+            raise InterposerError(
+                f"the launch interposer was not built ({NATIVE.name} is missing: no C "
+                "compiler when gpushare-ext was installed)"
+            )
+        library = ctypes.CDLL(str(NATIVE))
     library.gps_attach.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
     library.gps_attach.restype = ctypes.c_int
     library.gps_set_block.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
@@ -109,6 +134,9 @@ def native_library() -> ctypes.CDLL:
     library.gps_launch_exit.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     library.gps_launch_exit.restype = ctypes.c_int
     library.gps_attached.restype = ctypes.c_int
+    library.gps_preloaded.restype = ctypes.c_int
+    library.gps_activate_preload.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    library.gps_activate_preload.restype = ctypes.c_int
     _library = library
     return library
 
@@ -149,20 +177,17 @@ class Attached:
     queue_us: int
     window: int
     record_every: int
-    cupti: str
+    mechanism: str  # "preload" or "cupti"
 
     def describe(self) -> str:
+        how = "launch shim" if self.mechanism == "preload" else "CUPTI"
         if self.queue_us:
-            return (
-                "launches held on the host while paused (CUPTI); about "
-                f"{self.queue_us / 1000:g} ms of GPU work in flight at most"
-            )
-        if self.window == 0:
-            return "launches held on the host while paused (CUPTI); no bound on work in flight"
-        return (
-            "launches held on the host while paused (CUPTI); at most about "
-            f"{self.window * self.record_every} launches in flight"
-        )
+            bound = f"about {self.queue_us / 1000:g} ms of GPU work in flight at most"
+        elif self.window == 0:
+            bound = "no bound on work in flight"
+        else:
+            bound = f"at most about {self.window * self.record_every} launches in flight"
+        return f"launches held on the host while paused ({how}); {bound}"
 
 
 _attached: Attached | None = None
@@ -185,34 +210,64 @@ def attach(
     window: int | None = None,
     record_every: int | None = None,
 ) -> Attached:
-    """Subscribe to launches and point at the control block at ``block_address``.
+    """Start holding and bounding launches, following the control block at ``block_address``.
 
     ``queue_us`` (``$GPUSHARE_QUEUE_US``) is the GPU time allowed in flight; 0 uses the
     fixed ``window`` x ``record_every`` (``$GPUSHARE_WINDOW``, ``$GPUSHARE_RECORD_EVERY``;
     a window of 0 turns the bound off).
     """
     global _attached
+    mode = os.environ.get("GPUSHARE_INTERPOSER", "auto").strip().lower()
+    if mode not in MODES:
+        raise InterposerError(f"GPUSHARE_INTERPOSER={mode!r} is not one of {', '.join(MODES)}")
+    if mode == "off":
+        raise InterposerError("turned off by GPUSHARE_INTERPOSER=off")
     library = native_library()
     queue_us = _setting("GPUSHARE_QUEUE_US", queue_us, DEFAULT_QUEUE_US)
     window = _setting("GPUSHARE_WINDOW", window, DEFAULT_WINDOW)
     record_every = _setting("GPUSHARE_RECORD_EVERY", record_every, DEFAULT_RECORD_EVERY)
     if _attached is None:
-        cupti = find_cupti()
-        if cupti is None:
-            raise InterposerError(
-                "no CUPTI library found (install nvidia-cuda-cupti, or set GPUSHARE_CUPTI)"
-            )
         message = ctypes.create_string_buffer(512)
-        code = library.gps_attach(cupti.encode(), message, len(message))
-        if code != 0:
-            raise InterposerError(message.value.decode(errors="replace"))
-        _attached = Attached(queue_us=0, window=0, record_every=0, cupti=cupti)
+        if library.gps_preloaded():
+            if library.gps_activate_preload(message, len(message)) != 0:
+                raise InterposerError(message.value.decode(errors="replace"))
+            mechanism = "preload"
+        elif mode == "cupti":
+            cupti = find_cupti()
+            if cupti is None:
+                raise InterposerError(
+                    "no CUPTI library found (install nvidia-cuda-cupti, or set GPUSHARE_CUPTI)"
+                )
+            if library.gps_attach(cupti.encode(), message, len(message)) != 0:
+                raise InterposerError(message.value.decode(errors="replace"))
+            mechanism = "cupti"
+        else:
+            raise InterposerError(
+                "this kernel was started without the launch shim (kernels that a Jupyter "
+                f"server with gpushare starts have it; or set LD_PRELOAD={NATIVE} before "
+                "the kernel starts)"
+            )
+        _attached = Attached(queue_us=0, window=0, record_every=0, mechanism=mechanism)
     library.gps_set_window(window, record_every)
     library.gps_set_target(queue_us if window else 0)
     _attached.queue_us = queue_us if window else 0
     _attached.window, _attached.record_every = window, record_every
     point_at(block_address)
     return _attached
+
+
+def bound(enabled: bool) -> None:
+    """Bound the work in flight (a session that may be paused) or not (one at the top:
+    nobody pauses it, and a bound would only make its own requests wait)."""
+    attached_now = _attached
+    if attached_now is None:
+        return
+    library = native_library()
+    if enabled:
+        library.gps_set_window(attached_now.window, attached_now.record_every)
+        library.gps_set_target(attached_now.queue_us)
+    else:
+        library.gps_set_window(0, attached_now.record_every)
 
 
 def point_at(block_address: int | None) -> None:

@@ -27,9 +27,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from gpushare_ext.broker.policy import format_size
+from gpushare_ext.broker.policy import format_size, priority_band
 from gpushare_ext.paths import SYSTEM_SOCKET, default_socket_path
 from gpushare_ext.protocol import (
+    PRIORITY_CLASSES,
     BrokerMessage,
     Capabilities,
     Error,
@@ -46,7 +47,7 @@ from gpushare_ext.protocol import (
     describe_priority,
     priority_value,
 )
-from gpushare_ext.runtime import binding, memory
+from gpushare_ext.runtime import binding, interpose, memory
 from gpushare_ext.runtime.client import BrokerClient, BrokerError, BrokerUnavailable
 from gpushare_ext.runtime.control import ControlBlock, ControlBlockError
 from gpushare_ext.runtime.embedded import broker_answers, ensure_embedded_broker
@@ -188,6 +189,8 @@ class GpuSession:
         self.simulated = False
         self.yield_flag = None  # the device flag instrumented kernels poll (levels 1-2)
         self.gates: dict[int, object] = {}  # CUDA ordinal -> DeviceGate
+        self.interposer: interpose.Attached | None = None  # holds launches while paused
+        self.interposer_note = ""  # why it is not attached, once tried
         self._retired: list = []
 
     # ---- connection
@@ -269,12 +272,42 @@ class GpuSession:
         except ControlBlockError as exc:
             self.control_block = None
             self.gate_note = f"no control block ({exc}): the session cannot be gated"
+            self._point_interposer(None)
             return
+        self._point_interposer(self.control_block)
         # Device gates are opened at the first grant: opening one starts CUDA, which must
         # wait until the lease has chosen the device.
         self.gate_note = (
             "simulated GPU: launch points wait on the host gate" if self.simulated else ""
         )
+
+    def _point_interposer(self, block: ControlBlock | None) -> None:
+        """The launch interposer follows this session's current control block."""
+        if self.interposer is not None:
+            interpose.point_at(block.address() if block is not None else None)
+
+    def _attach_interposer(self, handle: LeaseHandle) -> None:
+        """Hold every framework's launches while paused (once per process, on a GPU)."""
+        if self.interposer is not None or self.interposer_note or self.control_block is None:
+            return
+        try:
+            self.interposer = interpose.attach(self.control_block.address())
+        except interpose.InterposerError as exc:
+            self.interposer_note = (
+                f"launches are not held on the host ({exc}); the checkpoint lock pauses "
+                "this session, after the work it has queued"
+            )
+            handle.note(self.interposer_note)
+            if handle.output is not None:
+                handle.output.show("gpushare-interposer", f"gpushare: {self.interposer_note}")
+            return
+        handle.note(self.interposer.describe())
+
+    def protection(self) -> str:
+        """How this session is stopped when paused, in a few words (for the pause notice)."""
+        if self.interposer is not None:
+            return self.interposer.describe()
+        return self.interposer_note or self.gate_note
 
     def close(self) -> None:
         self._closed = True
@@ -288,6 +321,7 @@ class GpuSession:
         if self.client is not None:
             self.client.close()
             self.client = None
+        self._point_interposer(None)
         if self.control_block is not None:
             self.control_block.close()
             self.control_block = None
@@ -352,9 +386,10 @@ class GpuSession:
             handle.state = "paused"
             handle.paused_since = time.time()
             handle.note(f"paused at level {int(message.level)} for {message.for_user}")
+            how = self.protection()
             handle.pause_text = (
                 f"gpushare: paused for a higher-priority session ({message.for_user}) "
-                f"at ladder level {int(message.level)}"
+                f"at ladder level {int(message.level)}" + (f"; {how}" if how else "")
             )
             if handle.output is not None:
                 handle.output.show(handle.display_key + "-pause", handle.pause_text + " ...")
@@ -595,6 +630,12 @@ class GpuSession:
                 if gate is not None:
                     self.gates[applied.ordinal] = gate
             self.device_gate = self.gates.get(applied.ordinal)
+            self._attach_interposer(handle)
+            # Only work that can be paused needs a short queue (a high-band lease has
+            # nobody above it to make room for).
+            interpose.bound(
+                priority_band(handle.options.priority) < priority_band(PRIORITY_CLASSES["high"])
+            )
             self._connect_kernels(handle)
         memory.apply_quota(placement.memory_bytes)
         if handle.state == "granted":  # a pause that came meanwhile stands

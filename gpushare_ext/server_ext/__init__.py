@@ -2,7 +2,11 @@
 
 Loaded by jupyter_server through ``gpushare_ext._jupyter_server_extension_points`` (enabled
 by ``jupyter-config/server-config/gpushare_ext.json``).  It adds the routes of
-:mod:`gpushare_ext.server_ext.handlers` and nothing else: no background tasks, no state.
+:mod:`gpushare_ext.server_ext.handlers`, and it puts the launch shim
+(:mod:`gpushare_ext.runtime.interpose`) in ``LD_PRELOAD`` of the environment the server
+starts kernels with, so that a paused session's launches are held whatever framework
+makes them (inert in a kernel that never opens a gpushare session).  No background
+tasks, no state.
 
 Which broker: ``c.GpushareServerExtension.socket_path`` if set, else
 ``gpushare_ext.paths.default_socket_path()`` ($GPUSHARE_SOCKET, the system broker's
@@ -15,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from traitlets import Unicode
+from traitlets import Bool, Unicode
 from traitlets.config import LoggingConfigurable
 
 from gpushare_ext.paths import default_socket_path
@@ -30,16 +34,45 @@ class GpushareServerExtension(LoggingConfigurable):
         help="Broker socket to use; empty: $GPUSHARE_SOCKET, the system broker, "
         "or this user's embedded broker.",
     )
+    preload_launch_shim = Bool(
+        True,
+        config=True,
+        help="Start kernels with the gpushare launch shim in LD_PRELOAD, so that a paused "
+        "session's launches are held for every framework (GPUSHARE_INTERPOSER=off also "
+        "turns it off).",
+    )
 
     def resolve_socket(self) -> Path:
         return Path(self.socket_path) if self.socket_path else default_socket_path()
 
 
+def preload_for_kernels(environ: dict[str, str]) -> str:
+    """Put the launch shim first in ``LD_PRELOAD`` of ``environ``; say what was done."""
+    from gpushare_ext.runtime.interpose import shim_path
+
+    if environ.get("GPUSHARE_INTERPOSER", "").strip().lower() == "off":
+        return "the launch shim is off (GPUSHARE_INTERPOSER=off)"
+    shim = shim_path()
+    if not shim.exists():
+        return f"the launch shim was not built ({shim.name} is missing); kernels run without it"
+    present = [
+        entry for entry in environ.get("LD_PRELOAD", "").replace(" ", ":").split(":") if entry
+    ]
+    if str(shim) not in present:
+        environ["LD_PRELOAD"] = ":".join([str(shim), *present])
+    return f"kernels start with the launch shim {shim}"
+
+
 def _load_jupyter_server_extension(server_app: Any) -> None:
     """Register the gpushare routes on ``server_app``'s web application."""
+    import os
+
     from gpushare_ext.server_ext.handlers import handlers
 
     settings = GpushareServerExtension(parent=server_app)
+    if settings.preload_launch_shim:
+        # Kernels inherit the server's environment: set it before any kernel starts.
+        server_app.log.info("gpushare: %s", preload_for_kernels(os.environ))
     web_app = server_app.web_app
     web_app.settings["gpushare_socket_path"] = settings.resolve_socket
     web_app.add_handlers(".*$", handlers(web_app.settings["base_url"]))

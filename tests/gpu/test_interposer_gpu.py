@@ -1,9 +1,10 @@
-"""The launch interposer on a real GPU, through CUPTI: it sees CuPy's and PyTorch's
-launches, holds them while the session is paused (results bit-identical afterwards), and
-a pause drains in about a window of work.
+"""The launch shim on a real GPU, preloaded as the server extension starts kernels: it
+sees CuPy's and PyTorch's launches, holds them while the session is paused (results
+bit-identical afterwards), a pause drains in a few long kernels, and the checkpoint lock
+and eviction still work on a process it holds.
 
-Each case runs ``benchmarks/interposer.py`` in a fresh process (one CUPTI client per
-process).  Skipped cleanly without a GPU.
+Each case runs ``benchmarks/interposer.py`` in a fresh process.  Skipped cleanly without
+a GPU.
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ pytestmark = [
 
 
 def _scenario(name: str, *extra: str) -> dict:
+    from gpushare_ext.runtime.interpose import shim_path
+
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+    env["LD_PRELOAD"] = str(shim_path())
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.interposer", name, *extra],
         capture_output=True, text=True, timeout=500, cwd=ROOT, env=env,
@@ -64,3 +68,11 @@ def test_a_pause_drains_in_a_few_long_kernels_not_a_queue_of_them():
     bounded = _scenario("drain")
     assert bounded["issued_before_pause"] > 20, bounded  # the host ran ahead of the GPU
     assert bounded["drain_in_matmuls"] <= 8, bounded
+
+
+def test_the_checkpoint_lock_and_eviction_work_on_a_process_the_shim_holds():
+    locked = _scenario("lock")
+    assert (locked["lock"], locked["checkpoint"], locked["restore"], locked["unlock"]) == (
+        "CUDA_SUCCESS", "CUDA_SUCCESS", "CUDA_SUCCESS", "CUDA_SUCCESS",
+    ), locked  # fmt: skip
+    assert locked["data_intact"], locked

@@ -44,3 +44,14 @@ def sessions(running_broker) -> Iterator[Callable[[], BrokerClient]]:
     for client in opened:
         with contextlib.suppress(Exception):
             client.close()
+
+
+@pytest.fixture(autouse=True)
+def kernel_environment_restored(monkeypatch):
+    """The server extension sets LD_PRELOAD for the kernels its server starts; the servers
+    here run inside the test process, so give the process its own environment back."""
+    import os
+
+    monkeypatch.setenv("LD_PRELOAD", os.environ.get("LD_PRELOAD", ""))
+    if not os.environ["LD_PRELOAD"]:
+        monkeypatch.delenv("LD_PRELOAD")

@@ -194,3 +194,26 @@ async def test_cancelling_an_unknown_request_says_so(jp_fetch, running_broker):
         )
     assert unknown.value.code == 404
     assert "L999" in json.loads(unknown.value.response.body)["message"]
+
+
+async def test_kernels_the_server_starts_get_the_launch_shim(jp_fetch, jp_serverapp):
+    import os
+
+    from gpushare_ext.runtime.interpose import shim_path
+
+    assert os.environ["LD_PRELOAD"].split(":")[0] == str(shim_path())
+
+
+def test_the_launch_shim_goes_first_once_and_keeps_what_was_there():
+    from gpushare_ext.runtime.interpose import shim_path
+    from gpushare_ext.server_ext import preload_for_kernels
+
+    environ = {"LD_PRELOAD": "/opt/other.so"}
+    said = preload_for_kernels(environ)
+    assert environ["LD_PRELOAD"] == f"{shim_path()}:/opt/other.so"
+    assert said == f"kernels start with the launch shim {shim_path()}"
+    preload_for_kernels(environ)
+    assert environ["LD_PRELOAD"] == f"{shim_path()}:/opt/other.so"  # not twice
+
+    turned_off = {"GPUSHARE_INTERPOSER": "off"}
+    assert "off" in preload_for_kernels(turned_off) and "LD_PRELOAD" not in turned_off

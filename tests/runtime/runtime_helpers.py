@@ -33,8 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpushare_ext.broker import launch
 from gpushare_ext.protocol import LeaseView, Snapshot
-from gpushare_ext.runtime.client import BrokerClient, BrokerError
+from gpushare_ext.runtime.client import BrokerClient
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -65,69 +66,25 @@ def wait_for(predicate: Callable[[], object], what: str, timeout: float = 30.0, 
 
 
 @dataclass
-class BrokerProcess:
-    """A ``gpushare broker`` subprocess: its socket, journal and log."""
+class BrokerProcess(launch.BrokerProcess):
+    """A ``gpushare broker`` subprocess the tests can stop and start again (same socket,
+    same journal); failures are test failures."""
 
-    directory: Path
-    simulate: str | None = "h200"  # None: the real GPUs through NVML
-    config_toml: str | None = None
-    process: subprocess.Popen | None = None
+    socket_name: str = "b.sock"
+    log_level: str = "info"
 
-    @property
-    def socket(self) -> Path:
-        return self.directory / "b.sock"
-
-    @property
-    def journal(self) -> Path:
-        return self.directory / "j.sqlite"
-
-    @property
-    def log(self) -> Path:
-        return self.directory / "broker.log"
-
-    def start(self) -> BrokerProcess:
-        argv = [
-            sys.executable, "-m", "gpushare_ext.cli", "broker",
-            *(["--simulate", self.simulate] if self.simulate else ["--inventory", "nvml"]),
-            "--socket", str(self.socket),
-            "--journal", str(self.journal),
-            "--log-level", "info",
-        ]  # fmt: skip
-        if self.config_toml is not None:
-            config = self.directory / "broker.toml"
-            config.write_text(self.config_toml)
-            argv += ["--config", str(config)]
-        env = dict(os.environ)
-        env.pop("GPUSHARE_SOCKET", None)
-        with open(self.log, "ab") as log:
-            self.process = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        deadline = time.monotonic() + BROKER_START_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise AssertionError(f"the broker exited at start:\n{self.log_tail()}")
-            if self.socket.exists():
-                with contextlib.suppress(BrokerError):
-                    self.status()
-                    return self
-            time.sleep(0.05)
-        raise AssertionError(
-            f"the broker did not answer within {BROKER_START_S} s:\n{self.log_tail()}"
-        )
+    def start(self) -> BrokerProcess:  # type: ignore[override]
+        try:
+            super().start(timeout=BROKER_START_S)
+        except launch.BrokerStartError as exc:
+            raise AssertionError(str(exc)) from None
+        return self
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int | None:
-        process = self.process
-        if process is None:
-            return None
-        if process.poll() is None:
-            process.send_signal(sig)
         try:
-            return process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=5)
-            raise AssertionError(f"the broker ignored signal {sig} for {timeout} s") from None
+            return super().stop(sig, timeout)
+        except launch.BrokerStartError as exc:
+            raise AssertionError(str(exc)) from None
 
     def status(self) -> Snapshot:
         with BrokerClient(self.socket, client="cli", connect_timeout=5) as client:
@@ -140,9 +97,7 @@ class BrokerProcess:
         return [lease for lease in self.leases() if lease.pid == pid]
 
     def log_tail(self, chars: int = 3000) -> str:
-        with contextlib.suppress(OSError):
-            return self.log.read_text(errors="replace")[-chars:]
-        return "(no broker log)"
+        return self.output()[-chars:] or "(no broker log)"
 
 
 def start_broker_process(

@@ -8,9 +8,14 @@ On a GPU host, tests/gpu/test_interposer_gpu.py attaches it to real CUPTI callba
 from __future__ import annotations
 
 import ctypes
+import json
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -253,7 +258,24 @@ def test_the_bound_follows_the_gpu_time_a_launch_takes(fake_gpu, ms_between_even
     assert (stats["window"], stats["record_every"]) == (window, every)
 
 
-def test_without_a_gpu_attaching_says_why_in_one_line(monkeypatch, tmp_path):
+def test_a_kernel_started_without_the_shim_is_told_how_to_get_it(monkeypatch):
+    monkeypatch.delenv("GPUSHARE_INTERPOSER", raising=False)
+    with pytest.raises(interpose.InterposerError) as raised:
+        interpose.attach(0)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert "started without the launch shim" in message and str(interpose.NATIVE) in message
+
+
+def test_a_bad_interposer_setting_is_named(monkeypatch):
+    monkeypatch.setenv("GPUSHARE_INTERPOSER", "sometimes")
+    with pytest.raises(interpose.InterposerError) as raised:
+        interpose.attach(0)
+    assert str(raised.value) == "GPUSHARE_INTERPOSER='sometimes' is not one of auto, cupti, off"
+
+
+def test_without_a_gpu_the_cupti_way_says_why_in_one_line(monkeypatch, tmp_path):
+    monkeypatch.setenv("GPUSHARE_INTERPOSER", "cupti")
     monkeypatch.setenv("GPUSHARE_CUPTI", str(tmp_path / "libcupti.so.13"))
     library = interpose.native_library()
     message = ctypes.create_string_buffer(512)
@@ -264,3 +286,88 @@ def test_without_a_gpu_attaching_says_why_in_one_line(monkeypatch, tmp_path):
     with pytest.raises(interpose.InterposerError) as raised:
         interpose.attach(0)
     assert str(raised.value) == text
+
+
+# ------------------------------------------------------------------ preloaded, on a fake driver
+
+SHIM_SCRIPT = r"""
+import ctypes, json, sys, threading, time
+from pathlib import Path
+from gpushare_ext.runtime import interpose
+from gpushare_ext.runtime.control import ControlBlock, SessionState
+
+u, p = ctypes.c_uint, ctypes.c_void_p
+LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, p, u, u, u, u, u, u, u, p, p, p)
+cuda = ctypes.CDLL("libcuda.so.1")  # a program (CUDA's runtime) finding the driver
+cuda.fake_real_launch.restype = p
+for name in ("fake_launches", "fake_records"):
+    getattr(cuda, name).restype = ctypes.c_ulong
+get_proc = cuda.cuGetProcAddress_v2  # looked up through dlsym, as cudart does
+get_proc.argtypes = [ctypes.c_char_p, ctypes.POINTER(p), ctypes.c_int, ctypes.c_uint64, p]
+found = p()
+get_proc(b"cuLaunchKernel", ctypes.byref(found), 12080, 0, None)
+again = p()
+get_proc(b"cuGetProcAddress", ctypes.byref(again), 12080, 0, None)
+launch = LAUNCH(found.value)
+out = {
+    "preloaded": interpose.native_library().gps_preloaded(),
+    "launch_wrapped": found.value != cuda.fake_real_launch(),
+    "lookup_wrapped": again.value == ctypes.cast(get_proc, p).value,
+}
+launch(None, 1, 1, 1, 1, 1, 1, 0, None, None, None)
+out["passthrough_launches"] = cuda.fake_launches()
+block = ControlBlock.create(Path(sys.argv[1]) / "session.cb")
+block.publish(gate_closed=False, state=SessionState.RUNNING)
+out["how"] = interpose.attach(block.address()).describe()
+block.publish(gate_closed=False, state=SessionState.PAUSED, level=3)
+held = threading.Thread(target=launch, args=(None, 1, 1, 1, 1, 1, 1, 0, None, None, None))
+held.start()
+time.sleep(0.3)
+out["launches_while_paused"] = cuda.fake_launches() - out["passthrough_launches"]
+out["held_thread_alive"] = held.is_alive()
+block.publish(gate_closed=False, state=SessionState.RUNNING)
+held.join(timeout=5)
+out["launches_after_resume"] = cuda.fake_launches() - out["passthrough_launches"]
+for _ in range(40):
+    launch(None, 1, 1, 1, 1, 1, 1, 0, None, None, None)
+out["checkpoints_recorded"] = cuda.fake_records()
+out["stats"] = interpose.stats()
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def fake_driver(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("fake-driver")
+    source = Path(__file__).with_name("fake_libcuda.c")
+    subprocess.run(
+        ["cc", "-O1", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1",
+         "-o", str(directory / "libcuda.so.1"), str(source)],
+        check=True,
+    )  # fmt: skip
+    return directory
+
+
+def test_preloaded_the_shim_wraps_what_the_driver_hands_out_and_holds_it(fake_driver, tmp_path):
+    env = dict(os.environ)
+    env.update(
+        LD_PRELOAD=str(interpose.NATIVE),
+        LD_LIBRARY_PATH=str(fake_driver),
+        PYTHONPATH=str(Path(__file__).resolve().parents[2]),
+    )
+    env.pop("GPUSHARE_INTERPOSER", None)
+    done = subprocess.run(
+        [sys.executable, "-c", SHIM_SCRIPT, str(tmp_path)],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+
+    assert seen["preloaded"] == 1
+    assert seen["launch_wrapped"] and seen["lookup_wrapped"]
+    assert seen["passthrough_launches"] == 1  # not attached yet: a plain pass-through
+    assert seen["how"].startswith("launches held on the host while paused (launch shim)")
+    assert seen["launches_while_paused"] == 0 and seen["held_thread_alive"]
+    assert seen["launches_after_resume"] == 1
+    assert seen["checkpoints_recorded"] > 0  # the bound on work in flight is at work
+    assert seen["stats"]["held"] == 1

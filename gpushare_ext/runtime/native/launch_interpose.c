@@ -2,11 +2,19 @@
  * gpushare launch interposer: holds every framework's kernel launches on the host while
  * the session is paused, and bounds the work a session keeps in flight.
  *
- * It is a CUPTI subscriber (the CUDA profiling interface's callback API, a documented
- * interface): the driver calls it at the entry and exit of every kernel and graph
- * launch, whatever library made the call (CuPy, PyTorch and the libraries under it,
- * Numba, cuBLAS, entry points handed out by cuGetProcAddress), and it can be attached
- * to a process that is already running, which is what a notebook kernel is.
+ * It reaches every framework's launches in one of two ways:
+ *
+ * - preloaded (LD_PRELOAD, which the gpushare Jupyter server extension sets for the
+ *   kernels it starts): it overrides dlsym and wraps the launch entry points that
+ *   dlsym and cuGetProcAddress hand out (CUDA's runtime fetches every driver entry
+ *   point through cuGetProcAddress), so CuPy, PyTorch, cuBLAS and Numba launches all
+ *   pass through it.  This keeps the checkpoint lock and eviction working;
+ * - as a CUPTI subscriber (the callback API of CUDA's profiling interface), which can
+ *   be attached to a process already running.  But once CUPTI is in a process,
+ *   cuCheckpointProcessLock answers CUDA_ERROR_NOT_SUPPORTED for it, even after
+ *   unsubscribing (measured on an H200, driver 580), so this way is opt-in.
+ *
+ * Until the runtime points it at a control block it only counts launches.
  *
  * At entry: while the session's control block says paused (or its gate is closed), the
  * launching thread waits here, before the launch reaches the GPU, with the Python GIL
@@ -35,6 +43,7 @@
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -372,6 +381,200 @@ done:
     return waited;
 }
 
+/* ---- preload glue: dlsym and cuGetProcAddress hand out our wrappers */
+
+typedef CUresult (*LaunchFn)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                             unsigned, CUstream, void **, void **);
+typedef CUresult (*CoopFn)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                           unsigned, CUstream, void **);
+typedef CUresult (*LaunchExFn)(const LaunchConfig *, void *, void **, void **);
+typedef CUresult (*GraphFn)(void *, CUstream);
+typedef CUresult (*GetProcV2Fn)(const char *, void **, int, uint64_t, void *);
+typedef CUresult (*GetProcV1Fn)(const char *, void **, int, uint64_t);
+typedef CUresult (*CtxFn)(CUcontext *);
+
+static void *(*g_real_dlsym)(void *, const char *);
+static uint64_t g_dlsym_overrides; /* calls of our dlsym: non-zero when preloaded */
+static CtxFn g_ctx_current;
+
+/* Hold (unless the launch only builds a graph) before a launch reaches the driver. */
+static void before_launch(CUstream stream, int ptsz) {
+    if (session_paused() && g_driver_ready && stream != NULL) {
+        int status = 0;
+        t_inside = 1;
+        int being_captured = g_driver.stream_is_capturing(stream, &status) == CUDA_SUCCESS
+                             && status != 0;
+        t_inside = 0;
+        if (being_captured) {
+            __atomic_add_fetch(&g_stats.launches, 1, __ATOMIC_RELAXED);
+            return;
+        }
+    }
+    gps_launch_enter(stream, ptsz);
+}
+
+static void after_launch(CUresult result, CUstream stream, int ptsz) {
+    if (result != CUDA_SUCCESS || !g_driver_ready || g_ctx_current == NULL) return;
+    CUcontext ctx = NULL;
+    if (g_ctx_current(&ctx) == CUDA_SUCCESS) gps_launch_exit(ctx, stream, ptsz);
+}
+
+/* Two wrappers of each kind: an entry point may come in a legacy and a per-thread
+ * default-stream flavour, each with a real function of its own. */
+#define WRAPPED(kind, n) static kind real_##kind##_##n;
+WRAPPED(LaunchFn, 0) WRAPPED(LaunchFn, 1) WRAPPED(CoopFn, 0) WRAPPED(CoopFn, 1)
+WRAPPED(LaunchExFn, 0) WRAPPED(LaunchExFn, 1) WRAPPED(GraphFn, 0) WRAPPED(GraphFn, 1)
+
+#define LAUNCH_WRAPPER(n)                                                                      \
+    static CUresult w_launch_##n(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,  \
+                                 unsigned by, unsigned bz, unsigned sh, CUstream st,          \
+                                 void **params, void **extra) {                               \
+        before_launch(st, 0);                                                                  \
+        CUresult r = real_LaunchFn_##n(f, gx, gy, gz, bx, by, bz, sh, st, params, extra);      \
+        after_launch(r, st, 0);                                                                \
+        return r;                                                                              \
+    }
+#define COOP_WRAPPER(n)                                                                        \
+    static CUresult w_coop_##n(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,    \
+                               unsigned by, unsigned bz, unsigned sh, CUstream st,            \
+                               void **params) {                                               \
+        before_launch(st, 0);                                                                  \
+        CUresult r = real_CoopFn_##n(f, gx, gy, gz, bx, by, bz, sh, st, params);               \
+        after_launch(r, st, 0);                                                                \
+        return r;                                                                              \
+    }
+#define EX_WRAPPER(n)                                                                          \
+    static CUresult w_ex_##n(const LaunchConfig *c, void *f, void **params, void **extra) {    \
+        CUstream st = c ? c->hStream : NULL;                                                   \
+        before_launch(st, 0);                                                                  \
+        CUresult r = real_LaunchExFn_##n(c, f, params, extra);                                 \
+        after_launch(r, st, 0);                                                                \
+        return r;                                                                              \
+    }
+#define GRAPH_WRAPPER(n)                                                                       \
+    static CUresult w_graph_##n(void *g, CUstream st) {                                        \
+        before_launch(st, 0);                                                                  \
+        CUresult r = real_GraphFn_##n(g, st);                                                  \
+        after_launch(r, st, 0);                                                                \
+        return r;                                                                              \
+    }
+LAUNCH_WRAPPER(0) LAUNCH_WRAPPER(1) COOP_WRAPPER(0) COOP_WRAPPER(1)
+EX_WRAPPER(0) EX_WRAPPER(1) GRAPH_WRAPPER(0) GRAPH_WRAPPER(1)
+
+/* The wrapper for `real` among two slots, or `real` itself when both hold others. */
+#define PICK(kind, wrapper)                                                                    \
+    do {                                                                                       \
+        if (real_##kind##_0 == NULL || real_##kind##_0 == (kind)real) {                        \
+            real_##kind##_0 = (kind)real;                                                      \
+            return (void *)wrapper##_0;                                                        \
+        }                                                                                      \
+        if (real_##kind##_1 == NULL || real_##kind##_1 == (kind)real) {                        \
+            real_##kind##_1 = (kind)real;                                                      \
+            return (void *)wrapper##_1;                                                        \
+        }                                                                                      \
+        return real;                                                                           \
+    } while (0)
+
+static int is_wrapper(void *fn) {
+    return fn == (void *)w_launch_0 || fn == (void *)w_launch_1 || fn == (void *)w_coop_0
+           || fn == (void *)w_coop_1 || fn == (void *)w_ex_0 || fn == (void *)w_ex_1
+           || fn == (void *)w_graph_0 || fn == (void *)w_graph_1;
+}
+
+static CUresult w_get_proc_v1(const char *symbol, void **pfn, int version, uint64_t flags);
+static CUresult w_get_proc_v2(const char *symbol, void **pfn, int version, uint64_t flags,
+                              void *status);
+static GetProcV1Fn real_get_proc_v1;
+static GetProcV2Fn real_get_proc_v2;
+
+/* Our stand-in for the entry point `name` whose real function is `real` (or `real`). */
+static void *wrap(const char *name, void *real, int version) {
+    if (real == NULL || is_wrapper(real) || strncmp(name, "cu", 2) != 0) return real;
+    const char *base = name;
+    size_t length = strlen(name);
+    char trimmed[64];
+    if (length > 5 && length < sizeof(trimmed) && strcmp(name + length - 5, "_ptsz") == 0) {
+        memcpy(trimmed, name, length - 5);
+        trimmed[length - 5] = 0;
+        base = trimmed;
+    }
+    if (strcmp(base, "cuLaunchKernel") == 0) PICK(LaunchFn, w_launch);
+    if (strcmp(base, "cuLaunchCooperativeKernel") == 0) PICK(CoopFn, w_coop);
+    if (strcmp(base, "cuLaunchKernelEx") == 0) PICK(LaunchExFn, w_ex);
+    if (strcmp(base, "cuGraphLaunch") == 0) PICK(GraphFn, w_graph);
+    if (strcmp(name, "cuGetProcAddress_v2") == 0
+        || (strcmp(name, "cuGetProcAddress") == 0 && version >= 12000)) {
+        if (real != (void *)w_get_proc_v2) real_get_proc_v2 = (GetProcV2Fn)real;
+        return (void *)w_get_proc_v2;
+    }
+    if (strcmp(name, "cuGetProcAddress") == 0) {
+        if (real != (void *)w_get_proc_v1) real_get_proc_v1 = (GetProcV1Fn)real;
+        return (void *)w_get_proc_v1;
+    }
+    if (strcmp(name, "cuCtxGetCurrent") == 0 && g_ctx_current == NULL) g_ctx_current = (CtxFn)real;
+    return real;
+}
+
+static CUresult w_get_proc_v2(const char *symbol, void **pfn, int version, uint64_t flags,
+                              void *status) {
+    if (real_get_proc_v2 == NULL) return 500; /* CUDA_ERROR_NOT_FOUND */
+    CUresult r = real_get_proc_v2(symbol, pfn, version, flags, status);
+    if (r == CUDA_SUCCESS && pfn != NULL && symbol != NULL) {
+        __atomic_add_fetch(&g_dlsym_overrides, 1, __ATOMIC_RELAXED);
+        *pfn = wrap(symbol, *pfn, version);
+    }
+    return r;
+}
+
+static CUresult w_get_proc_v1(const char *symbol, void **pfn, int version, uint64_t flags) {
+    if (real_get_proc_v1 == NULL) return 500;
+    CUresult r = real_get_proc_v1(symbol, pfn, version, flags);
+    if (r == CUDA_SUCCESS && pfn != NULL && symbol != NULL) *pfn = wrap(symbol, *pfn, version);
+    return r;
+}
+
+static void *real_dlsym(void *handle, const char *name) {
+    if (g_real_dlsym == NULL) {
+        g_real_dlsym = (void *(*)(void *, const char *))dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
+        if (g_real_dlsym == NULL)
+            g_real_dlsym = (void *(*)(void *, const char *))dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
+    }
+    return g_real_dlsym ? g_real_dlsym(handle, name) : NULL;
+}
+
+/* Preloaded, this is every library's dlsym; loaded any other way it is only ours. */
+__attribute__((visibility("default"))) void *dlsym(void *handle, const char *name) {
+    void *found = real_dlsym(handle, name);
+    if (found == NULL || name[0] != 'c' || name[1] != 'u') return found;
+    __atomic_add_fetch(&g_dlsym_overrides, 1, __ATOMIC_RELAXED);
+    return wrap(name, found, 0); /* an exported cuGetProcAddress has the first ABI */
+}
+
+static int g_preloaded;
+
+/* At load: was this library named in LD_PRELOAD (then our dlsym is everyone's)? */
+__attribute__((constructor)) static void note_how_loaded(void) {
+    const char *list = getenv("LD_PRELOAD");
+    Dl_info self;
+    if (list == NULL || dladdr((void *)note_how_loaded, &self) == 0 || self.dli_fname == NULL)
+        return;
+    char mine[4096], theirs[4096], entry[4096];
+    if (realpath(self.dli_fname, mine) == NULL) return;
+    while (*list) {
+        size_t n = strcspn(list, ": ");
+        if (n > 0 && n < sizeof(entry)) {
+            memcpy(entry, list, n);
+            entry[n] = 0;
+            if (realpath(entry, theirs) != NULL && strcmp(theirs, mine) == 0) g_preloaded = 1;
+        }
+        list += n;
+        while (*list == ':' || *list == ' ') list++;
+    }
+}
+
+/* Whether this library was preloaded, so that it wraps what every library looks up. */
+int gps_preloaded(void) { return g_preloaded; }
+
 /* ---- CUPTI glue */
 
 static CUstream stream_of(uint32_t cbid, const void *params, int *ptsz) {
@@ -404,19 +607,7 @@ static void on_api(void *userdata, int domain, uint32_t cbid, const void *data) 
     int ptsz = 0;
     CUstream stream = stream_of(cbid, info->functionParams, &ptsz);
     if (info->callbackSite == CUPTI_API_ENTER) {
-        if (session_paused()) {
-            t_inside = 1;
-            int status = 0;
-            int being_captured = g_driver_ready && stream != NULL
-                                 && g_driver.stream_is_capturing(stream, &status) == CUDA_SUCCESS
-                                 && status != 0;
-            t_inside = 0;
-            if (being_captured) {
-                __atomic_add_fetch(&g_stats.launches, 1, __ATOMIC_RELAXED);
-                return;
-            }
-        }
-        gps_launch_enter(stream, ptsz);
+        before_launch(stream, ptsz);
     } else if (info->functionReturnValue == NULL
                || *(const CUresult *)info->functionReturnValue == CUDA_SUCCESS) {
         gps_launch_exit(info->context, stream, ptsz);
@@ -430,16 +621,17 @@ static int load_driver(char *err, size_t errlen) {
         snprintf(err, errlen, "the CUDA driver (libcuda.so.1) is not loadable: %s", dlerror());
         return -1;
     }
+    g_ctx_current = (CtxFn)real_dlsym(cuda, "cuCtxGetCurrent");
     gps_driver d;
-    d.event_create = (CUresult(*)(CUevent *, unsigned int))dlsym(cuda, "cuEventCreate");
-    d.event_record = (CUresult(*)(CUevent, CUstream))dlsym(cuda, "cuEventRecord");
-    d.event_query = (CUresult(*)(CUevent))dlsym(cuda, "cuEventQuery");
-    d.event_synchronize = (CUresult(*)(CUevent))dlsym(cuda, "cuEventSynchronize");
-    d.event_destroy = (CUresult(*)(CUevent))dlsym(cuda, "cuEventDestroy_v2");
-    d.stream_is_capturing = (CUresult(*)(CUstream, int *))dlsym(cuda, "cuStreamIsCapturing");
-    d.event_elapsed = (CUresult(*)(float *, CUevent, CUevent))dlsym(cuda, "cuEventElapsedTime_v2");
-    if (!d.event_elapsed) d.event_elapsed = (CUresult(*)(float *, CUevent, CUevent))dlsym(cuda, "cuEventElapsedTime");
-    if (!d.event_create || !d.event_record || !d.event_query
+    d.event_create = (CUresult(*)(CUevent *, unsigned int))real_dlsym(cuda, "cuEventCreate");
+    d.event_record = (CUresult(*)(CUevent, CUstream))real_dlsym(cuda, "cuEventRecord");
+    d.event_query = (CUresult(*)(CUevent))real_dlsym(cuda, "cuEventQuery");
+    d.event_synchronize = (CUresult(*)(CUevent))real_dlsym(cuda, "cuEventSynchronize");
+    d.event_destroy = (CUresult(*)(CUevent))real_dlsym(cuda, "cuEventDestroy_v2");
+    d.stream_is_capturing = (CUresult(*)(CUstream, int *))real_dlsym(cuda, "cuStreamIsCapturing");
+    d.event_elapsed = (CUresult(*)(float *, CUevent, CUevent))real_dlsym(cuda, "cuEventElapsedTime_v2");
+    if (!d.event_elapsed) d.event_elapsed = (CUresult(*)(float *, CUevent, CUevent))real_dlsym(cuda, "cuEventElapsedTime");
+    if (!g_ctx_current || !d.event_create || !d.event_record || !d.event_query
         || !d.event_synchronize || !d.event_destroy || !d.stream_is_capturing || !d.event_elapsed) {
         snprintf(err, errlen, "the CUDA driver lacks an event or capture entry point");
         return -1;
@@ -563,6 +755,18 @@ int gps_attach(const char *cupti_path, char *err, size_t errlen) {
     }
     g_subscriber = handle;
     install_sigint();
+    return 0;
+}
+
+/* Preloaded: bound the work in flight from now on (the driver must be loadable).
+ * Returns 0, or -1 with a one-line reason. */
+int gps_activate_preload(char *err, size_t errlen) {
+    if (!gps_preloaded()) {
+        snprintf(err, errlen, "the launch shim is not preloaded in this process");
+        return -1;
+    }
+    if (!g_driver_ready && load_driver(err, errlen) != 0) return -1;
+    find_python();
     return 0;
 }
 

@@ -1,0 +1,93 @@
+/*
+ * A stand-in for the CUDA driver (libcuda.so.1) on machines without a GPU: just the entry
+ * points the launch shim wraps or calls, each counting what it was asked.  Launches run
+ * nothing; events "complete" when fake_gpu_catch_up() says so.  Built by the test that
+ * uses it, never installed.
+ */
+#include <stdint.h>
+#include <string.h>
+
+typedef int CUresult;
+static unsigned long launches, records, syncs;
+static int completed_up_to; /* events numbered 1.. complete up to this one */
+static int next_event = 1;
+
+unsigned long fake_launches(void) { return launches; }
+unsigned long fake_records(void) { return records; }
+unsigned long fake_syncs(void) { return syncs; }
+void fake_gpu_catch_up(void) { completed_up_to = next_event; }
+
+CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                        unsigned bz, unsigned sh, void *st, void **p, void **x) {
+    (void)f; (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)sh; (void)st;
+    (void)p; (void)x;
+    launches++;
+    return 0;
+}
+
+CUresult cuLaunchKernel_ptsz(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                             unsigned by, unsigned bz, unsigned sh, void *st, void **p, void **x) {
+    return cuLaunchKernel(f, gx, gy, gz, bx, by, bz, sh, st, p, x);
+}
+
+void *fake_real_launch(void) { return (void *)cuLaunchKernel; }
+
+CUresult cuCtxGetCurrent(void **ctx) {
+    *ctx = (void *)0x5EED;
+    return 0;
+}
+
+CUresult cuEventCreate(void **event, unsigned flags) {
+    (void)flags;
+    *event = (void *)(intptr_t)next_event++;
+    return 0;
+}
+
+CUresult cuEventRecord(void *event, void *stream) {
+    (void)event; (void)stream;
+    records++;
+    return 0;
+}
+
+CUresult cuEventQuery(void *event) { return (intptr_t)event <= completed_up_to ? 0 : 600; }
+
+CUresult cuEventSynchronize(void *event) {
+    syncs++;
+    if ((intptr_t)event > completed_up_to) completed_up_to = (int)(intptr_t)event;
+    return 0;
+}
+
+CUresult cuEventDestroy_v2(void *event) { (void)event; return 0; }
+
+CUresult cuEventElapsedTime(float *ms, void *a, void *b) {
+    (void)a; (void)b;
+    *ms = 0.1f;
+    return 0;
+}
+
+CUresult cuStreamIsCapturing(void *stream, int *status) {
+    (void)stream;
+    *status = 0;
+    return 0;
+}
+
+/* The driver's lookup: cudart fetches every entry point this way. */
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags,
+                             void *status) {
+    (void)version; (void)status;
+    if (strcmp(symbol, "cuLaunchKernel") == 0) {
+        *pfn = (flags & 2) ? (void *)cuLaunchKernel_ptsz : (void *)cuLaunchKernel;
+    } else if (strcmp(symbol, "cuGetProcAddress") == 0) {
+        *pfn = (void *)cuGetProcAddress_v2;
+    } else if (strcmp(symbol, "cuCtxGetCurrent") == 0) {
+        *pfn = (void *)cuCtxGetCurrent;
+    } else {
+        *pfn = 0;
+        return 500;
+    }
+    return 0;
+}
+
+CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, uint64_t flags) {
+    return cuGetProcAddress_v2(symbol, pfn, version, flags, 0);
+}
