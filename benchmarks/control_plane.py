@@ -31,9 +31,7 @@ import json
 import multiprocessing
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -41,6 +39,7 @@ import time
 from pathlib import Path
 
 from benchmarks.environment import describe
+from gpushare_ext.broker.launch import BrokerProcess
 
 MIB = 1024 * 1024
 CONFIG = """
@@ -54,33 +53,6 @@ max_leases = 10000
 
 
 # ------------------------------------------------------------------ the broker
-
-
-def start_broker(directory: Path) -> tuple[subprocess.Popen, Path]:
-    sock = directory / "broker.sock"
-    config = directory / "broker.toml"
-    config.write_text(CONFIG)
-    argv = [
-        sys.executable, "-m", "gpushare_ext.cli", "broker", "--simulate", "h200",
-        "--socket", str(sock), "--journal", str(directory / "journal.sqlite"),
-        "--config", str(config), "--log-level", "warning",
-    ]  # fmt: skip
-    log = open(directory / "broker.log", "wb")  # noqa: SIM115 - lives as long as the broker
-    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    from gpushare_ext.runtime.client import BrokerClient, BrokerError
-
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"broker exited: {(directory / 'broker.log').read_text()}")
-        try:
-            with BrokerClient(sock, client="bench", connect_timeout=2) as client:
-                client.status()
-            return process, sock
-        except BrokerError:
-            time.sleep(0.05)
-    process.kill()
-    raise SystemExit("broker did not start within 20 s")
 
 
 # ------------------------------------------------------------------ the clients
@@ -238,18 +210,14 @@ def main(argv: list[str] | None = None) -> int:
 
     load_before = os.getloadavg()
     directory = Path(tempfile.mkdtemp(prefix="gps-bench-", dir="/tmp"))
-    process, sock = start_broker(directory)
+    broker = BrokerProcess(directory, config_toml=CONFIG, log_level="warning").start()
     results = []
     try:
         for clients in counts:
             print(f"{clients} client(s) x {args.requests} cycles ...", flush=True)
-            results.append(measure(sock, clients, args.requests, args.workers))
+            results.append(measure(broker.socket, clients, args.requests, args.workers))
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        broker.stop(timeout=30)
         shutil.rmtree(directory, ignore_errors=True)
 
     document = {

@@ -286,10 +286,6 @@ def stats() -> dict[str, int]:
     return out.as_dict()
 
 
-def attached() -> Attached | None:
-    return _attached
-
-
 def detach() -> None:
     global _attached
     if _library is not None:
