@@ -82,9 +82,9 @@ def _tenant(args: list[str], socket_path: Path | None) -> subprocess.Popen:
     shim_for = os.environ.get("GPUSHARE_BENCH_SHIM_ROLES", "low,high").split(",")
     role = args[args.index("--role") + 1] if "--role" in args else ""
     if "shim" in args and role in shim_for:
-        from gpushare_ext.runtime.interpose import shim_path
+        from gpushare_ext.server_ext import preload_for_kernels
 
-        env["LD_PRELOAD"] = str(shim_path())
+        preload_for_kernels(env)  # as the server extension starts kernels
     return subprocess.Popen([sys.executable, "-m", "benchmarks.tenant", *args], cwd=ROOT, env=env)
 
 
@@ -97,14 +97,19 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run_pair(
-    workdir: Path, low_kind: str | None, mode: str, socket_path: Path | None, quick: bool
+    workdir: Path,
+    low_kind: str | None,
+    mode: str,
+    socket_path: Path | None,
+    quick: bool,
+    requests: str = "matmul,inference,instrumented",
+    per_cell: int | None = None,
 ) -> dict:
     """One measurement: optionally a low neighbour, then the high tenant's cells."""
     tag = f"{low_kind or 'none'}-{mode}"
     low = None
     ready = workdir / f"{tag}.ready"
-    requests = "matmul,inference,instrumented"
-    cells, per_cell = (1, 20) if quick else (3, 40)
+    cells, per_cell = (1, per_cell or 20) if quick else (3, per_cell or 40)
     if low_kind is not None:
         low = _tenant(
             [

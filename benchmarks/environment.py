@@ -63,3 +63,16 @@ def describe() -> dict:
         "packages": versions,
         **_gpu(),
     }
+
+
+def allow_numba_import() -> None:
+    """Let numba-cuda import beside a NumPy newer than it knows.
+
+    Some numba-cuda releases register an overload for ``numpy.row_stack``, which NumPy
+    2.5 removed (it was an alias of ``vstack``), so ``import numba.cuda`` fails there.
+    Benchmarks that run Numba kernels restore the alias first; nothing else changes.
+    """
+    import numpy
+
+    if not hasattr(numpy, "row_stack"):
+        numpy.row_stack = numpy.vstack

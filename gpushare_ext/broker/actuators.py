@@ -250,6 +250,20 @@ class CudaProcessControl:
 # ------------------------------------------------------------------ the ladder
 
 
+def _what_stopped(target: Target, level: PreemptionLevel, locked: bool) -> list[str]:
+    """The rungs of the ladder applied to ``target``, cheapest first (for status)."""
+    applied = []
+    if target.control_block is not None:
+        applied.append("launches held")  # the launch shim and gpushare kernels read it
+    if target.yield_flag is not None and level >= PreemptionLevel.YIELD:
+        applied.append("yield flag")  # preemptible kernels in flight leave the GPU
+    if locked:
+        applied.append("process lock")
+    if level == PreemptionLevel.EVICT:
+        applied.append("checkpoint to host")
+    return applied or ["nothing (no way to stop it)"]
+
+
 class Ladder:
     """Applies and undoes ladder levels on a :class:`Target`, in order, off the event loop.
 
@@ -327,6 +341,8 @@ class Ladder:
                 self._checkpointed.add(target.pid)
             if self.control.kind == "simulated" and level >= PreemptionLevel.LOCK:
                 notes.append("simulated GPU: the process was gated, not locked")
+            else:
+                notes.append("stopped by: " + ", ".join(_what_stopped(target, level, needs_lock)))
             return "; ".join(notes)
 
     async def undo(self, target: Target, level: PreemptionLevel | None) -> None:

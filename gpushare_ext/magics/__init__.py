@@ -6,13 +6,20 @@ releases every lease the kernel holds and closes the broker connection.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 
 def load(ipython: Any) -> None:
     from gpushare_ext.magics.gpu import GpuMagics
+    from gpushare_ext.runtime import interpose, preemptible
 
     ipython.register_magics(GpuMagics)
+    # Kernels CuPy compiles from now on are seen as they load, before any %%gpu cell.
+    try:
+        preemptible.install()
+    except interpose.InterposerError as exc:
+        print(f"gpushare: {exc}", file=sys.stderr)
 
 
 def unload(ipython: Any) -> None:

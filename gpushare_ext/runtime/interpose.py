@@ -59,6 +59,8 @@ class Stats(ctypes.Structure):
         ("per_launch_ns", ctypes.c_uint64),
         ("window", ctypes.c_uint64),
         ("record_every", ctypes.c_uint64),
+        ("preemptible", ctypes.c_uint64),
+        ("ptx_modules", ctypes.c_uint64),
     ]
 
     def as_dict(self) -> dict[str, int]:
@@ -73,6 +75,19 @@ IS_CAPTURING = ctypes.CFUNCTYPE(CUresult, ctypes.c_void_p, ctypes.POINTER(ctypes
 ELAPSED = ctypes.CFUNCTYPE(
     CUresult, ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p
 )
+
+
+# The launch shim's hooks for kernels loaded from PTX (see runtime/preemptible.py).
+MODULE_HOOK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)
+FUNCTION_HOOK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)
+UNLOAD_HOOK = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+LAUNCH_HOOK = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint), ctypes.c_uint,
+    ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+)  # fmt: skip
+LAUNCH_NOT_HANDLED = -1  # the launch hook's answer: launch the original kernel
+TRACK_TIMING, TRACK_LONG, TRACK_SHORT, TRACK_OFF = 0, 1, 2, 3
+DEFAULT_LONG_US = 2000  # a kernel this long is run preemptibly (a pause waits less)
 
 
 class DriverTable(ctypes.Structure):
@@ -137,6 +152,13 @@ def native_library() -> ctypes.CDLL:
     library.gps_preloaded.restype = ctypes.c_int
     library.gps_activate_preload.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
     library.gps_activate_preload.restype = ctypes.c_int
+    library.gps_set_kernel_hooks.argtypes = [
+        MODULE_HOOK, FUNCTION_HOOK, UNLOAD_HOOK, LAUNCH_HOOK, ctypes.c_uint,
+    ]  # fmt: skip
+    library.gps_track_function.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    library.gps_track_function.restype = ctypes.c_int
+    library.gps_function_state.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_float)]
+    library.gps_function_state.restype = ctypes.c_int
     _library = library
     return library
 
@@ -297,3 +319,43 @@ def use_driver(table: DriverTable | None) -> None:
     """Tests: the native code calls these entry points instead of the CUDA driver's."""
     library = native_library()
     library.gps_use_driver(ctypes.byref(table) if table is not None else None)
+
+
+_hooks: tuple | None = None  # the ctypes callbacks must outlive their use in C
+
+
+def set_kernel_hooks(
+    on_module: object, on_function: object, on_unload: object, on_launch: object,
+    long_us: int = DEFAULT_LONG_US,
+) -> None:  # fmt: skip
+    """Be told of modules loaded from PTX and functions taken from them, and run the
+    launches of tracked functions found long (``runtime/preemptible.py``)."""
+    global _hooks
+    library = native_library()
+    hooks = (
+        MODULE_HOOK(on_module), FUNCTION_HOOK(on_function),
+        UNLOAD_HOOK(on_unload), LAUNCH_HOOK(on_launch),
+    )  # fmt: skip
+    library.gps_set_kernel_hooks(*hooks, long_us)
+    _hooks = hooks
+
+
+def clear_kernel_hooks() -> None:
+    global _hooks
+    if _library is not None and _hooks is not None:
+        _library.gps_set_kernel_hooks(
+            MODULE_HOOK(), FUNCTION_HOOK(), UNLOAD_HOOK(), LAUNCH_HOOK(), DEFAULT_LONG_US
+        )
+    _hooks = None
+
+
+def track_function(function: int, state: int = TRACK_TIMING) -> bool:
+    """Have the shim time ``function``'s launches (or set its state); False if full."""
+    return native_library().gps_track_function(function, state) == 0
+
+
+def function_state(function: int) -> tuple[int, float]:
+    """(state, longest launch timed in microseconds); state -1 if not tracked."""
+    longest = ctypes.c_float()
+    state = native_library().gps_function_state(function, ctypes.byref(longest))
+    return state, float(longest.value)

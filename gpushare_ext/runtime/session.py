@@ -47,7 +47,7 @@ from gpushare_ext.protocol import (
     describe_priority,
     priority_value,
 )
-from gpushare_ext.runtime import binding, interpose, memory
+from gpushare_ext.runtime import binding, interpose, memory, preemptible
 from gpushare_ext.runtime.client import BrokerClient, BrokerError, BrokerUnavailable
 from gpushare_ext.runtime.control import ControlBlock, ControlBlockError
 from gpushare_ext.runtime.embedded import broker_answers, ensure_embedded_broker
@@ -302,11 +302,18 @@ class GpuSession:
                 handle.output.show("gpushare-interposer", f"gpushare: {self.interposer_note}")
             return
         handle.note(self.interposer.describe())
+        try:
+            preemptible.install()
+        except interpose.InterposerError as exc:  # a bad GPUSHARE_PREEMPTIBLE_US
+            handle.note(str(exc))
+            if handle.output is not None:
+                handle.output.show("gpushare-preemptible", f"gpushare: {exc}")
 
     def protection(self) -> str:
         """How this session is stopped when paused, in a few words (for the pause notice)."""
         if self.interposer is not None:
-            return self.interposer.describe()
+            extra = preemptible.summary()
+            return self.interposer.describe() + (f"; {extra}" if extra else "")
         return self.interposer_note or self.gate_note
 
     def close(self) -> None:

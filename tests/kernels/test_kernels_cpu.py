@@ -295,10 +295,10 @@ def test_back_edge_checks_per_loop_and_uniform_where_loops_have_barriers():
     assert body.count("back-edge yield check") == len(k.report.loops) == 2
     # The tile loop has barriers: its check is block-uniform. The inner k loop has none.
     assert body.count("block-uniform: the loop has barriers") == 1
-    assert body.count("(per thread)") == 1
+    assert body.count("(per thread, every") == 1
     k2 = load("long_loop.cu", "long_loop")
     b2 = entry_text(k2.preemptible(abort_checks=True).ptx, k2.entry.name)
-    assert b2.count("(per thread)") == len(k2.report.loops) >= 1
+    assert b2.count("(per thread, every") == len(k2.report.loops) >= 1
     assert "$__gs_abort:" in b2 and f"[%gs_prog+{RecordLayout.ABORTED}]" in b2
     # Plain yield mode has no back-edge checks.
     assert "back-edge" not in entry_text(k2.preemptible().ptx, k2.entry.name)

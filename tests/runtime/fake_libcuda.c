@@ -11,6 +11,7 @@ typedef int CUresult;
 static unsigned long launches, records, syncs;
 static int completed_up_to; /* events numbered 1.. complete up to this one */
 static int next_event = 1;
+static float elapsed_ms = 0.1f; /* what every event pair measures */
 
 unsigned long fake_launches(void) { return launches; }
 unsigned long fake_records(void) { return records; }
@@ -61,7 +62,7 @@ CUresult cuEventDestroy_v2(void *event) { (void)event; return 0; }
 
 CUresult cuEventElapsedTime(float *ms, void *a, void *b) {
     (void)a; (void)b;
-    *ms = 0.1f;
+    *ms = elapsed_ms;
     return 0;
 }
 
@@ -70,6 +71,10 @@ CUresult cuStreamIsCapturing(void *stream, int *status) {
     *status = 0;
     return 0;
 }
+
+CUresult cuModuleLoadData(void **module, const void *image);
+CUresult cuModuleGetFunction(void **function, void *module, const char *name);
+CUresult cuModuleUnload(void *module);
 
 /* The driver's lookup: cudart fetches every entry point this way. */
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags,
@@ -81,6 +86,12 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64
         *pfn = (void *)cuGetProcAddress_v2;
     } else if (strcmp(symbol, "cuCtxGetCurrent") == 0) {
         *pfn = (void *)cuCtxGetCurrent;
+    } else if (strcmp(symbol, "cuModuleLoadData") == 0) {
+        *pfn = (void *)cuModuleLoadData;
+    } else if (strcmp(symbol, "cuModuleGetFunction") == 0) {
+        *pfn = (void *)cuModuleGetFunction;
+    } else if (strcmp(symbol, "cuModuleUnload") == 0) {
+        *pfn = (void *)cuModuleUnload;
     } else {
         *pfn = 0;
         return 500;
@@ -90,4 +101,30 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64
 
 CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, uint64_t flags) {
     return cuGetProcAddress_v2(symbol, pfn, version, flags, 0);
+}
+
+/* Modules: a handle per load, a function per name. */
+static unsigned long module_loads, unloads;
+static char last_image[64];
+void fake_set_elapsed_ms(float ms) { elapsed_ms = ms; }
+unsigned long fake_module_loads(void) { return module_loads; }
+unsigned long fake_unloads(void) { return unloads; }
+const char *fake_last_image(void) { return last_image; }
+
+CUresult cuModuleLoadData(void **module, const void *image) {
+    module_loads++;
+    strncpy(last_image, (const char *)image, sizeof(last_image) - 1);
+    *module = (void *)(intptr_t)(0x1000 + module_loads);
+    return 0;
+}
+
+CUresult cuModuleGetFunction(void **function, void *module, const char *name) {
+    *function = (void *)((intptr_t)module * 0x100 + (intptr_t)strlen(name));
+    return 0;
+}
+
+CUresult cuModuleUnload(void *module) {
+    (void)module;
+    unloads++;
+    return 0;
 }

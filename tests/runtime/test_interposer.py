@@ -371,3 +371,179 @@ def test_preloaded_the_shim_wraps_what_the_driver_hands_out_and_holds_it(fake_dr
     assert seen["launches_after_resume"] == 1
     assert seen["checkpoints_recorded"] > 0  # the bound on work in flight is at work
     assert seen["stats"]["held"] == 1
+
+
+# ------------------------------------------------------------------ kernels loaded from PTX
+
+PTX_SCRIPT = r"""
+import ctypes, json, os, signal, sys, time
+from gpushare_ext.runtime import interpose
+
+u, p = ctypes.c_uint, ctypes.c_void_p
+LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, p, u, u, u, u, u, u, u, p, p, p)
+LOAD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(p), ctypes.c_char_p)
+GET = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(p), p, ctypes.c_char_p)
+UNLOAD = ctypes.CFUNCTYPE(ctypes.c_int, p)
+cuda = ctypes.CDLL("libcuda.so.1")
+cuda.fake_launches.restype = ctypes.c_ulong
+cuda.fake_set_elapsed_ms.argtypes = [ctypes.c_float]
+get_proc = cuda.cuGetProcAddress_v2
+get_proc.argtypes = [ctypes.c_char_p, ctypes.POINTER(p), ctypes.c_int, ctypes.c_uint64, p]
+
+def entry(name, kind):
+    found = p()
+    assert get_proc(name, ctypes.byref(found), 12080, 0, None) == 0
+    return kind(found.value)
+
+load, get, unload = entry(b"cuModuleLoadData", LOAD), entry(b"cuModuleGetFunction", GET), entry(b"cuModuleUnload", UNLOAD)
+launch = entry(b"cuLaunchKernel", LAUNCH)
+library = interpose.native_library()
+message = ctypes.create_string_buffer(256)
+assert library.gps_activate_preload(message, 256) == 0, message.value
+
+seen = {"modules": [], "functions": [], "unloads": [], "launches": []}
+answer = {"code": 0, "interrupt": False}
+
+def on_module(module, image):
+    seen["modules"].append(ctypes.string_at(image)[:12].decode())
+def on_function(function, module, name):
+    seen["functions"].append(name.decode())
+    interpose.track_function(function)
+def on_unload(module):
+    seen["unloads"].append(module)
+def on_launch(function, dims, shared, stream, params):
+    seen["launches"].append([dims[i] for i in range(6)] + [ctypes.cast(params[0], ctypes.POINTER(ctypes.c_int))[0]])
+    if answer["interrupt"]:
+        os.kill(os.getpid(), signal.SIGINT)
+        try:
+            time.sleep(0.2)
+            seen["interrupted_inside"] = False
+        except KeyboardInterrupt:
+            seen["interrupted_inside"] = True
+    return answer["code"]
+
+interpose.set_kernel_hooks(on_module, on_function, on_unload, on_launch, 2000)
+module, cubin_module = p(), p()
+load(ctypes.byref(module), b"//\n// Generated\n.version 8.0\n.target sm_90\n")
+load(ctypes.byref(cubin_module), b"\x7fELF not text")
+fn, short_fn = p(), p()
+get(ctypes.byref(fn), module, b"long_kernel")
+get(ctypes.byref(short_fn), module, b"k")
+arg = ctypes.c_int(42)
+params = (p * 1)(ctypes.addressof(arg))
+out = {"seen_first": json.loads(json.dumps(seen))}
+
+def run(f, times=1):
+    for _ in range(times):
+        launch(f, 8, 1, 1, 128, 1, 1, 0, None, params, None)
+        cuda.fake_gpu_catch_up()
+
+base = cuda.fake_launches()
+cuda.fake_set_elapsed_ms(5.0)     # 5 ms: long
+run(fn)                          # timed, then launched as it is
+out["state_after_one_long"] = interpose.function_state(fn.value)
+run(fn, 2)                       # handed to the hook: the original never runs
+out["originals_of_long"] = cuda.fake_launches() - base
+cuda.fake_set_elapsed_ms(0.05)
+base = cuda.fake_launches()
+run(short_fn, 5)
+out["short_state"] = interpose.function_state(short_fn.value)[0]
+out["originals_of_short"] = cuda.fake_launches() - base
+answer["code"] = interpose.LAUNCH_NOT_HANDLED
+base = cuda.fake_launches()
+run(fn)
+out["declined_ran_original"] = cuda.fake_launches() - base
+answer["code"], answer["interrupt"] = 0, True
+try:
+    run(fn)
+    time.sleep(0.5)
+    out["interrupted_after"] = False
+except KeyboardInterrupt:
+    out["interrupted_after"] = True
+unload(module)
+out["seen"] = seen
+out["stats"] = interpose.stats()
+print(json.dumps(out))
+"""
+
+
+def test_the_shim_hands_long_kernels_loaded_from_ptx_to_the_runtime(fake_driver, tmp_path):
+    env = dict(os.environ)
+    env.update(
+        LD_PRELOAD=str(interpose.NATIVE),
+        LD_LIBRARY_PATH=str(fake_driver),
+        PYTHONPATH=str(Path(__file__).resolve().parents[2]),
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", PTX_SCRIPT], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+
+    # Only the PTX text is reported (not the ELF image), and each function taken from it.
+    assert out["seen_first"]["modules"] == ["//\n// Genera"]
+    assert out["seen_first"]["functions"] == ["long_kernel", "k"]
+    # One 5 ms launch makes a kernel long; its later launches go to the hook, with the
+    # launch's grid, block and parameters, and the original does not run.
+    assert out["state_after_one_long"][0] == interpose.TRACK_LONG
+    assert out["state_after_one_long"][1] == pytest.approx(5000, rel=0.01)
+    assert out["originals_of_long"] == 1
+    assert out["seen"]["launches"][0] == [8, 1, 1, 128, 1, 1, 42]
+    # Short kernels are left alone after a few timed launches.
+    assert out["short_state"] == interpose.TRACK_SHORT
+    assert out["originals_of_short"] == 5
+    # A hook that declines gets the original launched.
+    assert out["declined_ran_original"] == 1
+    # Ctrl-C during a hooked launch waits until it returns, then reaches Python.
+    assert out["seen"]["interrupted_inside"] is False
+    assert out["interrupted_after"] is True
+    assert len(out["seen"]["unloads"]) == 1
+    assert out["stats"]["ptx_modules"] == 1
+    assert out["stats"]["preemptible"] == 3
+
+
+NUMBA_SCRIPT = r"""
+import json, re, sys
+from gpushare_ext.runtime import interpose, preemptible
+registry = preemptible.install()
+out = {"installed": registry is not None, "numba_imported_before": "numba.cuda.codegen" in sys.modules}
+from numba import cuda, float32
+from numba.cuda import codegen
+out["hooked"] = bool(getattr(codegen.CUDACodeLibrary.get_cufunc, "_gpushare", False))
+
+def relax(x, out, iterations):
+    i = cuda.grid(1)
+    if i < x.size:
+        v = x[i]
+        for _ in range(iterations):
+            v = v * float32(0.999) + float32(0.5)
+        out[i] = v
+
+ptx, _ = cuda.compile_ptx(relax, (float32[:], float32[:], float32), cc=(9, 0))
+name = re.search(r"\.entry\s+(\S+)\(", ptx).group(1)
+registry.adopt(0x4242, ptx, name)
+twin = registry.twins[0x4242]
+out["has_twin"] = twin.kernel is not None
+out["buffers"] = sorted(p.rsplit("_", 1)[1] for p in twin.kernel.report.buffers)
+out["state"] = interpose.function_state(0x4242)[0]
+print(json.dumps(out))
+"""
+
+
+def test_numba_kernels_are_handed_over_from_its_code_library(fake_driver):
+    env = dict(os.environ)
+    env.update(
+        LD_PRELOAD=str(interpose.NATIVE),
+        LD_LIBRARY_PATH=str(fake_driver),
+        PYTHONPATH=str(Path(__file__).resolve().parents[2]),
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", NUMBA_SCRIPT], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    # Installed before Numba is imported, the hook is in place once it is.
+    assert out["installed"] and not out["numba_imported_before"] and out["hooked"]
+    # Numba's flattened array arguments: the data pointers are the buffers.
+    assert out["has_twin"] and out["buffers"] == ["11", "4"]
+    assert out["state"] == interpose.TRACK_TIMING

@@ -291,6 +291,35 @@ def _address(ins: Instruction) -> str | None:
     return None
 
 
+def _param_slot(addr: str) -> str:
+    """The parameter an ``ld.param`` reads: ``x``, or ``s@8`` for the 64-bit field at byte
+    8 of a by-value struct ``s`` (CuPy passes each array as such a struct)."""
+    base = _address_base(addr)
+    rest = addr.strip()[len(base) :].replace(" ", "")
+    if rest.startswith("+") and rest[1:].isdigit():
+        return f"{base}@{int(rest[1:])}"
+    return base
+
+
+def struct_pointer_fields(entry: Entry) -> list[str]:
+    """``s@offset`` for every 8-byte-aligned 64-bit field a kernel loads from a by-value
+    struct parameter: each may be a pointer (a CuPy array's data), the analysis decides."""
+    structs = {p.name for p in entry.params if p.array is not None}
+    fields: list[str] = []
+    for ins in entry.instructions:
+        if ins.base != "ld" or ins.state_space != "param" or not ins.is_64bit:
+            continue
+        addr = _address(ins) or ""
+        base = _address_base(addr)
+        if base not in structs:
+            continue
+        offset = int(_param_slot(addr).partition("@")[2] or 0)
+        field = f"{base}@{offset}"
+        if offset % 8 == 0 and field not in fields:
+            fields.append(field)
+    return fields
+
+
 def _address_base(addr: str) -> str:
     base = addr
     for sep in ("+", "-"):
@@ -352,7 +381,9 @@ def compute_taint(
                 space = ins.state_space
                 addr = _address(ins) or ""
                 if space == "param":
-                    pname = _address_base(addr)
+                    pname = _param_slot(addr)
+                    if pname not in ptrs and f"{pname}@0" in ptrs:
+                        pname = f"{pname}@0"  # a struct's first field
                     if pname in ptrs:
                         new.add(pname)
                 elif ins.is_64bit and space in ("global", "generic", "local", "const"):
@@ -435,6 +466,7 @@ def analyse_entry(
     cfg = build_cfg(entry)
     instrs = entry.instructions
     candidates = [p.name for p in entry.params if p.may_be_pointer]
+    candidates += struct_pointer_fields(entry)
     if pointer_params is not None:
         allowed = set(pointer_params)
         candidates = [p for p in candidates if p in allowed]

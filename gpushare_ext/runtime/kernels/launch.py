@@ -594,10 +594,11 @@ def _parse_record(raw: bytes) -> dict[str, int]:
     (yexits,) = struct.unpack_from("<I", raw, L.YIELD_EXITS)
     (start_ns,) = struct.unpack_from("<Q", raw, L.START_NS)
     (end_ns,) = struct.unpack_from("<Q", raw, L.END_NS)
+    (lowest_aborted,) = struct.unpack_from("<I", raw, L.LOWEST_ABORTED)
     return {
         "next": nxt, "finished": fin, "first_yield_ns": first, "last_exit_ns": last,
         "fenced": fenced, "aborted": aborted, "yield_exits": yexits,
-        "start_ns": start_ns, "end_ns": end_ns,
+        "start_ns": start_ns, "end_ns": end_ns, "lowest_aborted": lowest_aborted,
     }  # fmt: skip
 
 
@@ -614,6 +615,7 @@ def initial_record(start_block: int = 0) -> bytes:
     struct.pack_into("<I", raw, RecordLayout.NEXT_BLOCK, start_block)
     struct.pack_into("<Q", raw, RecordLayout.FIRST_YIELD_NS, (1 << 64) - 1)
     struct.pack_into("<Q", raw, RecordLayout.START_NS, (1 << 64) - 1)
+    struct.pack_into("<I", raw, RecordLayout.LOWEST_ABORTED, NO_BLOCK)
     return bytes(raw)
 
 
@@ -817,8 +819,17 @@ def launch_kernel(
     sync: bool = True,
     chunk: int | None = None,
     chunk_target_us: float | None = None,
+    bound: BoundArgs | None = None,
+    max_aborts: int | None = None,
 ) -> LaunchReport:
     """Run one launch as a transaction. See the module docstring for the modes.
+
+    ``max_aborts``: after this many aborts the launch goes on without back-edge checks
+    (yields between logical blocks only), so a launch whose logical blocks are longer
+    than the gaps between preemptions still finishes instead of being aborted for ever.
+
+    ``bound``: the arguments already packed (a launch taken from another framework by
+    the launch shim: raw parameter bytes and buffer extents); ``args`` is then unused.
 
     ``preempt_at``: logical block ids at which the launch is cut and resumed (a
     deterministic yield); ``abort_at``: ids at which a run is stopped and undone (restart or
@@ -830,8 +841,9 @@ def launch_kernel(
     """
     import cupy
 
-    kernel = kernel.bind(args)
-    bound = bind_arguments(kernel, args)
+    if bound is None:
+        kernel = kernel.bind(args)
+        bound = bind_arguments(kernel, args)
     g = _dim3(grid)
     b = _dim3(block)
     total = g[0] * g[1] * g[2]
@@ -947,6 +959,13 @@ def launch_kernel(
         drained = False
         slot.write_header(record_ptr, start_block, sh)
 
+    def without_abort_checks() -> None:
+        """Go on with yields between logical blocks only (after ``max_aborts``)."""
+        nonlocal fn
+        fn = _modules.function(kernel.preemptible(abort_checks=False, fence=fence).ptx,
+                               kernel.entry.name, ctx)  # fmt: skip
+        out.notes.append(f"after {out.aborts} aborts: yields between logical blocks only")
+
     def run_slice(stop: int) -> dict[str, int]:
         nonlocal drained
         drained = False
@@ -1002,10 +1021,20 @@ def launch_kernel(
                 out.last_exit_ns = state["last_exit_ns"]
             if state["aborted"]:
                 undo()
+                # A logical block longer than the gaps between preemptions would be
+                # aborted for ever (a rollback loses everything, a restart the blocks in
+                # flight): after max_aborts the launch only yields between blocks.
+                if max_aborts is not None and out.aborts == max_aborts:
+                    without_abort_checks()
                 wait_for_resume(flag)
-                write_record(0)
-                out.fenced_accesses = 0
+                # Idempotent: from the lowest block an abort left (all below are done);
+                # a rolled-back snapshot: from the start.
                 start = 0
+                if chosen is LaunchMode.RESTART:
+                    start = min(state["lowest_aborted"], state["next"], stop)
+                else:
+                    out.fenced_accesses = 0
+                write_record(start)
                 pending = []
                 continue
             done_to = min(state["next"], stop)

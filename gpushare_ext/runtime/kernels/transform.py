@@ -41,7 +41,8 @@ Progress record (``PROGRESS_RECORD_BYTES`` bytes of device memory per launch)::
     +8  u64 first yield seen (%globaltimer, min)    +16 u64 last yield exit (max)
     +24 u64 fenced (neutralised) accesses           +32 u32 aborted mid-block (0/1)
     +36 u32 persistent blocks that left on a yield  +40 u64 first block start (min)
-    +48 u64 last block exit (max)                   +64 64-byte fence scratch area
+    +48 u64 last block exit (max)                   +56 u32 lowest block aborted in (min)
+    +64 64-byte fence scratch area
 
 What it must not do: launch anything or touch CUDA (``launch.py`` does), or change
 ``.version``/``.target`` (the transformed text keeps the input's).
@@ -97,6 +98,7 @@ class RecordLayout:
     YIELD_EXITS = 36
     START_NS = 40
     END_NS = 48
+    LOWEST_ABORTED = 56  # u32: the lowest logical block an aborting thread was in
     SCRATCH = 64
 
 
@@ -405,13 +407,25 @@ class BackEdgeChecks(Pass):
         state.notes.append(f"{len(checks)} back-edge flag checks")
 
 
+#: A per-thread back-edge check reads the flag once in this many iterations: a volatile
+#: load on every iteration of a tight loop makes it memory-latency bound (measured: a
+#: CuPy ElementwiseKernel's FMA loop ran about ten times slower), and a few hundred
+#: iterations are still well under a microsecond.  A power of two.
+THREAD_CHECK_EVERY = 256
+
+
 def _abort_check(kind: str, n: int) -> list[str]:
     if kind == "thread":
         return [
-            "// gpushare: back-edge yield check (per thread)",
+            f"// gpushare: back-edge yield check (per thread, every {THREAD_CHECK_EVERY})",
+            "add.u32 %gs_bc, %gs_bc, 1;",
+            f"and.b32 %gs_bm, %gs_bc, {THREAD_CHECK_EVERY - 1};",
+            "setp.ne.u32 %gs_pb, %gs_bm, 0;",
+            f"@%gs_pb bra $__gs_nocheck{n};",
             "ld.volatile.global.u32 %gs_flagv, [%gs_flag];",
             "setp.ne.u32 %gs_pa, %gs_flagv, 0;",
             "@%gs_pa bra $__gs_abort;",
+            f"$__gs_nocheck{n}:",
         ]
     return [
         "// gpushare: back-edge yield check (block-uniform: the loop has barriers)",
@@ -472,8 +486,8 @@ class PersistentBlocks(Pass):
         state.decls[:0] = [
             ".reg .b64 %gs_prog0, %gs_prog, %gs_flag0, %gs_flag, %gs_now, %gs_scratch, %gs_scratch_g;",
             ".reg .b32 %gs_nx, %gs_ny, %gs_nz, %gs_stop, %gs_nxy, %gs_t, %gs_t2, %gs_id, %gs_flagv;",
-            ".reg .b32 %gs_cx, %gs_cy, %gs_cz, %gs_chunk, %gs_base, %gs_lim, %gs_sa;",
-            ".reg .pred %gs_leader, %gs_pseen, %gs_pend, %gs_pa, %gs_pmore;",
+            ".reg .b32 %gs_cx, %gs_cy, %gs_cz, %gs_chunk, %gs_base, %gs_lim, %gs_sa, %gs_bc, %gs_bm;",
+            ".reg .pred %gs_leader, %gs_pseen, %gs_pend, %gs_pa, %gs_pb, %gs_pmore;",
             # Two slots, used alternately by consecutive chunks: the leader can write the
             # next chunk's base while a slow warp still reads this one's (one barrier per
             # chunk instead of two).
@@ -494,6 +508,7 @@ class PersistentBlocks(Pass):
             "ld.param.u32 %gs_stop, [__gs_stop];",
             "ld.param.u32 %gs_chunk, [__gs_chunk];",
             "max.u32 %gs_chunk, %gs_chunk, 1;",
+            "mov.u32 %gs_bc, 0;",  # iterations since the last per-thread flag check
             "mul.lo.u32 %gs_nxy, %gs_nx, %gs_ny;",
             "mov.u32 %gs_t, %tid.x;",
             "mov.u32 %gs_t2, %tid.y;",
@@ -560,6 +575,9 @@ class PersistentBlocks(Pass):
             "mov.u64 %gs_now, %globaltimer;",
             f"red.global.min.u64 [%gs_prog+{L.FIRST_YIELD_NS}], %gs_now;",
             f"red.global.max.u64 [%gs_prog+{L.LAST_EXIT_NS}], %gs_now;",
+            # Every block below the lowest one an abort left is finished: an idempotent
+            # kernel restarts there, not at 0 (re-running finished blocks is harmless).
+            f"red.global.min.u32 [%gs_prog+{L.LOWEST_ABORTED}], %gs_id;",
             f"mov.u32 %gs_t, {NO_BLOCK};",
             "st.shared.u32 [__gs_slot], %gs_t;",
             "st.shared.u32 [__gs_slot+4], %gs_t;",

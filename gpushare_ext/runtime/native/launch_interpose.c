@@ -92,9 +92,11 @@ typedef struct { /* cuLaunchKernel, cuLaunchCooperativeKernel and their _ptsz fo
     CUstream hStream;
 } LaunchParams;
 
-typedef struct {
+typedef struct { /* CUlaunchConfig */
     unsigned int grid[3], block[3], shared;
     CUstream hStream;
+    void *attrs;
+    unsigned int numAttrs;
 } LaunchConfig;
 
 typedef struct { /* cuLaunchKernelEx(_ptsz) */
@@ -151,6 +153,8 @@ typedef struct {
     uint64_t per_launch_ns;   /* the latest estimate of a launch's GPU time (any context) */
     uint64_t window;          /* the window and spacing in force (the latest context's) */
     uint64_t record_every;
+    uint64_t preemptible;     /* launches run by the runtime as preemptible kernels */
+    uint64_t ptx_modules;     /* modules loaded from PTX text (candidates for that) */
 } gps_stats;
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -195,7 +199,14 @@ static int session_paused(void) {
     return __atomic_load_n(gate, __ATOMIC_ACQUIRE) != 0 || s == STATE_PAUSED || s == STATE_EVICTED;
 }
 
+static volatile int g_defer_sigint;            /* preemptible launches running now */
+static volatile sig_atomic_t g_sigint_deferred; /* a Ctrl-C that came meanwhile */
+
 static void on_sigint(int sig, siginfo_t *info, void *context) {
+    if (g_defer_sigint > 0) { /* delivered once the launch is whole (see redirected) */
+        g_sigint_deferred = 1;
+        return;
+    }
     g_interrupt = 1;
     if (g_previous_sigint.sa_flags & SA_SIGINFO) {
         if (g_previous_sigint.sa_sigaction) g_previous_sigint.sa_sigaction(sig, info, context);
@@ -425,12 +436,22 @@ static void after_launch(CUresult result, CUstream stream, int ptsz) {
 WRAPPED(LaunchFn, 0) WRAPPED(LaunchFn, 1) WRAPPED(CoopFn, 0) WRAPPED(CoopFn, 1)
 WRAPPED(LaunchExFn, 0) WRAPPED(LaunchExFn, 1) WRAPPED(GraphFn, 0) WRAPPED(GraphFn, 1)
 
+static int redirected(void *f, const unsigned *dims, unsigned shared, CUstream stream,
+                      void **params, void **extra, CUresult *result);
+static int sample_begin(void *f, CUstream stream);
+static void sample_end(void *f, CUstream stream, int slot);
+
 #define LAUNCH_WRAPPER(n)                                                                      \
     static CUresult w_launch_##n(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,  \
                                  unsigned by, unsigned bz, unsigned sh, CUstream st,          \
                                  void **params, void **extra) {                               \
+        const unsigned dims[6] = {gx, gy, gz, bx, by, bz};                                     \
+        CUresult r;                                                                            \
+        if (redirected(f, dims, sh, st, params, extra, &r)) return r;                          \
         before_launch(st, 0);                                                                  \
-        CUresult r = real_LaunchFn_##n(f, gx, gy, gz, bx, by, bz, sh, st, params, extra);      \
+        int slot = sample_begin(f, st);                                                        \
+        r = real_LaunchFn_##n(f, gx, gy, gz, bx, by, bz, sh, st, params, extra);               \
+        if (slot >= 0) sample_end(f, st, r == CUDA_SUCCESS ? slot : -1);                       \
         after_launch(r, st, 0);                                                                \
         return r;                                                                              \
     }
@@ -443,11 +464,20 @@ WRAPPED(LaunchExFn, 0) WRAPPED(LaunchExFn, 1) WRAPPED(GraphFn, 0) WRAPPED(GraphF
         after_launch(r, st, 0);                                                                \
         return r;                                                                              \
     }
+/* A launch with attributes (clusters, cooperative ...) is never redirected. */
 #define EX_WRAPPER(n)                                                                          \
     static CUresult w_ex_##n(const LaunchConfig *c, void *f, void **params, void **extra) {    \
         CUstream st = c ? c->hStream : NULL;                                                   \
+        CUresult r;                                                                            \
+        if (c != NULL && c->numAttrs == 0) {                                                   \
+            const unsigned dims[6] = {c->grid[0], c->grid[1], c->grid[2],                      \
+                                      c->block[0], c->block[1], c->block[2]};                  \
+            if (redirected(f, dims, c->shared, st, params, extra, &r)) return r;               \
+        }                                                                                      \
         before_launch(st, 0);                                                                  \
-        CUresult r = real_LaunchExFn_##n(c, f, params, extra);                                 \
+        int slot = sample_begin(f, st);                                                        \
+        r = real_LaunchExFn_##n(c, f, params, extra);                                          \
+        if (slot >= 0) sample_end(f, st, r == CUDA_SUCCESS ? slot : -1);                       \
         after_launch(r, st, 0);                                                                \
         return r;                                                                              \
     }
@@ -475,10 +505,13 @@ EX_WRAPPER(0) EX_WRAPPER(1) GRAPH_WRAPPER(0) GRAPH_WRAPPER(1)
         return real;                                                                           \
     } while (0)
 
+static void *wrap_module_call(const char *name, void *real);
+
 static int is_wrapper(void *fn) {
     return fn == (void *)w_launch_0 || fn == (void *)w_launch_1 || fn == (void *)w_coop_0
            || fn == (void *)w_coop_1 || fn == (void *)w_ex_0 || fn == (void *)w_ex_1
-           || fn == (void *)w_graph_0 || fn == (void *)w_graph_1;
+           || fn == (void *)w_graph_0 || fn == (void *)w_graph_1
+           || wrap_module_call(NULL, fn) != NULL;
 }
 
 static CUresult w_get_proc_v1(const char *symbol, void **pfn, int version, uint64_t flags);
@@ -502,6 +535,8 @@ static void *wrap(const char *name, void *real, int version) {
     if (strcmp(base, "cuLaunchCooperativeKernel") == 0) PICK(CoopFn, w_coop);
     if (strcmp(base, "cuLaunchKernelEx") == 0) PICK(LaunchExFn, w_ex);
     if (strcmp(base, "cuGraphLaunch") == 0) PICK(GraphFn, w_graph);
+    void *module_wrapper = wrap_module_call(name, real);
+    if (module_wrapper != NULL) return module_wrapper;
     if (strcmp(name, "cuGetProcAddress_v2") == 0
         || (strcmp(name, "cuGetProcAddress") == 0 && version >= 12000)) {
         if (real != (void *)w_get_proc_v2) real_get_proc_v2 = (GetProcV2Fn)real;
@@ -659,6 +694,270 @@ static void install_sigint(void) {
     sigemptyset(&ours.sa_mask);
     g_previous_sigint = current;
     sigaction(SIGINT, &ours, NULL);
+}
+
+/* ---- kernels loaded from PTX: long ones are run preemptibly by the runtime
+ *
+ * A framework that loads a module from PTX text (CuPy compiling to PTX, a RawModule of
+ * PTX) hands us the text the analysis and transform of gpushare need.  The runtime is
+ * told of each such module and of each function taken from it, and may ask us to
+ * *track* a function: its first launches are timed with a pair of events (and one in
+ * RESAMPLE_EVERY after that), and once one took at least `g_long_us`, its later
+ * launches (cuLaunchKernel, or cuLaunchKernelEx without attributes; not into a graph
+ * being captured; parameters as an array) are handed to the runtime's launch hook,
+ * which runs the preemptible twin and returns when it is done.  Short kernels stay
+ * untouched: the queue bound already drains them within a few microseconds.  Numba,
+ * which links to a cubin itself, tells the runtime of its kernels' PTX from Python.
+ * A Ctrl-C during such a launch is delivered when it returns, so a kernel is never
+ * left half done. */
+
+typedef CUresult (*ModLoadFn)(void **, const void *);
+typedef CUresult (*ModLoadExFn)(void **, const void *, unsigned, void *, void **);
+typedef CUresult (*GetFunctionFn)(void **, void *, const char *);
+typedef CUresult (*ModUnloadFn)(void *);
+typedef void (*ModuleHook)(void *module, const char *ptx);
+typedef void (*FunctionHook)(void *function, void *module, const char *name);
+typedef void (*UnloadHook)(void *module);
+typedef int (*LaunchHook)(void *function, const unsigned *dims, unsigned shared, CUstream stream,
+                          void **params);
+
+#define LAUNCH_NOT_HANDLED (-1) /* the launch hook's answer: launch the original */
+#define MAX_TRACKED 4096        /* a power of two: open addressing by pointer hash */
+#define SAMPLES_TO_DECIDE 3
+#define RESAMPLE_EVERY 1024     /* a short kernel is timed again this often */
+enum { TRACK_SAMPLING = 0, TRACK_LONG = 1, TRACK_SHORT = 2, TRACK_OFF = 3 };
+
+typedef struct {
+    void *f;               /* written last, with release: readers need no lock */
+    int state;
+    unsigned samples, launches;
+    float longest_us;
+    CUevent start, end;
+    int pending;           /* an event pair was recorded and not read yet */
+} Tracked;
+
+static ModLoadFn real_mod_load;
+static ModLoadExFn real_mod_load_ex;
+static GetFunctionFn real_get_function;
+static ModUnloadFn real_mod_unload;
+static ModuleHook g_on_module;
+static FunctionHook g_on_function;
+static UnloadHook g_on_unload;
+static LaunchHook g_on_launch;
+static unsigned g_long_us = 2000;
+static Tracked g_tracked[MAX_TRACKED];
+static unsigned g_tracked_count;
+static __thread int t_redirecting; /* the hook's own launches and loads are plain ones */
+
+static int looks_like_ptx(const void *image) {
+    const unsigned char *c = (const unsigned char *)image;
+    if (c == NULL) return 0;
+    for (int i = 0; i < 256 && (c[i] == ' ' || c[i] == '\t' || c[i] == '\n' || c[i] == '\r'); i++)
+        c++;
+    return (c[0] == '/' && c[1] == '/') || c[0] == '.'; /* a comment or a directive */
+}
+
+static void seen_module(CUresult r, void **module, const void *image) {
+    if (r != CUDA_SUCCESS || module == NULL || t_redirecting || !looks_like_ptx(image)) return;
+    __atomic_add_fetch(&g_stats.ptx_modules, 1, __ATOMIC_RELAXED);
+    if (g_on_module) g_on_module(*module, (const char *)image);
+}
+
+static CUresult w_mod_load(void **module, const void *image) {
+    if (real_mod_load == NULL) return 500;
+    CUresult r = real_mod_load(module, image);
+    seen_module(r, module, image);
+    return r;
+}
+
+static CUresult w_mod_load_ex(void **module, const void *image, unsigned n, void *options,
+                              void **values) {
+    if (real_mod_load_ex == NULL) return 500;
+    CUresult r = real_mod_load_ex(module, image, n, options, values);
+    seen_module(r, module, image);
+    return r;
+}
+
+static CUresult w_get_function(void **function, void *module, const char *name) {
+    if (real_get_function == NULL) return 500;
+    CUresult r = real_get_function(function, module, name);
+    if (r == CUDA_SUCCESS && function != NULL && !t_redirecting && g_on_function)
+        g_on_function(*function, module, name);
+    return r;
+}
+
+static CUresult w_mod_unload(void *module) {
+    if (real_mod_unload == NULL) return 500;
+    if (g_on_unload && !t_redirecting) g_on_unload(module); /* its functions go first */
+    return real_mod_unload(module);
+}
+
+/* With name: our wrapper for that module entry point (remembering `real`), or NULL.
+ * Without: whether `fn` is one of these wrappers (non-NULL if so). */
+static void *wrap_module_call(const char *name, void *real) {
+    if (name == NULL) {
+        int ours = real == (void *)w_mod_load || real == (void *)w_mod_load_ex
+                   || real == (void *)w_get_function || real == (void *)w_mod_unload;
+        return ours ? real : NULL;
+    }
+#define SINGLE(symbol, type, slot, wrapper)                                                    \
+    if (strcmp(name, symbol) == 0) {                                                           \
+        if (slot == NULL || slot == (type)real) {                                              \
+            slot = (type)real;                                                                 \
+            return (void *)wrapper;                                                            \
+        }                                                                                      \
+        return real;                                                                           \
+    }
+    SINGLE("cuModuleLoadData", ModLoadFn, real_mod_load, w_mod_load)
+    SINGLE("cuModuleLoadDataEx", ModLoadExFn, real_mod_load_ex, w_mod_load_ex)
+    SINGLE("cuModuleGetFunction", GetFunctionFn, real_get_function, w_get_function)
+    SINGLE("cuModuleUnload", ModUnloadFn, real_mod_unload, w_mod_unload)
+#undef SINGLE
+    return NULL;
+}
+
+static unsigned slot_of(void *f) {
+    uintptr_t h = (uintptr_t)f;
+    h ^= h >> 17;
+    h *= 0x9E3779B97F4A7C15ull;
+    return (unsigned)(h >> 40) & (MAX_TRACKED - 1);
+}
+
+static Tracked *find_tracked(void *f) {
+    if (f == NULL || __atomic_load_n(&g_tracked_count, __ATOMIC_ACQUIRE) == 0) return NULL;
+    for (unsigned i = 0, s = slot_of(f); i < MAX_TRACKED; i++, s = (s + 1) & (MAX_TRACKED - 1)) {
+        void *here = __atomic_load_n(&g_tracked[s].f, __ATOMIC_ACQUIRE);
+        if (here == f) return &g_tracked[s];
+        if (here == NULL) return NULL;
+    }
+    return NULL;
+}
+
+/* Read a recorded event pair if the GPU has passed it; decide.  With g_lock held. */
+static void read_sample(Tracked *t) {
+    if (!t->pending || g_driver.event_query(t->end) != CUDA_SUCCESS) return;
+    float ms = 0;
+    t->pending = 0;
+    if (g_driver.event_elapsed(&ms, t->start, t->end) != CUDA_SUCCESS) return;
+    float us = ms * 1000.0f;
+    if (us > t->longest_us) t->longest_us = us;
+    t->samples++;
+    /* One long launch makes it long; it takes a few short ones to call it short. */
+    if ((t->state == TRACK_SHORT || t->state == TRACK_SAMPLING) && us >= (float)g_long_us)
+        t->state = TRACK_LONG;
+    if (t->state == TRACK_SAMPLING && t->samples >= SAMPLES_TO_DECIDE) t->state = TRACK_SHORT;
+}
+
+/* Before a plain launch of a tracked function that is being timed: record the start
+ * event.  Returns a token for sample_end, or -1 when this launch is not timed. */
+static int sample_begin(void *f, CUstream stream) {
+    Tracked *t = find_tracked(f);
+    if (t == NULL || !g_driver_ready || t_redirecting) return -1;
+    int token = -1;
+    t_inside = 1;
+    pthread_mutex_lock(&g_lock);
+    read_sample(t);
+    t->launches++;
+    int due = t->state == TRACK_SAMPLING || (t->state == TRACK_SHORT && t->launches % RESAMPLE_EVERY == 0);
+    if (due && !t->pending && !capturing(stream)) {
+        if (t->start == NULL && g_driver.event_create(&t->start, 0) != CUDA_SUCCESS) t->start = NULL;
+        if (t->end == NULL && g_driver.event_create(&t->end, 0) != CUDA_SUCCESS) t->end = NULL;
+        if (t->start && t->end && g_driver.event_record(t->start, stream) == CUDA_SUCCESS)
+            token = (int)(t - g_tracked);
+    }
+    pthread_mutex_unlock(&g_lock);
+    t_inside = 0;
+    return token;
+}
+
+static void sample_end(void *f, CUstream stream, int token) {
+    (void)f;
+    if (token < 0 || token >= MAX_TRACKED) return;
+    Tracked *t = &g_tracked[token];
+    t_inside = 1;
+    pthread_mutex_lock(&g_lock);
+    if (g_driver.event_record(t->end, stream) == CUDA_SUCCESS) t->pending = 1;
+    pthread_mutex_unlock(&g_lock);
+    t_inside = 0;
+}
+
+/* A plain launch of a function found long: the runtime runs its preemptible twin.
+ * Returns 1 with *result set if the hook took the launch. */
+static int redirected(void *f, const unsigned *dims, unsigned shared, CUstream stream,
+                      void **params, void **extra, CUresult *result) {
+    if (g_on_launch == NULL || t_redirecting || params == NULL || extra != NULL) return 0;
+    Tracked *t = find_tracked(f);
+    if (t == NULL) return 0;
+    if (t->pending) {
+        pthread_mutex_lock(&g_lock);
+        read_sample(t);
+        pthread_mutex_unlock(&g_lock);
+    }
+    if (__atomic_load_n(&t->state, __ATOMIC_ACQUIRE) != TRACK_LONG) return 0;
+    if (!g_driver_ready || capturing(stream)) return 0;
+    t_redirecting = 1;
+    __atomic_add_fetch(&g_defer_sigint, 1, __ATOMIC_SEQ_CST);
+    int r = g_on_launch(f, dims, shared, stream, params);
+    int others = __atomic_sub_fetch(&g_defer_sigint, 1, __ATOMIC_SEQ_CST);
+    t_redirecting = 0;
+    if (others == 0 && g_sigint_deferred) {
+        g_sigint_deferred = 0;
+        raise(SIGINT); /* now the caller's Python sees it, after a whole launch */
+    }
+    if (r == LAUNCH_NOT_HANDLED) return 0;
+    __atomic_add_fetch(&g_stats.preemptible, 1, __ATOMIC_RELAXED);
+    *result = r;
+    return 1;
+}
+
+/* The runtime's hooks (NULL: none) and the GPU time that makes a kernel long. */
+void gps_set_kernel_hooks(ModuleHook on_module, FunctionHook on_function, UnloadHook on_unload,
+                          LaunchHook on_launch, unsigned long_us) {
+    g_on_module = on_module;
+    g_on_function = on_function;
+    g_on_unload = on_unload;
+    g_on_launch = on_launch;
+    g_long_us = long_us;
+    if (on_launch != NULL) install_sigint();
+}
+
+/* Time this function's launches (state: 0 timing them, 1 long, 2 short, 3 left alone).
+ * Returns 0, or -1 if the table is full. */
+int gps_track_function(void *f, int state) {
+    if (f == NULL) return -1;
+    pthread_mutex_lock(&g_lock);
+    Tracked *t = find_tracked(f);
+    if (t == NULL) {
+        if (g_tracked_count >= MAX_TRACKED / 2) {
+            pthread_mutex_unlock(&g_lock);
+            return -1;
+        }
+        unsigned s = slot_of(f);
+        while (g_tracked[s].f != NULL) s = (s + 1) & (MAX_TRACKED - 1);
+        t = &g_tracked[s];
+        __atomic_store_n(&t->f, f, __ATOMIC_RELEASE);
+        __atomic_add_fetch(&g_tracked_count, 1, __ATOMIC_RELEASE);
+    }
+    if (state == TRACK_SAMPLING) { /* a new function, or one at a reused address */
+        t->samples = t->launches = 0;
+        t->longest_us = 0;
+        t->pending = 0;
+    }
+    __atomic_store_n(&t->state, state, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&g_lock);
+    return 0;
+}
+
+/* The tracked state of f (-1: not tracked) and the longest launch timed, in us. */
+int gps_function_state(void *f, float *longest_us) {
+    Tracked *t = find_tracked(f);
+    if (t == NULL) return -1;
+    pthread_mutex_lock(&g_lock);
+    if (t->pending && g_driver_ready) read_sample(t);
+    if (longest_us) *longest_us = t->longest_us;
+    int state = t->state;
+    pthread_mutex_unlock(&g_lock);
+    return state;
 }
 
 /* ---- what the runtime calls (ctypes) */

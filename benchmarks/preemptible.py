@@ -1,0 +1,226 @@
+"""Long CuPy kernels made preemptible at load time, on a real GPU (run with the shim).
+
+Started with the launch shim in ``LD_PRELOAD`` and ``CUPY_COMPILE_WITH_PTX=1`` (as the
+server extension starts kernels).  For each kernel -- a user ``ElementwiseKernel`` of
+tens of milliseconds per launch (idempotent), the same in place (not idempotent: snapshot), a
+``RawKernel`` with ``atomicAdd`` into a histogram (not idempotent), a ``RawKernel``
+called on its own output (idempotent statically, in place at launch) and a Numba
+``@cuda.jit`` kernel -- the first
+launch runs unmodified (the shim times it) and is the reference; later launches run
+preemptibly while a thread raises the session's yield flag for 2 ms every 10 ms, as the
+broker does for a pause.  Reported per kernel: bit-identical to the reference, launches
+run preemptibly, yields and aborts, and how long after the flag rose the kernel had left
+the GPU (the stop latency a pause waits for, against the kernel's own length).
+
+``python -m benchmarks.preemptible [--out DIR]`` prints one JSON line (the GPU test reads
+it) and writes ``preemptible.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def _kernels(cupy):
+    n_iter = 200_000  # ~30 ms per launch on an H200: every launch meets a raised flag
+    loop = "for (int i = 0; i < n; ++i) acc = acc * 0.999f + 0.5f;"
+    long_ew = cupy.ElementwiseKernel(
+        "float32 x, int32 n", "float32 y", f"float acc = x; {loop} y = acc;", "gps_long_ew"
+    )
+    inplace_ew = cupy.ElementwiseKernel(
+        "int32 n", "float32 y", f"float acc = y; {loop} y = acc;", "gps_inplace_ew"
+    )
+    histogram = cupy.RawKernel(
+        r"""extern "C" __global__ void gps_histogram(const float* x, unsigned* bins, int n, int it) {
+        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) {
+            float v = x[i];
+            for (int k = 0; k < it; ++k) v = v * 0.999f + 0.25f;
+            atomicAdd(&bins[((unsigned)(v * 64.0f)) & 255u], 1u);
+        }}""",
+        "gps_histogram",
+    )
+    smooth = cupy.RawKernel(
+        r"""extern "C" __global__ void gps_smooth(const float* a, float* b, int n, int it) {
+        int i = blockIdx.x * blockDim.x + threadIdx.x; if (i >= n) return;
+        float v = a[i]; for (int k = 0; k < it; ++k) v = v * 0.999f + 0.25f; b[i] = v; }""",
+        "gps_smooth",
+    )
+    n = 1 << 22
+    base = cupy.arange(n, dtype=cupy.float32) / 7
+
+    def run_long_ew():
+        return long_ew(base, cupy.int32(n_iter))
+
+    def run_inplace_ew():
+        y = base.copy()
+        inplace_ew(cupy.int32(n_iter), y)
+        return y
+
+    def run_histogram():
+        bins = cupy.zeros(256, dtype=cupy.uint32)
+        histogram((1024,), (256,), (base, bins, cupy.int32(n), cupy.int32(n_iter // 2)))
+        return bins
+
+    def run_smooth_in_place():
+        y = base.copy()
+        smooth((n // 256,), (256,), (y, y, cupy.int32(n), cupy.int32(n_iter)))
+        return y
+
+    from benchmarks.environment import allow_numba_import
+
+    allow_numba_import()
+    from numba import cuda, float32
+
+    @cuda.jit
+    def gps_numba_relax(x, out, iterations):
+        i = cuda.grid(1)
+        if i < x.size:
+            v = x[i]
+            for _ in range(iterations):
+                v = v * float32(0.999) + float32(0.5)
+            out[i] = v
+
+    def run_numba():
+        out = cupy.empty_like(base)
+        gps_numba_relax[n // 256, 256](base, out, n_iter)
+        return out
+
+    return {
+        "gps_numba_relax": run_numba,
+        "gps_long_ew": run_long_ew,
+        "gps_inplace_ew": run_inplace_ew,
+        "gps_histogram": run_histogram,
+        "gps_smooth": run_smooth_in_place,
+    }
+
+
+class Preempter:
+    """Raise the session's yield flag for ``on_ms`` every ``period_ms`` (a broker stand-in
+    that writes the same device word the broker writes through its CUDA IPC handle)."""
+
+    def __init__(self, flag, on_ms: float = 2.0, period_ms: float = 10.0) -> None:
+        self.flag, self.on_ms, self.period_ms = flag, on_ms, period_ms
+        self.raised: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            time.sleep(self.period_ms / 1e3)
+            self.raised.append(time.perf_counter())
+            self.flag.set(1)
+            time.sleep(self.on_ms / 1e3)
+            self.flag.set(0)
+
+    def __enter__(self) -> Preempter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.flag.set(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="directory for preemptible.json")
+    parser.add_argument("--launches", type=int, default=4, help="preempted launches per kernel")
+    parser.add_argument("--only", help="one kernel by name (e.g. gps_numba_relax)")
+    args = parser.parse_args(argv)
+    import faulthandler
+
+    faulthandler.dump_traceback_later(240, exit=True)  # a hang shows where, then ends
+
+    from gpushare_ext.runtime import interpose, preemptible
+    from gpushare_ext.runtime.kernels import launch
+
+    registry = preemptible.install()
+    if registry is None:
+        raise SystemExit("start this with the launch shim in LD_PRELOAD (see the docstring)")
+    import cupy
+
+    flag = launch.YieldFlag()
+    launch.set_session_yield_flag(flag)
+    stops: list[float] = []  # flag raised -> the kernel left the GPU, seconds
+    waiting = launch.wait_for_resume
+
+    def timed_wait(f) -> None:
+        stops.append(time.perf_counter())
+        waiting(f)
+
+    launch.wait_for_resume = timed_wait
+    rows = []
+    for name, run in _kernels(cupy).items():
+        if args.only and name != args.only:
+            continue
+        print(f"preemptible: {name} ...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        reference = run().get()  # the first launch: unmodified, timed by the shim
+        cupy.cuda.runtime.deviceSynchronize()
+        alone_s = time.perf_counter() - t0
+        before = (registry.launched, registry.yields, registry.aborts, registry.fallbacks)
+        identical = True
+        stops.clear()
+        with Preempter(flag) as preempter:
+            for _ in range(args.launches):
+                identical &= bool((run().get() == reference).all())
+        latencies = []
+        for stopped in stops:
+            raised = max((r for r in preempter.raised if r <= stopped), default=None)
+            if raised is not None:
+                latencies.append(stopped - raised)
+        longest_us = max(
+            (interpose.function_state(f)[1] for f, t in registry.twins.items() if name in t.name),
+            default=0.0,
+        )
+        rows.append(
+            {
+                "kernel": name,
+                "kernel_ms": longest_us / 1e3,  # its first launch, timed by the shim
+                "first_call_ms": alone_s * 1e3,  # the same with CuPy's compile
+                "bit_identical": identical,
+                "preemptible_launches": registry.launched - before[0],
+                "yields": registry.yields - before[1],
+                "aborts": registry.aborts - before[2],
+                "fallbacks": registry.fallbacks - before[3],
+                "stop_ms_p50": statistics.median(latencies) * 1e3 if latencies else None,
+                "stop_ms_max": max(latencies) * 1e3 if latencies else None,
+            }
+        )
+    document = {
+        "benchmark": "preemptible",
+        "rows": rows,
+        "said": registry.said,
+        "stats": interpose.stats(),
+        "twins": {t.name: t.reason or "preemptible" for t in registry.twins.values()},
+    }
+    if args.out:
+        from benchmarks.environment import describe
+
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        text = json.dumps({**describe(), **document}, indent=2)
+        (Path(args.out) / "preemptible.json").write_text(text)
+    print(f"{'kernel':<16}{'ms':>8}{'same':>6}{'runs':>6}{'yield':>7}{'abort':>7}{'stop ms':>9}")
+    for row in rows:
+        stop = row["stop_ms_p50"]
+        print(
+            f"{row['kernel']:<16}{row['kernel_ms']:8.1f}{'yes' if row['bit_identical'] else 'NO':>6}"
+            f"{row['preemptible_launches']:6d}{row['yields']:7d}{row['aborts']:7d}"
+            f"{'-' if stop is None else f'{stop:9.2f}':>9}",
+            file=sys.stderr,
+        )
+    print(json.dumps(document))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("CUPY_COMPILE_WITH_PTX", "1")
+    sys.exit(main())

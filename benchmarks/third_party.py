@@ -1,0 +1,130 @@
+"""Interactive latency beside low-priority work gpushare did not write, on a real GPU.
+
+The low-priority tenants are third-party code (``benchmarks/tenant.py: THIRD_PARTY``):
+CuPy's own ``cupy.linalg`` (solve, QR) and ``cupy.fft``, a ``cupyx.scipy`` conjugate
+gradient solver, a user ``ElementwiseKernel`` of about 0.4 s per launch, a Numba
+``@cuda.jit`` kernel and a torchvision ResNet-18 training loop.  The high-priority
+tenant takes a ``priority=high`` lease per cell (what ``%%gpu priority=high`` does) and
+runs cells of 20 fp32 4096^2 matmuls with 10 ms think time.  Modes, in the same run:
+
+* ``alone``     -- the high tenant alone, the baseline;
+* ``timeslice`` -- both, no broker: plain time-slicing;
+* ``shim``      -- gpushare as deployed: the broker, and both tenants started as the
+                   server extension starts kernels (launch shim preloaded, CuPy
+                   compiling to PTX so long kernels are made preemptible at load).
+
+``python -m benchmarks.third_party --out DIR [--quick] [--lows a,b]`` writes
+``third_party.json``; ``python -m benchmarks report`` puts it in the README.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.contention import low_alone_rate, run_pair, start_broker, summarise
+from benchmarks.tenant import THIRD_PARTY
+
+MODES = ("timeslice", "shim")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--quick", action="store_true", help="one cell per tenant")
+    parser.add_argument("--lows", default=",".join(THIRD_PARTY))
+    args = parser.parse_args(argv)
+    lows = [kind for kind in args.lows.split(",") if kind]
+    unknown = [kind for kind in lows if kind not in THIRD_PARTY]
+    if unknown:
+        parser.error(f"unknown tenant {unknown[0]!r}; choose from {', '.join(THIRD_PARTY)}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="gpushare-third-party-"))
+    broker, socket_path = start_broker(workdir)
+    results, alone_rates = [], {}
+    pair = {"quick": args.quick, "requests": "matmul", "per_cell": 20}
+    try:
+        results.append(run_pair(workdir, None, "alone", socket_path, **pair))
+        for kind in lows:
+            try:
+                alone_rates[kind] = low_alone_rate(workdir, kind, 3.0 if args.quick else 6.0)
+            except RuntimeError as exc:
+                results.append({"low_kind": kind, "mode": "alone", "error": str(exc)})
+                print(f"third_party {kind} alone failed: {exc}", file=sys.stderr)
+                continue
+            for mode in MODES:
+                socket = None if mode == "timeslice" else socket_path
+                try:
+                    results.append(run_pair(workdir, kind, mode, socket, **pair))
+                except RuntimeError as exc:
+                    results.append({"low_kind": kind, "mode": mode, "error": str(exc)})
+                    print(f"third_party {kind}/{mode} failed: {exc}", file=sys.stderr)
+    finally:
+        broker.terminate()
+        broker.wait(timeout=30)
+    good = [r for r in results if "error" not in r]
+    rows = summarise(good, alone_rates)
+    for result in good:  # what the shim did in each neighbour, for the reader
+        if result["mode"] == "shim" and "low" in result:
+            for row in rows:
+                if row["low"] == result["low_kind"] and row["mode"] == "shim":
+                    row["low_preemptible"] = result["low"].get("preemptible", "")
+                    row["low_said"] = result["low"].get("said", [])
+    for result in good:  # cell time: a cell's requests back to back, against alone
+        if result["mode"] == "alone":
+            continue
+        for row in rows:
+            if row["low"] == result["low_kind"] and row["mode"] == result["mode"]:
+                row["cell_p90_ratio"] = _cell_ratio(result, good[0])
+    from benchmarks.environment import describe
+
+    document = {
+        "benchmark": "third_party",
+        **describe(),
+        "command": "python -m benchmarks.third_party " + " ".join(argv or sys.argv[1:]),
+        "rows": rows,
+        "errors": [r for r in results if "error" in r],
+        "alone_rates_per_s": alone_rates,
+    }
+    (out / "third_party.json").write_text(json.dumps(document, indent=2))
+    raw = out / "third_party-raw"  # each tenant's own record and the broker's log
+    raw.mkdir(exist_ok=True)
+    for path in workdir.glob("*"):
+        if path.suffix in (".json", ".log"):
+            shutil.copy(path, raw / path.name)
+    print(f"{'low':<18}{'mode':<11}{'p50 x':>7}{'p99 x':>7}{'cell p90 x':>11}{'kept':>7}")
+    for row in rows:
+        kept, cell = row.get("low_retained"), row.get("cell_p90_ratio")
+        print(
+            f"{row['low']:<18}{row['mode']:<11}{row['p50_ratio']:7.2f}{row['p99_ratio']:7.2f}"
+            f"{'' if cell is None else f'{cell:11.2f}'}{'' if kept is None else f'{kept:7.0%}'}"
+        )
+    return 0
+
+
+def _cell_ratio(result: dict, baseline: dict) -> float:
+    """p90 of the time a cell's requests took in total, over the same alone."""
+
+    def cells(document: dict) -> list[float]:
+        values = document["high"]["latencies_s"]["matmul"]
+        per_cell = 20
+        return sorted(
+            sum(values[i : i + per_cell]) for i in range(0, len(values) - per_cell + 1, per_cell)
+        )
+
+    def p90(values: list[float]) -> float:
+        return values[min(len(values) - 1, round(0.9 * (len(values) - 1)))]
+
+    return p90(cells(result)) / p90(cells(baseline))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,403 @@
+"""Long kernels a notebook loads from PTX, run preemptibly with no change to its code.
+
+What it is for: the launch shim (``interpose``) tells this module of every module a
+framework loads from PTX text (CuPy compiling its generated and user kernels to PTX, a
+``RawModule`` of PTX) and of every function taken from one; Numba, which links its
+kernels to a cubin itself, hands over each kernel's PTX as it loads it (a hook on its
+code library, installed when Numba is imported).  Each function goes through
+the same analysis and transform as ``gpushare_ext.kernel`` (``runtime/kernels``); the
+shim times its first launches, and once one took longer than the drain a pause should
+cost (``GPUSHARE_PREEMPTIBLE_US``, 2 ms), its later launches come here instead of going
+to the GPU as they are.  Each one is then classified *with its actual buffers* (two
+arguments in one allocation are one buffer, so an in-place call is seen) and run as a
+transaction:
+
+* idempotent: *restart*: flag checks at loop back-edges abort it within a loop
+  iteration and it goes on from the lowest logical block an abort left;
+* not idempotent: *snapshot*: the buffers it writes are copied first, an abort rolls
+  them back and it runs again; a yield between logical blocks resumes;
+* either way, after ``MAX_ABORTS`` aborts a launch goes on with yields between logical
+  blocks only, so one whose blocks outlast the gaps between preemptions still finishes;
+* unknown (a pointer loaded from memory, a call ...), or a kernel the transform refuses:
+  the original runs unmodified, under the shim and the checkpoint lock, and the cell
+  says so once, with the reason.
+
+The launch returns when the kernel is done (paused meanwhile, perhaps): the caller's
+stream order is kept because nothing is launched behind it until then.  A Ctrl-C during
+it is delivered when it returns (the shim defers it), so a kernel is never left half
+done.
+
+What it must not do: decide when to preempt (the broker raises the session's yield flag
+and writes the control block), import CUDA or CuPy at import time, or let an exception
+reach the C caller: every failure ends in "launch the original".
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import importlib.abc
+import importlib.util
+import os
+import struct
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpushare_ext.runtime import interpose
+
+__all__ = [
+    "DEFAULT_LONG_US",
+    "Registry",
+    "install",
+    "installed",
+    "summary",
+    "uninstall",
+]
+
+DEFAULT_LONG_US = interpose.DEFAULT_LONG_US
+MAX_MODULES = 4096  # PTX texts kept; older ones are forgotten (their kernels run as they are)
+# Aborts of one launch before it goes on with yields between logical blocks only: a
+# launch whose logical blocks outlast the gaps between preemptions must still finish.
+MAX_ABORTS = 3
+
+
+@dataclass
+class Twin:
+    """One function taken from a PTX module: its analysed kernel, or why it has none."""
+
+    name: str
+    module: int
+    kernel: Any = None  # runtime.kernels.frontends.Kernel
+    reason: str = ""  # why it runs unmodified (empty: it has a preemptible twin)
+    said: bool = False
+    launches: int = 0
+
+
+@dataclass
+class Registry:
+    """What the shim has told us, and what was done with it (one per process)."""
+
+    modules: dict[int, bytes] = field(default_factory=dict)
+    twins: dict[int, Twin] = field(default_factory=dict)
+    launched: int = 0  # launches run preemptibly
+    yields: int = 0
+    aborts: int = 0
+    fallbacks: int = 0  # launches given back to run unmodified
+    said: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    say: Any = None  # where notes go (the cell's stderr by default)
+
+    # ---- hooks (called by the shim through ctypes; never raise)
+
+    def on_module(self, module: int, image: int) -> None:
+        try:
+            text = ctypes.string_at(image)
+        except Exception:  # an unreadable image is not ours to analyse
+            return
+        with self.lock:
+            if len(self.modules) >= MAX_MODULES:
+                self.modules.pop(next(iter(self.modules)))
+            self.modules[int(module)] = text
+
+    def on_function(self, function: int, module: int, name: bytes) -> None:
+        try:
+            text = self.modules.get(int(module or 0))
+            if text is None or not function:
+                return
+            twin = _analyse(text, name.decode("ascii", "replace"), int(module))
+            with self.lock:
+                self.twins[int(function)] = twin
+            interpose.track_function(int(function), interpose.TRACK_TIMING)
+        except Exception:  # keep the framework's call whole
+            return
+
+    def adopt(self, function: int, ptx: str, name: str) -> None:
+        """A function whose PTX a framework hands over itself (Numba links to a cubin,
+        so the shim never sees its PTX): analysed and tracked like one the shim saw."""
+        try:
+            twin = _analyse(ptx.encode("ascii", "replace"), name, module=0)
+            with self.lock:
+                self.twins[int(function)] = twin
+            interpose.track_function(int(function), interpose.TRACK_TIMING)
+        except Exception:  # keep the framework's call whole
+            return
+
+    def on_unload(self, module: int) -> None:
+        with self.lock:
+            self.modules.pop(int(module or 0), None)
+            gone = [f for f, t in self.twins.items() if t.module == int(module or 0)]
+            for function in gone:
+                del self.twins[function]
+        for function in gone:
+            interpose.track_function(function, interpose.TRACK_OFF)
+
+    def on_launch(self, function: int, dims: Any, shared: int, stream: int, params: Any) -> int:
+        twin = self.twins.get(int(function or 0))
+        if twin is None:
+            return interpose.LAUNCH_NOT_HANDLED
+        if twin.kernel is None:
+            self._give_up(function, twin, twin.reason)
+            return interpose.LAUNCH_NOT_HANDLED
+        try:
+            grid = (int(dims[0]), int(dims[1]), int(dims[2]))
+            block = (int(dims[3]), int(dims[4]), int(dims[5]))
+            report = run_launch(twin.kernel, grid, block, int(shared), int(stream or 0), params)
+        except KeyboardInterrupt:  # the shim could not defer it: run whole, then stop
+            import _thread
+
+            _thread.interrupt_main()
+            self.fallbacks += 1
+            return interpose.LAUNCH_NOT_HANDLED
+        except Exception as exc:  # the original kernel runs instead
+            self._give_up(function, twin, _reason_of(exc))
+            return interpose.LAUNCH_NOT_HANDLED
+        if report is None:  # this launch's buffers could not be told apart
+            self.fallbacks += 1
+            return interpose.LAUNCH_NOT_HANDLED
+        twin.launches += 1
+        self.launched += 1
+        self.yields += report.yields
+        self.aborts += report.aborts
+        return 0
+
+    def _give_up(self, function: int, twin: Twin, reason: str) -> None:
+        self.fallbacks += 1
+        twin.kernel = None
+        twin.reason = reason
+        interpose.track_function(int(function), interpose.TRACK_OFF)
+        if not twin.said:
+            twin.said = True
+            line = (
+                f"gpushare: long kernel `{twin.name}` runs unmodified ({reason}); a pause "
+                "waits for it to finish"
+            )
+            self.said.append(line)
+            (self.say or _to_stderr)(line)
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _reason_of(exc: Exception) -> str:
+    message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+    return message.splitlines()[0][:300]
+
+
+def _analyse(ptx: bytes, name: str, module: int) -> Twin:
+    """The analysed kernel for ``name`` in ``ptx``, or the reason it has none."""
+    from gpushare_ext.runtime.kernels import Idempotence, Kernel, KernelError
+
+    twin = Twin(name=name, module=module)
+    try:
+        kernel = Kernel(ptx.decode("ascii", "replace"), name, origin="ptx")
+        report = kernel.report
+        if report.classification.verdict is Idempotence.UNKNOWN:
+            why = report.classification.reasons[0] if report.classification.reasons else ""
+            twin.reason = f"the analysis cannot tell what it writes: {why}".rstrip(": ")
+            return twin
+        kernel.preemptible(abort_checks=bool(report.loops))  # refused here, not at launch
+    except KernelError as exc:
+        twin.reason = exc.message
+        return twin
+    twin.kernel = kernel
+    return twin
+
+
+# ---- one launch
+
+
+def _allocation_extent(address: int) -> tuple[int, int] | None:
+    """(address, bytes from it to the end of its allocation), or None if not device memory."""
+    from cuda.bindings import driver
+
+    err, base, size = driver.cuMemGetAddressRange(driver.CUdeviceptr(address))
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return None
+    return address, int(base) + int(size) - address
+
+
+def raw_arguments(kernel: Any, params: Any) -> Any:
+    """The launch's arguments as the shim got them (an array of pointers to each value),
+    with each pointer parameter's extent: up to the end of its allocation.  None when a
+    pointer is not device memory (host or managed memory: the buffers are not known)."""
+    from gpushare_ext.runtime.kernels.launch import BoundArgs
+
+    values = [ctypes.string_at(params[i], p.size) for i, p in enumerate(kernel.entry.params)]
+    index = {p.name: i for i, p in enumerate(kernel.entry.params)}
+    extents: dict[str, tuple[int, int]] = {}
+    for name in kernel.report.pointer_params:
+        param, _, offset = name.partition("@")
+        raw = values[index[param]]
+        (address,) = struct.unpack_from("<Q", raw, int(offset or 0))
+        if address == 0:
+            extents[name] = (0, 0)
+            continue
+        extent = _allocation_extent(address)
+        if extent is None:
+            return None
+        extents[name] = extent
+    return BoundArgs(values, extents, {})
+
+
+def choose_mode(kernel: Any, extents: dict[str, tuple[int, int]]) -> Any:
+    """restart for a launch that is idempotent with these buffers, else snapshot."""
+    from gpushare_ext.runtime.kernels import Idempotence, classify_launch
+    from gpushare_ext.runtime.kernels.launch import LaunchMode
+
+    verdict = classify_launch(kernel.report, extents).verdict
+    if verdict is Idempotence.IDEMPOTENT:
+        return LaunchMode.RESTART
+    if verdict is Idempotence.NON_IDEMPOTENT:
+        return LaunchMode.SNAPSHOT
+    return None
+
+
+def run_launch(
+    kernel: Any, grid: tuple, block: tuple, shared: int, stream: int, params: Any
+) -> Any:
+    """Run one launch taken by the shim as a transaction; None if it must run as it is."""
+    from gpushare_ext.runtime.kernels.launch import launch_kernel
+
+    bound = raw_arguments(kernel, params)
+    if bound is None:
+        return None
+    mode = choose_mode(kernel, bound.extents)
+    if mode is None:
+        return None
+    return launch_kernel(
+        kernel, grid, block, (), stream=stream, shared_mem=shared, mode=mode,
+        abort_checks=bool(kernel.report.loops), bound=bound, max_aborts=MAX_ABORTS,
+    )  # fmt: skip
+
+
+# ---- the process's registry
+
+
+_registry: Registry | None = None
+
+
+def _long_us() -> int:
+    text = os.environ.get("GPUSHARE_PREEMPTIBLE_US", "").strip()
+    if not text:
+        return DEFAULT_LONG_US
+    try:
+        return max(0, int(text))
+    except ValueError:
+        raise interpose.InterposerError(
+            f"GPUSHARE_PREEMPTIBLE_US={text!r} is not a whole number of microseconds"
+        ) from None
+
+
+def install() -> Registry | None:
+    """Be told of PTX modules from now on (once per process); None where the shim is not
+    preloaded or ``GPUSHARE_PREEMPTIBLE_US=0`` turns this off."""
+    global _registry
+    if _registry is not None:
+        return _registry
+    long_us = _long_us()
+    if long_us == 0:
+        return None
+    try:
+        library = interpose.native_library()
+    except interpose.InterposerError:
+        return None
+    if not library.gps_preloaded():
+        return None
+    message = ctypes.create_string_buffer(256)
+    if library.gps_activate_preload(message, len(message)) != 0:  # no driver: no GPU here
+        return None
+    registry = Registry()
+    atexit.register(uninstall)  # no call into Python while the interpreter goes away
+    interpose.set_kernel_hooks(
+        registry.on_module, registry.on_function, registry.on_unload, registry.on_launch,
+        long_us,
+    )  # fmt: skip
+    _registry = registry
+    _watch_numba()
+    return registry
+
+
+def _adopt_numba_kernels(codegen: Any) -> None:
+    """Have Numba's code library hand each kernel's PTX and handle to the registry when
+    it loads the kernel (``CUDACodeLibrary.get_cufunc``, once per kernel and device)."""
+    library_class = getattr(codegen, "CUDACodeLibrary", None)
+    original = getattr(library_class, "get_cufunc", None)
+    if original is None or getattr(original, "_gpushare", False):
+        return
+
+    def get_cufunc(self: Any) -> Any:
+        cached = bool(getattr(self, "_cufunc_cache", None))
+        cufunc = original(self)
+        registry = _registry
+        if registry is not None and not cached:
+            # If Numba's internals moved, its kernels just run as they are.
+            with contextlib.suppress(Exception):
+                registry.adopt(int(cufunc.handle), self.get_asm_str(), str(self._entry_name))
+        return cufunc
+
+    get_cufunc._gpushare = True  # type: ignore[attr-defined]
+    library_class.get_cufunc = get_cufunc
+
+
+class _NumbaWatcher(importlib.abc.MetaPathFinder):
+    """Adopts Numba's kernels once ``numba.cuda.codegen`` is imported (not before: a
+    notebook that never uses Numba never imports it)."""
+
+    NAME = "numba.cuda.codegen"
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.NAME:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        run_module = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run_module(module)
+            _adopt_numba_kernels(module)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def _watch_numba() -> None:
+    codegen = sys.modules.get(_NumbaWatcher.NAME)
+    if codegen is not None:
+        _adopt_numba_kernels(codegen)
+    elif not any(isinstance(f, _NumbaWatcher) for f in sys.meta_path):
+        sys.meta_path.insert(0, _NumbaWatcher())
+
+
+def installed() -> Registry | None:
+    return _registry
+
+
+def uninstall() -> None:
+    global _registry
+    interpose.clear_kernel_hooks()
+    _registry = None
+
+
+def summary() -> str:
+    """A few words for the pause notice and status: what the long kernels got."""
+    registry = _registry
+    if registry is None:
+        return ""
+    if not registry.launched and not registry.fallbacks:
+        return "long kernels loaded from PTX are made preemptible"
+    parts = [f"{registry.launched} long kernel launches preemptible"]
+    if registry.yields or registry.aborts:
+        parts.append(f"{registry.yields} yields, {registry.aborts} aborts")
+    if registry.fallbacks:
+        parts.append(f"{registry.fallbacks} run unmodified")
+    return ", ".join(parts)

@@ -1,0 +1,59 @@
+"""What status says stopped a victim: the rungs of the ladder actually applied."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from gpushare_ext.broker.actuators import Ladder, Target, _what_stopped
+from gpushare_ext.protocol import PreemptionLevel
+from gpushare_ext.runtime.control import ControlBlock
+
+
+class RecordingControl:
+    """A process control that records what it was asked (kind "cuda" as on a GPU host),
+    so the ladder's choices and its note can be checked without a GPU."""
+
+    kind = "cuda"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def lock(self, pid, device, timeout_ms):
+        self.calls.append(("lock", pid))
+
+    def unlock(self, pid, device):
+        self.calls.append(("unlock", pid))
+
+    def checkpoint(self, pid, device):
+        self.calls.append(("checkpoint", pid))
+
+    def restore(self, pid, device):
+        self.calls.append(("restore", pid))
+
+    def write_yield_flag(self, device, handle, offset, value):
+        self.calls.append(("flag", value))
+
+
+def test_a_locked_session_with_a_flag_reports_every_rung(tmp_path: Path):
+    block = ControlBlock.create(tmp_path / "s.cb")
+    control = RecordingControl()
+    ladder = Ladder(control, lock_timeout_ms=1000)
+    target = Target(
+        lease_id="L1", pid=4242, device_index=0, control_block=block, yield_flag=("00", 0)
+    )
+    note = asyncio.run(ladder.apply(target, PreemptionLevel.LOCK, "a high cell", None))
+    # The flag is raised before the lock, so the lock finds preemptible kernels gone.
+    assert [c[0] for c in control.calls] == ["flag", "lock"]
+    assert note == "stopped by: launches held, yield flag, process lock"
+    block.close()
+
+
+def test_without_a_control_block_or_flag_only_the_lock_is_named():
+    target = Target(lease_id="L2", pid=1, device_index=0, control_block=None)
+    assert _what_stopped(target, PreemptionLevel.LOCK, True) == ["process lock"]
+    assert _what_stopped(target, PreemptionLevel.EVICT, True) == [
+        "process lock",
+        "checkpoint to host",
+    ]
+    assert _what_stopped(target, PreemptionLevel.GATE, False) == ["nothing (no way to stop it)"]

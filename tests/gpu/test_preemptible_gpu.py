@@ -1,0 +1,76 @@
+"""Long CuPy kernels become preemptible at load time with no change to the notebook's
+code: stopped mid-kernel by the session's yield flag, results bit-identical (idempotent
+restart, snapshot rollback of in-place updates and of atomics; CuPy and Numba), on a
+real GPU.
+
+Runs ``benchmarks/preemptible.py`` in a fresh process with the launch shim preloaded, as
+the server extension starts kernels.  Skipped cleanly without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _gpu_available() -> bool:
+    probe = "import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0"
+    try:
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(not _gpu_available(), reason="needs an NVIDIA GPU with CuPy"),
+]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict:
+    from gpushare_ext.runtime.interpose import shim_path
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+    env["LD_PRELOAD"] = str(shim_path())
+    env["CUPY_COMPILE_WITH_PTX"] = "1"
+    env["CUPY_CACHE_DIR"] = str(tmp_path_factory.mktemp("cupy-cache"))  # no cached cubins
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.preemptible"],
+        capture_output=True, text=True, timeout=500, cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _row(measured: dict, kernel: str) -> dict:
+    return next(r for r in measured["rows"] if r["kernel"] == kernel)
+
+
+@pytest.mark.parametrize(
+    "kernel",
+    ["gps_long_ew", "gps_inplace_ew", "gps_histogram", "gps_smooth", "gps_numba_relax"],
+)
+def test_a_preempted_long_kernel_gives_the_undisturbed_result(measured, kernel):
+    row = _row(measured, kernel)
+    assert row["bit_identical"], row
+    assert row["preemptible_launches"] >= 3, (row, measured["said"])
+    assert row["fallbacks"] == 0, measured["said"]
+    assert row["yields"] + row["aborts"] >= row["preemptible_launches"], row
+
+
+def test_a_long_kernel_leaves_the_gpu_soon_after_the_flag_rises(measured):
+    row = _row(measured, "gps_long_ew")
+    assert row["kernel_ms"] > 20, row
+    # A kernel of tens of milliseconds stops within a loop iteration, not at its end.
+    assert row["stop_ms_p50"] is not None and row["stop_ms_p50"] < row["kernel_ms"] / 4, row
