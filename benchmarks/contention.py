@@ -104,6 +104,7 @@ def run_pair(
     quick: bool,
     requests: str = "matmul,inference,instrumented",
     per_cell: int | None = None,
+    notebook: bool = False,
 ) -> dict:
     """One measurement: optionally a low neighbour, then the high tenant's cells."""
     tag = f"{low_kind or 'none'}-{mode}"
@@ -149,6 +150,7 @@ def run_pair(
             str(per_cell),
             "--out",
             str(workdir / f"{tag}.high.json"),
+            *(["--notebook"] if notebook else []),
         ],
         socket_path,
     )

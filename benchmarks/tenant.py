@@ -302,6 +302,82 @@ def run_high(args: argparse.Namespace) -> dict:
     }
 
 
+NOTEBOOK_SETUP = """\
+%load_ext gpushare_ext
+import json, time
+import cupy
+a = cupy.random.standard_normal((4096, 4096), dtype=cupy.float32)
+b = cupy.random.standard_normal((4096, 4096), dtype=cupy.float32)
+a @ b
+cupy.cuda.runtime.deviceSynchronize()
+"""
+
+NOTEBOOK_CELL = """\
+{magic}
+_began, _latencies = time.time(), []
+for _ in range({requests}):
+    _t = time.perf_counter()
+    a @ b
+    cupy.cuda.runtime.deviceSynchronize()
+    _latencies.append(time.perf_counter() - _t)
+    time.sleep({think_s})
+print("GPUSHARE-BENCH " + json.dumps([_began, time.time(), _latencies]))
+"""
+
+
+def run_high_notebook(args: argparse.Namespace) -> dict:
+    """The high tenant as a real notebook: an ipykernel kernel running ``%%gpu
+    priority=high`` cells of matmuls (``--requests matmul`` only)."""
+    from jupyter_client.manager import start_new_kernel
+
+    if args.requests != "matmul":
+        raise SystemExit("the notebook high tenant runs matmul cells only")
+    manager, client = start_new_kernel(kernel_name="python3", env=dict(os.environ))
+    try:
+
+        def run(code: str) -> str:
+            reply = client.execute_interactive(code, timeout=600, output_hook=collect)
+            if reply["content"]["status"] != "ok":
+                raise SystemExit(f"notebook cell failed: {reply['content'].get('evalue')}")
+            return "".join(printed)
+
+        printed: list[str] = []
+
+        def collect(message: dict) -> None:
+            if message["msg_type"] == "stream":
+                printed.append(message["content"]["text"])
+
+        run(NOTEBOOK_SETUP)
+        magic = "" if args.mode == "timeslice" else "%%gpu priority=high mem=16GiB device=0"
+        latencies: list[float] = []
+        grants: list[float] = []
+        held: list[tuple[float, float]] = []
+        for _ in range(args.cells):
+            printed.clear()
+            asked = time.time()
+            cell = NOTEBOOK_CELL.format(
+                magic=magic, requests=args.requests_per_cell, think_s=args.think_ms / 1e3
+            )
+            output = run(cell.lstrip("\n"))
+            line = next(x for x in output.splitlines() if x.startswith("GPUSHARE-BENCH "))
+            began, ended, cell_latencies = json.loads(line.split(" ", 1)[1])
+            grants.append(began - asked)
+            held.append((began, ended))
+            latencies += cell_latencies
+            time.sleep(args.gap_s)
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+    return {
+        "role": "high",
+        "mode": args.mode,
+        "latencies_s": {"matmul": latencies},
+        "grant_s": grants,
+        "held": held,
+        "notebook": True,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--role", choices=["low", "high"], required=True)
@@ -314,9 +390,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--think-ms", type=float, default=10.0)
     parser.add_argument("--gap-s", type=float, default=0.3)
     parser.add_argument("--ready", help="file to create once the low tenant runs")
+    parser.add_argument("--notebook", action="store_true", help="high tenant: a real ipykernel")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    result = run_low(args) if args.role == "low" else run_high(args)
+    if args.role == "low":
+        result = run_low(args)
+    else:
+        result = run_high_notebook(args) if args.notebook else run_high(args)
     result["pid"] = os.getpid()
     Path(args.out).write_text(json.dumps(result))
     return 0

@@ -4,8 +4,10 @@ The low-priority tenants are third-party code (``benchmarks/tenant.py: THIRD_PAR
 CuPy's own ``cupy.linalg`` (solve, QR) and ``cupy.fft``, a ``cupyx.scipy`` conjugate
 gradient solver, a user ``ElementwiseKernel`` of about 0.4 s per launch, a Numba
 ``@cuda.jit`` kernel and a torchvision ResNet-18 training loop.  The high-priority
-tenant takes a ``priority=high`` lease per cell (what ``%%gpu priority=high`` does) and
-runs cells of 20 fp32 4096^2 matmuls with 10 ms think time.  Modes, in the same run:
+tenant runs cells of 20 fp32 4096^2 matmuls with 10 ms think time, each under a
+``priority=high`` lease: with ``--notebook`` it is a real ipykernel kernel running
+``%%gpu priority=high`` cells, else a process taking the same lease through
+``gpushare_ext.lease`` (the code path ``%%gpu`` uses).  Modes, in the same run:
 
 * ``alone``     -- the high tenant alone, the baseline;
 * ``timeslice`` -- both, no broker: plain time-slicing;
@@ -40,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--quick", action="store_true", help="one cell per tenant")
     parser.add_argument("--lows", default=",".join(THIRD_PARTY))
+    parser.add_argument(
+        "--notebook", action="store_true",
+        help="the high tenant is a real ipykernel notebook running %%%%gpu cells",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     lows = [kind for kind in args.lows.split(",") if kind]
     unknown = [kind for kind in lows if kind not in THIRD_PARTY]
@@ -50,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="gpushare-third-party-"))
     broker, socket_path = start_broker(workdir)
     results, alone_rates = [], {}
-    pair = {"quick": args.quick, "requests": "matmul", "per_cell": 20}
+    pair = {"quick": args.quick, "requests": "matmul", "per_cell": 20, "notebook": args.notebook}
     try:
         results.append(run_pair(workdir, None, "alone", socket_path, **pair))
         for kind in lows:
@@ -90,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "third_party",
         **describe(),
         "command": "python -m benchmarks.third_party " + " ".join(argv or sys.argv[1:]),
+        "high_tenant": "ipykernel notebook, %%gpu cells" if args.notebook else "process, lease()",
         "rows": rows,
         "errors": [r for r in results if "error" in r],
         "alone_rates_per_s": alone_rates,
