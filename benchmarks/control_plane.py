@@ -2,7 +2,7 @@
 
 Starts a real broker (``gpushare broker --simulate h200``) on a temporary socket, then
 for each client count runs that many clients at once, each with its own
-:class:`~gpushare_ext.runtime.client.BrokerClient` connection.  Every client repeats a
+:class:`~gpushare_ext.client.BrokerClient` connection.  Every client repeats a
 *cycle*: request a lease (normal priority, 64 MiB, so all leases time-slice the one
 GPU and are granted at once) and release it.  Clients are threads spread over a few
 forked worker processes, so the client side is not one GIL.
@@ -59,8 +59,8 @@ max_leases = 10000
 
 
 def _client_thread(sock: Path, requests: int, ready, go, out: list, errors: list) -> None:
+    from gpushare_ext.client import BrokerClient
     from gpushare_ext.protocol import Granted
-    from gpushare_ext.runtime.client import BrokerClient
 
     try:
         client = BrokerClient(sock, client="bench", connect_timeout=30)

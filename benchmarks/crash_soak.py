@@ -62,8 +62,8 @@ def client_main(
     socket_path: str, seed: int, stop_file: str, results: str, timeout_s: float
 ) -> None:
     """One notebook's worth of traffic through the real runtime session."""
+    from gpushare_ext.client import BrokerError
     from gpushare_ext.protocol import priority_value
-    from gpushare_ext.runtime.client import BrokerError
     from gpushare_ext.runtime.session import GpuSession, LeaseRefused, LeaseTimeout
 
     rng = random.Random(seed)
@@ -154,7 +154,7 @@ def main() -> int:
         args.kills = 5
 
     from gpushare_ext.broker.launch import BrokerProcess
-    from gpushare_ext.runtime.client import BrokerClient, BrokerError
+    from gpushare_ext.client import BrokerClient, BrokerError
 
     rng = random.Random(args.seed)
     directory = Path(tempfile.mkdtemp(prefix="gps-soak-", dir="/tmp"))

@@ -39,7 +39,7 @@ SCENARIOS = ("count", "hold", "drain", "overhead", "lock")
 
 
 def _block(tmp: Path):
-    from gpushare_ext.runtime.control import ControlBlock, SessionState
+    from gpushare_ext.control_block import ControlBlock, SessionState
 
     block = ControlBlock.create(tmp / "session.cb")
     block.publish(gate_closed=False, state=SessionState.RUNNING)
@@ -47,13 +47,13 @@ def _block(tmp: Path):
 
 
 def _pause(block) -> None:
-    from gpushare_ext.runtime.control import SessionState
+    from gpushare_ext.control_block import SessionState
 
     block.publish(gate_closed=False, state=SessionState.PAUSED, level=0, reason="benchmark")
 
 
 def _resume(block) -> None:
-    from gpushare_ext.runtime.control import SessionState
+    from gpushare_ext.control_block import SessionState
 
     block.publish(gate_closed=False, state=SessionState.RUNNING)
 

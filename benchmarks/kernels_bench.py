@@ -62,7 +62,7 @@ extern "C" __global__ void stamp(unsigned long long* at) {
 
 CHILD = r"""
 import sys
-from gpushare_ext.runtime.kernels.launch import write_yield_flag_from_handle as w
+from gpushare_ext.kernels.launch import write_yield_flag_from_handle as w
 h = bytes.fromhex(sys.argv[1])
 w(h, 0, 0)  # open the handle once, before timing
 print("ready", flush=True)
@@ -116,8 +116,8 @@ def raw_launcher(k, case, fence: bool, sized=None, chunk=None):
     launcher's choice for a first launch (``choose_chunk`` without a measurement)."""
     import cupy as cp
 
-    from gpushare_ext.runtime.kernels import launch as L
-    from gpushare_ext.runtime.kernels.transform import PROGRESS_RECORD_BYTES
+    from gpushare_ext.kernels import launch as L
+    from gpushare_ext.kernels.transform import PROGRESS_RECORD_BYTES
 
     if sized is None:
         args = case.make_args(cp, np.random.default_rng(0))
@@ -171,7 +171,7 @@ def _calibrate_chunk(cp, launch, reset, rounds: int = 3) -> tuple[int, float | N
     """The launcher's adaptive choice: start from the first-launch chunk, measure the time
     per logical block from the record's stamps (as ``launch_kernel`` does after each
     completed slice) and re-choose, a few rounds. Returns (chunk, ns per logical block)."""
-    from gpushare_ext.runtime.kernels import launch as L
+    from gpushare_ext.kernels import launch as L
 
     est = None
     box = launch.chunk
@@ -246,7 +246,7 @@ def bench_overhead(cp, reps: int) -> list[dict]:
     """The corpus at its own (tiny, 10-25 us) sizes: mostly fixed per-launch cost."""
     from corpus_specs import CASES
 
-    from gpushare_ext.runtime.kernels import kernel
+    from gpushare_ext.kernels import kernel
 
     timer = Timer(cp)
     rows = []
@@ -398,7 +398,7 @@ def bench_overhead_realistic(
     error and the rest go on; kernels left when ``budget_s`` is spent are marked skipped."""
     from corpus_specs import CASES
 
-    from gpushare_ext.runtime.kernels import kernel
+    from gpushare_ext.kernels import kernel
 
     timer = Timer(cp)
     rows = []
@@ -446,7 +446,7 @@ def bench_overhead_realistic(
 def _same_outputs(cp, k, case, sized, chunk=None) -> bool:
     """Idempotent kernels only: the transformed kernel's outputs equal the original's (its
     write-set is filled with a byte pattern first, so an output it skips shows up)."""
-    from gpushare_ext.runtime.kernels import launch as L
+    from gpushare_ext.kernels import launch as L
 
     args = sized[3]
     orig, plain, reset = raw_launcher(k, case, fence=False, sized=sized, chunk=chunk)
@@ -477,7 +477,7 @@ def bench_launch_path(cp, reps: int) -> list[dict]:
     the fixed per-launch cost a notebook user sees, on top of the device-time overhead."""
     from corpus_specs import CASES
 
-    from gpushare_ext.runtime.kernels import kernel
+    from gpushare_ext.kernels import kernel
 
     rows = []
     for case in CASES:
@@ -512,9 +512,9 @@ def bench_launch_path(cp, reps: int) -> list[dict]:
 
 
 def bench_drain(cp, block_us: list[int], reps: int, ipc: bool) -> dict:
-    from gpushare_ext.runtime.kernels import kernel
-    from gpushare_ext.runtime.kernels import launch as L
-    from gpushare_ext.runtime.kernels.transform import PROGRESS_RECORD_BYTES
+    from gpushare_ext.kernels import kernel
+    from gpushare_ext.kernels import launch as L
+    from gpushare_ext.kernels.transform import PROGRESS_RECORD_BYTES
 
     k = kernel(SPIN_SRC, "spin_block")
     variant = k.preemptible()

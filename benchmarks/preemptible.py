@@ -139,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
 
     faulthandler.dump_traceback_later(240, exit=True)  # a hang shows where, then ends
 
+    from gpushare_ext.kernels import launch
     from gpushare_ext.runtime import interpose, preemptible
-    from gpushare_ext.runtime.kernels import launch
 
     registry = preemptible.install()
     if registry is None:

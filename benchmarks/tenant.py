@@ -201,7 +201,7 @@ def _instrumented_step():
     """A persistent preemptible kernel (level 1 capable), launched again and again."""
     import cupy
 
-    from gpushare_ext.runtime.kernels import kernel
+    from gpushare_ext.kernels import kernel
 
     source = r"""
     extern "C" __global__ void burn(float* out, const float* in, int n, int rounds) {
@@ -245,7 +245,7 @@ def _request_factory(kind: str):
             e = cupy.exp(h - h.max(axis=1, keepdims=True))
             return e / e.sum(axis=1, keepdims=True)
     elif kind == "instrumented":
-        from gpushare_ext.runtime.kernels import kernel
+        from gpushare_ext.kernels import kernel
 
         scale = kernel(
             r"""extern "C" __global__ void scale(float* y, const float* x, float s, int n) {

@@ -22,8 +22,8 @@ _LAZY = {
     "safe_point": ("gpushare_ext.runtime.session", "safe_point"),
     "current_session": ("gpushare_ext.runtime.session", "current_session"),
     "widget": ("gpushare_ext.widgets", "widget"),
-    "kernel": ("gpushare_ext.runtime.kernels", "kernel"),
-    "jit": ("gpushare_ext.runtime.kernels", "jit"),
+    "kernel": ("gpushare_ext.kernels", "kernel"),
+    "jit": ("gpushare_ext.kernels", "jit"),
 }
 
 

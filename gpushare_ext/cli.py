@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # These subcommands own their options (their --help included): hand them the rest.
     if argv[:1] == ["classify"]:
-        from gpushare_ext.runtime.kernels.cli import classify_main
+        from gpushare_ext.kernels.cli import classify_main
 
         return classify_main(argv[1:])
     if argv[:2] == ["mig", "plan"]:
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_demo(simulate=args.simulate, steps=args.steps, out=args.out)
         if args.command == "classify":
-            from gpushare_ext.runtime.kernels.cli import classify_main
+            from gpushare_ext.kernels.cli import classify_main
 
             return classify_main(args.rest)
         if args.command == "mig":
@@ -246,8 +246,8 @@ def _cmd_broker(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    from gpushare_ext.client import BrokerClient, BrokerError
     from gpushare_ext.protocol import snapshot_to_builtins
-    from gpushare_ext.runtime.client import BrokerClient, BrokerError
     from gpushare_ext.status_view import render_status
 
     try:
@@ -263,7 +263,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_admin(args: argparse.Namespace) -> int:
-    from gpushare_ext.runtime.client import BrokerClient, BrokerError
+    from gpushare_ext.client import BrokerClient, BrokerError
 
     action = args.action.replace("-", "_")
     kwargs: dict = {}

@@ -123,7 +123,7 @@ class Timeline:
     """Watches the broker and records every lease state change with its time."""
 
     def __init__(self, socket_path: Path) -> None:
-        from gpushare_ext.runtime.client import BrokerClient
+        from gpushare_ext.client import BrokerClient
 
         self.client = BrokerClient(socket_path, client="cli")
         self.events: list[tuple[float, str, str, str]] = []
@@ -134,7 +134,7 @@ class Timeline:
         self.thread.start()
 
     def _run(self) -> None:
-        from gpushare_ext.runtime.client import BrokerError
+        from gpushare_ext.client import BrokerError
 
         while not self._stop.is_set():
             try:
@@ -182,7 +182,7 @@ def run_demo(*, simulate: str | None = None, steps: int = 40, out: str | None = 
     socket_path = broker.socket
     os.environ["GPUSHARE_SOCKET"] = str(socket_path)
     try:
-        from gpushare_ext.runtime.client import BrokerClient
+        from gpushare_ext.client import BrokerClient
 
         with BrokerClient(socket_path, client="cli") as client:
             snapshot = client.status()

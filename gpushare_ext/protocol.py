@@ -28,7 +28,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from gpushare_ext.broker.inventory import DeviceInfo
+from gpushare_ext.devices import DeviceInfo
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 256 * 1024

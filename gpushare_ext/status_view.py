@@ -12,8 +12,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from gpushare_ext.broker.policy import format_size
 from gpushare_ext.protocol import LeaseState, Snapshot, describe_priority
+from gpushare_ext.units import format_size
 
 _STATE_STYLE = {
     LeaseState.RUNNING: "bold green",

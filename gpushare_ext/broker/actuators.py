@@ -28,8 +28,8 @@ import threading
 from dataclasses import dataclass
 from typing import Protocol
 
+from gpushare_ext.control_block import ControlBlock, SessionState
 from gpushare_ext.protocol import PreemptionLevel
-from gpushare_ext.runtime.control import ControlBlock, SessionState
 
 
 class ActuatorError(Exception):
@@ -164,7 +164,7 @@ def _cuda_worker(device_index: int, conn) -> None:  # pragma: no cover - runs on
                 conn.send(("ok", int(value)))
                 continue
             elif op == "flag":
-                from gpushare_ext.runtime.kernels.launch import write_yield_flag_from_handle
+                from gpushare_ext.kernels.launch import write_yield_flag_from_handle
 
                 handle_hex, offset, value = args
                 if offset:

@@ -27,6 +27,7 @@ from gpushare_ext.broker.actuators import ActuatorError, Target, pid_alive
 from gpushare_ext.broker.journal import JournaledLease
 from gpushare_ext.broker.peers import Connection
 from gpushare_ext.broker.views import display_user
+from gpushare_ext.control_block import SessionState
 from gpushare_ext.protocol import (
     Granted,
     LeaseState,
@@ -38,7 +39,6 @@ from gpushare_ext.protocol import (
     Resume,
     Revoked,
 )
-from gpushare_ext.runtime.control import SessionState
 
 if TYPE_CHECKING:
     from gpushare_ext.broker.server import Broker

@@ -81,7 +81,7 @@ class BrokerProcess:
         return self
 
     def answers(self) -> bool:
-        from gpushare_ext.runtime.client import BrokerClient, BrokerError
+        from gpushare_ext.client import BrokerClient, BrokerError
 
         if not self.socket.exists():
             return False

@@ -52,7 +52,7 @@ from gpushare_ext.broker.inventory import (
     SimulatedInventory,
     shipped_fixtures,
 )
-from gpushare_ext.broker.policy import format_size, parse_size
+from gpushare_ext.units import format_size, parse_size
 
 MEMORY_SLICES = 8  # memory slices of an A100/H100/H200 (profiles' placements live on these)
 
@@ -866,7 +866,7 @@ def plan_main(argv: list[str]) -> int:
                 raise MigPlanError(str(exc)) from exc
             device = _pick_device(devices, args.device)
         else:
-            from gpushare_ext.runtime.client import BrokerClient, BrokerError
+            from gpushare_ext.client import BrokerClient, BrokerError
 
             try:
                 with BrokerClient(args.socket, client="cli") as client:

@@ -22,8 +22,8 @@ import struct
 import time
 from dataclasses import dataclass
 
+from gpushare_ext.control_block import ControlBlock
 from gpushare_ext.protocol import Hello
-from gpushare_ext.runtime.control import ControlBlock
 
 _UCRED = struct.Struct("3i")
 

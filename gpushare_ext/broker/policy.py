@@ -40,8 +40,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from gpushare_ext.broker import schema
-from gpushare_ext.broker.schema import GIB, PolicyError, format_size, parse_size
+from gpushare_ext.broker.schema import PolicyError
 from gpushare_ext.protocol import PRIORITY_CLASSES, PreemptionLevel, SliceWish
+from gpushare_ext.units import GIB, format_size, parse_size, priority_band
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -148,11 +149,6 @@ def policy_from_document(document: Mapping[str, object], source: str = "policy")
 
 
 # ------------------------------------------------------------------ decisions
-
-
-def priority_band(value: float) -> int:
-    """The class of a priority number: 0 low, 1 normal, 2 high.  Preemption crosses bands only."""
-    return int(min(max(value, 0), 299) // 100)
 
 
 def effective_priority(base: int, waited_s: float, aging_per_minute: float) -> float:

@@ -29,6 +29,7 @@ from gpushare_ext.broker.peers import Connection, claimed_pid_matches
 from gpushare_ext.broker.policy import PolicyError
 from gpushare_ext.broker.recovery import placeholder_session
 from gpushare_ext.broker.views import snapshot
+from gpushare_ext.control_block import ControlBlock, SessionState
 from gpushare_ext.protocol import (
     PROTOCOL_VERSION,
     Admin,
@@ -49,7 +50,6 @@ from gpushare_ext.protocol import (
     Watch,
     Welcome,
 )
-from gpushare_ext.runtime.control import ControlBlock, SessionState
 
 if TYPE_CHECKING:
     from gpushare_ext.broker.server import Broker

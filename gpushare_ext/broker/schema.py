@@ -23,12 +23,12 @@ import ipaddress
 import json
 import math
 import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from gpushare_ext.protocol import SliceWish, priority_value
+from gpushare_ext.units import GIB, KIB, MIB, PIB, parse_size
 
 
 class PolicyError(Exception):
@@ -39,48 +39,6 @@ class PolicyError(Exception):
     def __init__(self, message: str, *, key: str | None = None) -> None:
         super().__init__(message)
         self.key = key
-
-
-# ------------------------------------------------------------------ sizes
-
-KIB = 1024
-MIB = 1024**2
-GIB = 1024**3
-PIB = 1024**5
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]i?B?|B)?\s*$", re.IGNORECASE)
-# A bare letter and "Xi"/"XiB" are binary, "XB" is decimal, the way people write them.
-_UNITS = {"": 1, "B": 1} | {
-    f"{letter}{suffix}": (1000 if suffix == "B" else 1024) ** power
-    for power, letter in enumerate("KMGTP", start=1)
-    for suffix in ("", "I", "IB", "B")
-}
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes in ``text`` ("8GiB", "512MB", "1.5G", 1024); ValueError with a readable reason."""
-    if isinstance(text, bool):
-        raise ValueError("a size must be a number of bytes or text like 8GiB")
-    if isinstance(text, int):
-        if text < 0:
-            raise ValueError(f"size {text} is negative")
-        return text
-    match = _SIZE.match(str(text))
-    if not match:
-        raise ValueError(f"{text!r} is not a size (examples: 8GiB, 512MiB, 2GB)")
-    number, unit = match.groups()
-    multiplier = _UNITS.get((unit or "").upper())
-    if multiplier is None:
-        raise ValueError(f"{text!r} has an unknown unit {unit!r}")
-    return int(float(number) * multiplier)
-
-
-def format_size(num_bytes: int) -> str:
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" or value >= 100 else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{num_bytes} B"  # pragma: no cover
 
 
 # ------------------------------------------------------------------ kinds of value

@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 import shlex
 
-from gpushare_ext.broker.policy import parse_size
 from gpushare_ext.protocol import SliceWish, priority_value
+from gpushare_ext.units import parse_size
 
 KEYS = {
     "priority": "low | normal | high | 0-299",

@@ -12,11 +12,10 @@ import ast
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 
-from gpushare_ext.broker.policy import format_size
+from gpushare_ext.client import BrokerError
 from gpushare_ext.magics.arguments import KEYS, ArgumentError, parse_lease_arguments
 from gpushare_ext.protocol import describe_priority
 from gpushare_ext.runtime.binding import BindingError
-from gpushare_ext.runtime.client import BrokerError
 from gpushare_ext.runtime.embedded import EmbeddedBrokerError
 from gpushare_ext.runtime.session import (
     CellOutput,
@@ -24,6 +23,7 @@ from gpushare_ext.runtime.session import (
     LeaseTimeout,
     current_session,
 )
+from gpushare_ext.units import format_size
 
 _KEY_HELP = "\n".join(f"    {key:<13} {text}" for key, text in KEYS.items())
 

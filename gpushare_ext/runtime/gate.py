@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from gpushare_ext.runtime.control import GATE_OFFSET, SIZE, ControlBlock
+from gpushare_ext.control_block import GATE_OFFSET, SIZE, ControlBlock
 
 _REGISTERED: set[int] = set()  # host pages registered with CUDA (once per process)
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 NATIVE = Path(__file__).with_name("native") / "libgpushare_interpose.so"
-GATE_OFFSET = 8  # the control block's words (runtime/control.py)
+GATE_OFFSET = 8  # the control block's words (control_block.py)
 STATE_OFFSET = 12
 DEFAULT_WINDOW = 2  # until a launch's GPU time is known, and in the fixed mode
 DEFAULT_RECORD_EVERY = 4

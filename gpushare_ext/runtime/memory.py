@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from gpushare_ext.broker.policy import format_size
+from gpushare_ext.units import format_size
 
 
 class QuotaExceeded(MemoryError):

@@ -5,7 +5,7 @@ framework loads from PTX text (CuPy compiling its generated and user kernels to 
 ``RawModule`` of PTX) and of every function taken from one; Numba, which links its
 kernels to a cubin itself, hands over each kernel's PTX as it loads it (a hook on its
 code library, installed when Numba is imported).  Each function goes through
-the same analysis and transform as ``gpushare_ext.kernel`` (``runtime/kernels``); the
+the same analysis and transform as ``gpushare_ext.kernel`` (``gpushare_ext/kernels``); the
 shim times its first launches, and once one took longer than the drain a pause should
 cost (``GPUSHARE_PREEMPTIBLE_US``, 2 ms), its later launches come here instead of going
 to the GPU as they are.  Each one is then classified *with its actual buffers* (two
@@ -70,7 +70,7 @@ class Twin:
 
     name: str
     module: int
-    kernel: Any = None  # runtime.kernels.frontends.Kernel
+    kernel: Any = None  # gpushare_ext.kernels.frontends.Kernel
     reason: str = ""  # why it runs unmodified (empty: it has a preemptible twin)
     said: bool = False
     launches: int = 0
@@ -189,7 +189,7 @@ def _reason_of(exc: Exception) -> str:
 
 def _analyse(ptx: bytes, name: str, module: int) -> Twin:
     """The analysed kernel for ``name`` in ``ptx``, or the reason it has none."""
-    from gpushare_ext.runtime.kernels import Idempotence, Kernel, KernelError
+    from gpushare_ext.kernels import Idempotence, Kernel, KernelError
 
     twin = Twin(name=name, module=module)
     try:
@@ -224,7 +224,7 @@ def raw_arguments(kernel: Any, params: Any) -> Any:
     """The launch's arguments as the shim got them (an array of pointers to each value),
     with each pointer parameter's extent: up to the end of its allocation.  None when a
     pointer is not device memory (host or managed memory: the buffers are not known)."""
-    from gpushare_ext.runtime.kernels.launch import BoundArgs
+    from gpushare_ext.kernels.launch import BoundArgs
 
     values = [ctypes.string_at(params[i], p.size) for i, p in enumerate(kernel.entry.params)]
     index = {p.name: i for i, p in enumerate(kernel.entry.params)}
@@ -245,8 +245,8 @@ def raw_arguments(kernel: Any, params: Any) -> Any:
 
 def choose_mode(kernel: Any, extents: dict[str, tuple[int, int]]) -> Any:
     """restart for a launch that is idempotent with these buffers, else snapshot."""
-    from gpushare_ext.runtime.kernels import Idempotence, classify_launch
-    from gpushare_ext.runtime.kernels.launch import LaunchMode
+    from gpushare_ext.kernels import Idempotence, classify_launch
+    from gpushare_ext.kernels.launch import LaunchMode
 
     verdict = classify_launch(kernel.report, extents).verdict
     if verdict is Idempotence.IDEMPOTENT:
@@ -260,7 +260,7 @@ def run_launch(
     kernel: Any, grid: tuple, block: tuple, shared: int, stream: int, params: Any
 ) -> Any:
     """Run one launch taken by the shim as a transaction; None if it must run as it is."""
-    from gpushare_ext.runtime.kernels.launch import launch_kernel
+    from gpushare_ext.kernels.launch import launch_kernel
 
     bound = raw_arguments(kernel, params)
     if bound is None:

@@ -27,7 +27,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from gpushare_ext.broker.policy import format_size, priority_band
+from gpushare_ext.client import BrokerClient, BrokerError, BrokerUnavailable
+from gpushare_ext.control_block import ControlBlock, ControlBlockError
 from gpushare_ext.paths import SYSTEM_SOCKET, default_socket_path
 from gpushare_ext.protocol import (
     PRIORITY_CLASSES,
@@ -48,9 +49,8 @@ from gpushare_ext.protocol import (
     priority_value,
 )
 from gpushare_ext.runtime import binding, interpose, memory, preemptible
-from gpushare_ext.runtime.client import BrokerClient, BrokerError, BrokerUnavailable
-from gpushare_ext.runtime.control import ControlBlock, ControlBlockError
 from gpushare_ext.runtime.embedded import broker_answers, ensure_embedded_broker
+from gpushare_ext.units import format_size, priority_band
 
 HELD_STATES = ("granted", "running", "paused")
 OPEN_STATES = (*HELD_STATES, "queued")  # what a reconnect reclaims
@@ -652,7 +652,7 @@ class GpuSession:
         """Give preemptible kernels the session's gate and yield flag, and tell the broker
         where the flag is (a CUDA IPC handle), so it can stop them at level 1 or 2."""
         try:
-            from gpushare_ext.runtime.kernels import launch
+            from gpushare_ext.kernels import launch
         except ImportError:  # the kernel toolchain is optional
             return
         try:

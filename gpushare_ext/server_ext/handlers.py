@@ -30,8 +30,8 @@ import tornado.web
 from jupyter_server.base.handlers import APIHandler
 from tornado.iostream import StreamClosedError
 
+from gpushare_ext.client import AsyncBrokerClient, BrokerError, BrokerUnavailable
 from gpushare_ext.protocol import ErrorCode, Snapshot, encode_json, snapshot_to_builtins
-from gpushare_ext.runtime.client import AsyncBrokerClient, BrokerError, BrokerUnavailable
 
 #: How long one broker round trip may take before the request fails with 503.
 BROKER_TIMEOUT_S = 10.0

@@ -102,8 +102,8 @@ class OccupancyWidget(anywidget.AnyWidget):
     # ---- the follower thread
 
     def _follow(self) -> None:
+        from gpushare_ext.client import BrokerClient, BrokerError
         from gpushare_ext.paths import default_socket_path
-        from gpushare_ext.runtime.client import BrokerClient, BrokerError
 
         while not self._stop.is_set():
             path = Path(self.socket_path) if self.socket_path else default_socket_path()

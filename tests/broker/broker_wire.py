@@ -18,6 +18,7 @@ from pathlib import Path
 
 import msgspec
 
+from gpushare_ext.client import BrokerClient
 from gpushare_ext.protocol import (
     PROTOCOL_VERSION,
     BrokerMessage,
@@ -30,7 +31,6 @@ from gpushare_ext.protocol import (
     encode_frame,
     encode_json,
 )
-from gpushare_ext.runtime.client import BrokerClient
 
 HOLDER = Path(__file__).with_name("lease_holder.py")
 

@@ -12,8 +12,8 @@ import os
 import sys
 import time
 
+from gpushare_ext.client import BrokerClient
 from gpushare_ext.protocol import Capabilities, Granted
-from gpushare_ext.runtime.client import BrokerClient
 
 
 def main() -> int:

@@ -28,8 +28,9 @@ from scheduler_helpers import GIB, LOW, NORMAL, fingerprint, h200_document
 
 from gpushare_ext.broker import core
 from gpushare_ext.broker.inventory import parse_inventory
-from gpushare_ext.broker.policy import Limits, Policy, priority_band
+from gpushare_ext.broker.policy import Limits, Policy
 from gpushare_ext.protocol import Capabilities, LeaseState, PreemptionLevel, SliceWish
+from gpushare_ext.units import priority_band
 
 PROPERTY_SETTINGS = settings(
     max_examples=150,

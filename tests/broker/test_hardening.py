@@ -18,6 +18,7 @@ import pytest
 from broker_wire import RawClient, status_of, wait_for
 from support import free_port, is_root, run_as
 
+from gpushare_ext.client import BrokerClient, BrokerError
 from gpushare_ext.protocol import (
     PROTOCOL_VERSION,
     Error,
@@ -30,7 +31,6 @@ from gpushare_ext.protocol import (
     Welcome,
     encode_frame,
 )
-from gpushare_ext.runtime.client import BrokerClient, BrokerError
 
 GIB = 1024**3
 NON_ADMIN = "nobody" if is_root() else None

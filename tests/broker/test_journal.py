@@ -16,8 +16,8 @@ from broker_wire import start_holder, status_of, wait_for
 from support import launch_broker, run_as
 
 from gpushare_ext.broker.journal import Journal, JournaledLease
+from gpushare_ext.client import BrokerClient
 from gpushare_ext.protocol import Granted, Preempt
-from gpushare_ext.runtime.client import BrokerClient
 
 LOCK = 3
 

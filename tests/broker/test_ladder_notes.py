@@ -6,8 +6,8 @@ import asyncio
 from pathlib import Path
 
 from gpushare_ext.broker.actuators import Ladder, Target, _what_stopped
+from gpushare_ext.control_block import ControlBlock
 from gpushare_ext.protocol import PreemptionLevel
-from gpushare_ext.runtime.control import ControlBlock
 
 
 class RecordingControl:

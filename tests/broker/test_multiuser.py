@@ -15,9 +15,9 @@ import pytest
 from broker_wire import status_of
 from support import is_root, launch_broker, run_as
 
+from gpushare_ext.client import BrokerClient, BrokerError
+from gpushare_ext.control_block import ControlBlock, ControlBlockError
 from gpushare_ext.protocol import ErrorCode, Granted
-from gpushare_ext.runtime.client import BrokerClient, BrokerError
-from gpushare_ext.runtime.control import ControlBlock, ControlBlockError
 
 pytestmark = [
     pytest.mark.multiuser,

@@ -23,6 +23,7 @@ import pytest
 from broker_wire import RawClient, start_holder, status_of, visible_state, wait_for
 from support import free_port, is_root, launch_broker, run_as
 
+from gpushare_ext.client import BrokerClient, BrokerError
 from gpushare_ext.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -40,7 +41,6 @@ from gpushare_ext.protocol import (
     StatusRequest,
     Welcome,
 )
-from gpushare_ext.runtime.client import BrokerClient, BrokerError
 
 GIB = 1024**3
 # As root every client is an admin and exempt from rate limits; "nobody" is neither.

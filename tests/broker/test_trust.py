@@ -30,10 +30,10 @@ from pathlib import Path
 import pytest
 from support import is_root, launch_broker, run_as, short_tempdir
 
+from gpushare_ext.client import BrokerClient, BrokerError
+from gpushare_ext.control_block import ControlBlock, ControlBlockError
 from gpushare_ext.paths import sessions_prefix_for
 from gpushare_ext.protocol import Granted, Ok, encode_frame
-from gpushare_ext.runtime.client import BrokerClient, BrokerError
-from gpushare_ext.runtime.control import ControlBlock, ControlBlockError
 from gpushare_ext.runtime.embedded import EmbeddedBrokerError, ensure_embedded_broker
 
 needs_root = pytest.mark.skipif(not is_root(), reason="drops to real Unix users: needs root")

@@ -163,7 +163,7 @@ def test_closed_gate_holds_work_queued_behind_it_without_blocking_the_host():
 
     import cupy
 
-    from gpushare_ext.runtime.control import ControlBlock, SessionState
+    from gpushare_ext.control_block import ControlBlock, SessionState
     from gpushare_ext.runtime.gate import DeviceGate
 
     folder = Path(tempfile.mkdtemp(dir="/dev/shm"))  # control blocks live on tmpfs

@@ -81,7 +81,7 @@ print("INTERACTIVE DONE", flush=True)
 # What a curious student tries from another notebook against the staff member's session.
 PROBE_CELL = """\
 import os
-from gpushare_ext.runtime.client import BrokerClient, BrokerError
+from gpushare_ext.client import BrokerClient, BrokerError
 findings = {{}}
 with BrokerClient(client="cli") as client:
     try:

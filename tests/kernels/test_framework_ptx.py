@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from gpushare_ext.runtime.kernels import Idempotence, Kernel, TransformOptions, assemble
-from gpushare_ext.runtime.kernels.analysis import struct_pointer_fields
-from gpushare_ext.runtime.kernels.transform import RecordLayout
+from gpushare_ext.kernels import Idempotence, Kernel, TransformOptions, assemble
+from gpushare_ext.kernels.analysis import struct_pointer_fields
+from gpushare_ext.kernels.transform import RecordLayout
 from gpushare_ext.runtime.preemptible import choose_mode
 
 CUPY = Path(__file__).with_name("fixtures") / "cupy"

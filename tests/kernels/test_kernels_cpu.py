@@ -15,7 +15,7 @@ import pytest
 from corpus_specs import CASES, CORPUS, TRANSFORMABLE, Case
 from numba_corpus import NUMBA_CASES
 
-from gpushare_ext.runtime.kernels import (
+from gpushare_ext.kernels import (
     Idempotence,
     KernelError,
     TransformOptions,
@@ -27,9 +27,9 @@ from gpushare_ext.runtime.kernels import (
     make_preemptible,
     parse_ptx,
 )
-from gpushare_ext.runtime.kernels.cli import classify_main
-from gpushare_ext.runtime.kernels.frontends import compile_numba
-from gpushare_ext.runtime.kernels.launch import (
+from gpushare_ext.kernels.cli import classify_main
+from gpushare_ext.kernels.frontends import compile_numba
+from gpushare_ext.kernels.launch import (
     CHUNK_MAX,
     _array_extent,
     _BlockTimes,
@@ -40,7 +40,7 @@ from gpushare_ext.runtime.kernels.launch import (
     choose_chunk,
     initial_record,
 )
-from gpushare_ext.runtime.kernels.transform import PROGRESS_RECORD_BYTES, RecordLayout
+from gpushare_ext.kernels.transform import PROGRESS_RECORD_BYTES, RecordLayout
 
 VARIANTS = [
     TransformOptions(),

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from corpus_specs import CASES, Case
 
-from gpushare_ext.runtime.kernels import kernel
-from gpushare_ext.runtime.kernels.analysis import Idempotence
+from gpushare_ext.kernels import kernel
+from gpushare_ext.kernels.analysis import Idempotence
 
 
 def _gpu_ready() -> str | None:
@@ -149,7 +149,7 @@ def test_chunked_claiming_with_an_uneven_block_count(chunk):
 def test_real_yield_flag_with_chunks_drains_and_resumes_exactly():
     import cupy as cp
 
-    from gpushare_ext.runtime.kernels.launch import YieldFlag
+    from gpushare_ext.kernels.launch import YieldFlag
 
     case = next(c for c in CASES if c.kernel == "long_loop")
     k = _kernel(case)
@@ -196,7 +196,7 @@ def test_aliased_buffers_are_snapshotted_and_stay_exact():
 def test_real_yield_flag_drains_and_resumes_exactly():
     import cupy as cp
 
-    from gpushare_ext.runtime.kernels.launch import YieldFlag
+    from gpushare_ext.kernels.launch import YieldFlag
 
     case = next(c for c in CASES if c.kernel == "long_loop")
     k = _kernel(case)
@@ -228,7 +228,7 @@ def test_real_yield_flag_drains_and_resumes_exactly():
 def test_interrupt_mid_launch_restores_a_non_idempotent_kernel(monkeypatch):
     import cupy as cp
 
-    from gpushare_ext.runtime.kernels import launch as L
+    from gpushare_ext.kernels import launch as L
 
     case = next(c for c in CASES if c.kernel == "long_loop_inplace")
     k = _kernel(case)
@@ -292,12 +292,12 @@ def test_sm_share_limits_the_sms_used():
 
 
 def test_yield_flag_written_from_another_process_through_ipc():
-    from gpushare_ext.runtime.kernels.launch import YieldFlag
+    from gpushare_ext.kernels.launch import YieldFlag
 
     flag = YieldFlag()
     handle = flag.ipc_handle().hex()
     code = (
-        "from gpushare_ext.runtime.kernels.launch import write_yield_flag_from_handle as w;"
+        "from gpushare_ext.kernels.launch import write_yield_flag_from_handle as w;"
         f"w(bytes.fromhex('{handle}'), 7, 0)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from pytest_jupyter.jupyter_server import *  # noqa: F403 - fixtures and hooks, this folder only
 
-from gpushare_ext.runtime.client import BrokerClient
+from gpushare_ext.client import BrokerClient
 
 
 @pytest.fixture

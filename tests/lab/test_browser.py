@@ -48,7 +48,7 @@ WIDGET_NOTEBOOK_CELLS = [
     "import gpushare_ext.widgets\nview = gpushare_ext.widgets.widget()\nview",
     # A long cell: while it runs, the widget above must keep updating.
     "import time\n"
-    "from gpushare_ext.runtime.client import BrokerClient\n"
+    "from gpushare_ext.client import BrokerClient\n"
     "client = BrokerClient()\n"
     f"grant = client.request_lease(priority={HIGH}, label='notebook-cell')\n"
     "time.sleep(8)\n"

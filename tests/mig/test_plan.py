@@ -375,7 +375,7 @@ def test_the_demand_is_read_from_the_brokers_leases(capsys, monkeypatch):
         def status(self):
             return snapshot
 
-    monkeypatch.setattr("gpushare_ext.runtime.client.BrokerClient", FakeClient)
+    monkeypatch.setattr("gpushare_ext.client.BrokerClient", FakeClient)
 
     code, out, err = run(["--json", "--apply"], capsys)
 

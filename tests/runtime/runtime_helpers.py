@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpushare_ext.broker import launch
+from gpushare_ext.client import BrokerClient
 from gpushare_ext.protocol import LeaseView, Snapshot
-from gpushare_ext.runtime.client import BrokerClient
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from gpushare_ext.control_block import ControlBlock, SessionState
 from gpushare_ext.runtime import interpose
-from gpushare_ext.runtime.control import ControlBlock, SessionState
 
 NOT_READY = 600
 CONTEXT = ctypes.c_void_p(0x5EED)
@@ -294,7 +294,7 @@ SHIM_SCRIPT = r"""
 import ctypes, json, sys, threading, time
 from pathlib import Path
 from gpushare_ext.runtime import interpose
-from gpushare_ext.runtime.control import ControlBlock, SessionState
+from gpushare_ext.control_block import ControlBlock, SessionState
 
 u, p = ctypes.c_uint, ctypes.c_void_p
 LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, p, u, u, u, u, u, u, u, p, p, p)

@@ -16,9 +16,9 @@ import signal
 import pytest
 from runtime_helpers import BrokerProcess, short_tempdir, wait_for
 
+from gpushare_ext.client import BrokerClient, BrokerError
 from gpushare_ext.paths import SYSTEM_SOCKET
 from gpushare_ext.protocol import LeaseState
-from gpushare_ext.runtime.client import BrokerClient, BrokerError
 
 STARTED = "started your embedded broker"
 BROKER_PID_CELL = (

@@ -197,7 +197,7 @@ def test_a_lease_granted_right_after_a_restart_is_kept_and_the_kernel_has_one_co
     assert not any(word in cell.shown_text() for word in LOST), cell.describe()
     count = kernel.run(
         "import gc\n"
-        "from gpushare_ext.runtime.client import BrokerClient\n"
+        "from gpushare_ext.client import BrokerClient\n"
         "print('live', sum(1 for o in gc.get_objects()\n"
         "                  if isinstance(o, BrokerClient) and not o.closed.is_set()))"
     ).ok()

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
-from gpushare_ext.runtime.kernels.ptx import Entry, Instruction, PtxModule
+from gpushare_ext.kernels.ptx import Entry, Instruction, PtxModule
 
 __all__ = [
     "Access",

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from gpushare_ext.runtime.kernels.analysis import KernelReport, analyse_entry
-from gpushare_ext.runtime.kernels.ptx import KernelError, PtxModule, parse_ptx
-from gpushare_ext.runtime.kernels.transform import (
+from gpushare_ext.kernels.analysis import KernelReport, analyse_entry
+from gpushare_ext.kernels.ptx import KernelError, PtxModule, parse_ptx
+from gpushare_ext.kernels.transform import (
     PreemptibleKernel,
     TransformOptions,
     make_preemptible,
@@ -233,7 +233,7 @@ class Kernel:
     def launch(self, grid: Any, block: Any, args: Sequence[Any], **kw: Any) -> Any:
         """Launch as a transaction (see ``launch.py``); keywords: stream, shared_mem, mode,
         fence, sm_share, max_blocks, yield_flag, preempt_at, abort_at, preemptible."""
-        from gpushare_ext.runtime.kernels.launch import launch_kernel
+        from gpushare_ext.kernels.launch import launch_kernel
 
         return launch_kernel(self, grid, block, tuple(args), **kw)
 

@@ -59,8 +59,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpushare_ext.runtime.kernels.analysis import KernelReport, analyse_entry
-from gpushare_ext.runtime.kernels.ptx import (
+from gpushare_ext.kernels.analysis import KernelReport, analyse_entry
+from gpushare_ext.kernels.ptx import (
     Entry,
     Instruction,
     KernelError,

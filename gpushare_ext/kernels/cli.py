@@ -14,9 +14,9 @@ import json
 import sys
 from pathlib import Path
 
-from gpushare_ext.runtime.kernels.analysis import KernelReport, analyse_module
-from gpushare_ext.runtime.kernels.frontends import DEFAULT_ARCH, compile_cuda, is_ptx
-from gpushare_ext.runtime.kernels.ptx import KernelError, parse_ptx
+from gpushare_ext.kernels.analysis import KernelReport, analyse_module
+from gpushare_ext.kernels.frontends import DEFAULT_ARCH, compile_cuda, is_ptx
+from gpushare_ext.kernels.ptx import KernelError, parse_ptx
 
 __all__ = ["build_parser", "classify_file", "classify_main"]
 
@@ -64,7 +64,7 @@ def classify_file(path: Path, arch: str = DEFAULT_ARCH) -> dict[str, KernelRepor
 
 
 def _names_from_source(text: str, module) -> dict[str, dict[str, str]]:
-    from gpushare_ext.runtime.kernels.frontends import _source_param_names
+    from gpushare_ext.kernels.frontends import _source_param_names
 
     out = {}
     for e in module.entries:

@@ -10,7 +10,7 @@ stays cheap and works without a GPU); everything heavy is imported where it is u
 
 from __future__ import annotations
 
-from gpushare_ext.runtime.kernels.analysis import (
+from gpushare_ext.kernels.analysis import (
     Access,
     Classification,
     Idempotence,
@@ -19,16 +19,16 @@ from gpushare_ext.runtime.kernels.analysis import (
     analyse_module,
     classify_launch,
 )
-from gpushare_ext.runtime.kernels.frontends import Kernel, NumbaKernel, compile_cuda, jit, kernel
-from gpushare_ext.runtime.kernels.launch import (
+from gpushare_ext.kernels.frontends import Kernel, NumbaKernel, compile_cuda, jit, kernel
+from gpushare_ext.kernels.launch import (
     LaunchMode,
     LaunchReport,
     YieldFlag,
     set_session_yield_flag,
     write_yield_flag_from_handle,
 )
-from gpushare_ext.runtime.kernels.ptx import KernelError, PtxModule, parse_ptx
-from gpushare_ext.runtime.kernels.transform import (
+from gpushare_ext.kernels.ptx import KernelError, PtxModule, parse_ptx
+from gpushare_ext.kernels.transform import (
     PreemptibleKernel,
     TransformOptions,
     assemble,

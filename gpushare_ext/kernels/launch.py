@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, ClassVar
 
-from gpushare_ext.runtime.kernels.analysis import Classification, Idempotence, classify_launch
-from gpushare_ext.runtime.kernels.ptx import KernelError, Param, set_version
-from gpushare_ext.runtime.kernels.transform import (
+from gpushare_ext.kernels.analysis import Classification, Idempotence, classify_launch
+from gpushare_ext.kernels.ptx import KernelError, Param, set_version
+from gpushare_ext.kernels.transform import (
     NO_BLOCK,
     PROGRESS_RECORD_BYTES,
     PreemptibleKernel,

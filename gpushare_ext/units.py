@@ -1,0 +1,59 @@
+"""Units both sides of the socket speak: sizes in bytes, priority bands.
+
+What it is for: reading and writing sizes the way people write them ("8GiB", "512 MB",
+1024) and telling which class a priority number falls in.  Broker, runtime, magics and
+status views all use these, so they live on the ground floor.
+
+What it must not do: import anything from gpushare_ext (it is below everything) or know
+about policy (what sizes are allowed is the broker's business).
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["GIB", "KIB", "MIB", "PIB", "format_size", "parse_size", "priority_band"]
+
+KIB = 1024
+MIB = 1024**2
+GIB = 1024**3
+PIB = 1024**5
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]i?B?|B)?\s*$", re.IGNORECASE)
+# A bare letter and "Xi"/"XiB" are binary, "XB" is decimal, the way people write them.
+_UNITS = {"": 1, "B": 1} | {
+    f"{letter}{suffix}": (1000 if suffix == "B" else 1024) ** power
+    for power, letter in enumerate("KMGTP", start=1)
+    for suffix in ("", "I", "IB", "B")
+}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes in ``text`` ("8GiB", "512MB", "1.5G", 1024); ValueError with a readable reason."""
+    if isinstance(text, bool):
+        raise ValueError("a size must be a number of bytes or text like 8GiB")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"size {text} is negative")
+        return text
+    match = _SIZE.match(str(text))
+    if not match:
+        raise ValueError(f"{text!r} is not a size (examples: 8GiB, 512MiB, 2GB)")
+    number, unit = match.groups()
+    multiplier = _UNITS.get((unit or "").upper())
+    if multiplier is None:
+        raise ValueError(f"{text!r} has an unknown unit {unit!r}")
+    return int(float(number) * multiplier)
+
+
+def format_size(num_bytes: int) -> str:
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" or value >= 100 else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{num_bytes} B"  # pragma: no cover
+
+
+def priority_band(value: float) -> int:
+    """The class of a priority number: 0 low, 1 normal, 2 high.  Preemption crosses bands only."""
+    return int(min(max(value, 0), 299) // 100)

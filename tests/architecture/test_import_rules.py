@@ -1,0 +1,127 @@
+"""The house rules of the package's layout (docs/design.md, "The rooms"), checked on its
+source: each room imports only from the rooms below it, and module-level imports form
+no cycle.
+
+Rooms, lowest first:
+
+* the ground floor (``protocol``, ``devices``, ``units``, ``control_block``, ``client``,
+  ``paths``, ``safe_fs``): imports nothing else of gpushare;
+* ``kernels`` (the kernel compiler): the ground floor;
+* ``broker`` and ``runtime``, side by side: the ground floor and ``kernels``, never
+  each other;
+* the rooms at the top (``magics``, ``widgets``, ``status_view``, ``server_ext``,
+  ``cli``, ``demo`` and the package itself): anything below.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "gpushare_ext"
+GROUND = {"protocol", "devices", "units", "control_block", "client", "paths", "safe_fs"}
+ALLOWED: dict[str, set[str]] = {
+    "ground": {"ground"},
+    "kernels": {"ground", "kernels"},
+    "broker": {"ground", "kernels", "broker"},
+    "runtime": {"ground", "kernels", "runtime"},
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "top"
+    if parts[1] in GROUND:
+        return "ground"
+    return parts[1] if parts[1] in ALLOWED else "top"
+
+
+def imports(path: Path) -> list[tuple[str, bool]]:
+    """(imported gpushare module, at module level?) for every import in ``path``."""
+    tree = ast.parse(path.read_text())
+    top_level = {id(node) for node in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        for name in names:
+            if name.split(".")[0] == "gpushare_ext":
+                found.append((name, id(node) in top_level))
+    return found
+
+
+def graph() -> dict[str, list[tuple[str, bool]]]:
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    edges: dict[str, list[tuple[str, bool]]] = defaultdict(list)
+    for module, path in modules.items():
+        for target, at_top in imports(path):
+            # "from gpushare_ext.x import y": y is a module if there is such a file.
+            while target not in modules and "." in target:
+                target = target.rsplit(".", 1)[0]
+            if target != module:
+                edges[module].append((target, at_top))
+    return edges
+
+
+def upward_arrows(edges: dict[str, list[tuple[str, bool]]]) -> list[str]:
+    arrows = set()
+    for module, targets in edges.items():
+        allowed = ALLOWED.get(room(module))
+        if allowed is None:
+            continue
+        arrows |= {f"{module} -> {t}" for t, _ in targets if room(t) not in allowed}
+    return sorted(arrows)
+
+
+def test_every_room_imports_only_from_below():
+    upward = upward_arrows(graph())
+    assert not upward, "imports from a higher room:\n" + "\n".join(upward)
+
+
+def test_the_rules_see_an_arrow_up_and_between_peers():
+    edges = {
+        "gpushare_ext.protocol": [("gpushare_ext.broker.inventory", True)],
+        "gpushare_ext.kernels.launch": [("gpushare_ext.runtime.gate", False)],
+        "gpushare_ext.runtime.session": [("gpushare_ext.broker.policy", True)],
+        "gpushare_ext.broker.actuators": [("gpushare_ext.kernels.launch", False)],
+        "gpushare_ext.magics.gpu": [("gpushare_ext.runtime.session", True)],
+    }
+    assert upward_arrows(edges) == [
+        "gpushare_ext.kernels.launch -> gpushare_ext.runtime.gate",
+        "gpushare_ext.protocol -> gpushare_ext.broker.inventory",
+        "gpushare_ext.runtime.session -> gpushare_ext.broker.policy",
+    ]
+
+
+def test_module_level_imports_form_no_cycle():
+    edges = {m: sorted({t for t, top in ts if top}) for m, ts in graph().items()}
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    cycles: list[list[str]] = []
+
+    def visit(module: str, stack: list[str]) -> None:
+        state[module] = 1
+        stack.append(module)
+        for target in edges.get(module, []):
+            if state.get(target) == 1:
+                cycles.append([*stack[stack.index(target) :], target])
+            elif target not in state:
+                visit(target, stack)
+        stack.pop()
+        state[module] = 2
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module, [])
+    # A package importing its own submodules is how a package exports them, not a cycle.
+    real = [c for c in cycles if not all(m.startswith(c[0] + ".") or m == c[0] for m in c)]
+    assert not real, "import cycles:\n" + "\n".join(" -> ".join(c) for c in real)
