@@ -180,6 +180,25 @@ def _fail(message: str, code: int = 1) -> int:
     return code
 
 
+def _broker_overrides(args: argparse.Namespace) -> tuple[dict, str]:
+    """Settings the command line (and ``$GPUSHARE_DEVICES``) puts over the config file,
+    or a one-line refusal."""
+    overrides: dict = {}
+    if args.journal:
+        overrides["journal"] = args.journal
+    devices_text = args.devices or os.environ.get("GPUSHARE_DEVICES")
+    if devices_text:
+        try:
+            overrides["devices"] = [int(part) for part in devices_text.split(",") if part.strip()]
+        except ValueError:
+            return {}, f"--devices {devices_text!r} is not a list of GPU indices like 0,1"
+    if args.metrics_port is not None:
+        if not 0 < args.metrics_port < 65536:
+            return {}, f"--metrics-port {args.metrics_port} is not a port number"
+        overrides["metrics_port"] = args.metrics_port
+    return overrides, ""
+
+
 def _cmd_broker(args: argparse.Namespace) -> int:
     from gpushare_ext.broker.config import load_config
     from gpushare_ext.broker.inventory import InventoryError, open_inventory
@@ -202,19 +221,9 @@ def _cmd_broker(args: argparse.Namespace) -> int:
         config = load_config(config_path)
     except PolicyError as exc:
         return _fail(str(exc))
-    overrides = {}
-    if args.journal:
-        overrides["journal"] = args.journal
-    devices_text = args.devices or os.environ.get("GPUSHARE_DEVICES")
-    if devices_text:
-        try:
-            overrides["devices"] = [int(part) for part in devices_text.split(",") if part.strip()]
-        except ValueError:
-            return _fail(f"--devices {devices_text!r} is not a list of GPU indices like 0,1", 2)
-    if args.metrics_port is not None:
-        if not 0 < args.metrics_port < 65536:
-            return _fail(f"--metrics-port {args.metrics_port} is not a port number", 2)
-        overrides["metrics_port"] = args.metrics_port
+    overrides, refusal = _broker_overrides(args)
+    if refusal:
+        return _fail(refusal, 2)
     if overrides:
         from dataclasses import replace
 

@@ -790,26 +790,10 @@ class Scheduler:
         ]
 
     def _candidate_slots(self, device_wish: str, wish: SliceWish) -> tuple[list[str], str]:
-        keys = sorted(self.slots)
-        matching = sorted(self.devices)
-        wish_text = (device_wish or "auto").strip()
-        if wish_text != "auto":
-            # isdigit() is true for "²" and "①", which int() refuses: ASCII digits only.
-            if wish_text.isascii() and wish_text.isdecimal():
-                index = int(wish_text)
-                if index not in self.devices:
-                    return [], f"there is no device {index} (devices: {sorted(self.devices)})"
-                keys = [k for k in keys if self.slots[k].device_index == index]
-                matching = [index]
-            else:
-                keys = [
-                    k
-                    for k in keys
-                    if wish_text in (self.slots[k].mig_uuid, self.slots[k].device_uuid)
-                ]
-                matching = [i for i, d in self.devices.items() if d.uuid == wish_text]
-                if not keys and not matching:
-                    return [], f"no device or MIG instance has the UUID {wish_text}"
+        """Slots a request may be placed on, or ([], why none)."""
+        keys, matching, refusal = self._slots_for_device(device_wish)
+        if refusal:
+            return [], refusal
         # MIG on but nothing cut yet: say so whatever the wish (only an admin can fix it).
         mig_without_instances = [
             i for i in matching if self.devices[i].mig_enabled and not self.devices[i].instances
@@ -820,21 +804,37 @@ class Scheduler:
         )
         if wish == SliceWish.MIG:
             keys = [k for k in keys if self.slots[k].mig_uuid]
-            if not keys:
-                if mig_without_instances:
-                    return [], no_instance_yet
+            if not keys and not mig_without_instances:
                 return [], "no MIG instance exists on the matching devices (MIG is off)"
         elif wish == SliceWish.SHARED:
             keys = [k for k in keys if not self.slots[k].mig_uuid]
+            if not keys and any(self.devices[i].instances for i in matching):
+                return [], "the matching devices are cut into MIG instances; ask for mig"
             if not keys:
-                if any(self.devices[i].instances for i in matching):
-                    return [], "the matching devices are cut into MIG instances; ask for mig"
                 return [], no_instance_yet
         if not keys:
-            if mig_without_instances:
-                return [], no_instance_yet
-            return [], "no device matches"
+            return [], no_instance_yet if mig_without_instances else "no device matches"
         return keys, ""
+
+    def _slots_for_device(self, device_wish: str) -> tuple[list[str], list[int], str]:
+        """(slot keys, device indices) a device wish (auto, an index, a UUID) names, or a
+        refusal when it names nothing."""
+        keys = sorted(self.slots)
+        matching = sorted(self.devices)
+        wish_text = (device_wish or "auto").strip()
+        if wish_text == "auto":
+            return keys, matching, ""
+        # isdigit() is true for "²" and "①", which int() refuses: ASCII digits only.
+        if wish_text.isascii() and wish_text.isdecimal():
+            index = int(wish_text)
+            if index not in self.devices:
+                return [], [], f"there is no device {index} (devices: {sorted(self.devices)})"
+            return [k for k in keys if self.slots[k].device_index == index], [index], ""
+        keys = [k for k in keys if wish_text in (self.slots[k].mig_uuid, self.slots[k].device_uuid)]
+        matching = [i for i, d in self.devices.items() if d.uuid == wish_text]
+        if not keys and not matching:
+            return [], [], f"no device or MIG instance has the UUID {wish_text}"
+        return keys, matching, ""
 
     def _queue_key(self, lease: Lease, now: float) -> tuple:
         return (-self._effective(lease, now), lease.arrival)

@@ -187,8 +187,21 @@ def _ends_thread(ins: Instruction) -> bool:
 
 
 def build_cfg(entry: Entry) -> ControlFlow:
+    """Basic blocks, successors, back edges (loops) and loop bodies of one entry."""
     instrs = entry.instructions
-    # Block leaders: first instruction, each labelled instruction, each after a branch/ret.
+    if not instrs:
+        return ControlFlow([], {}, [], [])
+    label_at = _label_positions(entry)
+    blocks = _basic_blocks(instrs, label_at)
+    start_to_block = {s: b for b, (s, _) in enumerate(blocks)}
+    labels = {lab: start_to_block[i] for lab, i in label_at.items() if i in start_to_block}
+    succ = [_successors(instrs, blocks, labels, b) for b in range(len(blocks))]
+    back = _back_edges(succ)
+    return ControlFlow(blocks, labels, succ, back, _loop_bodies(succ, back))
+
+
+def _label_positions(entry: Entry) -> dict[str, int]:
+    """Label -> index of the instruction it stands before (the end for a final label)."""
     label_at: dict[str, int] = {}
     idx = 0
     pending: list[str] = []
@@ -202,35 +215,38 @@ def build_cfg(entry: Entry) -> ControlFlow:
             idx += 1
     for lab in pending:
         label_at[lab] = idx  # label at the very end
+    return label_at
+
+
+def _basic_blocks(instrs: list[Instruction], label_at: dict[str, int]) -> list[tuple[int, int]]:
+    """(start, end) of each block. Leaders: the first instruction, each labelled one, and
+    each one after a branch or a return."""
     leaders = {0, *label_at.values()}
     for i, ins in enumerate(instrs):
         if _is_branch(ins) or _ends_thread(ins):
             leaders.add(i + 1)
     starts = sorted(x for x in leaders if x <= len(instrs))
-    if not instrs:
-        return ControlFlow([], {}, [], [])
-    blocks = [(s, e) for s, e in zip(starts, [*starts[1:], len(instrs)], strict=True) if s < e]
-    start_to_block = {s: b for b, (s, _) in enumerate(blocks)}
-    labels = {lab: start_to_block[i] for lab, i in label_at.items() if i in start_to_block}
-    succ: list[list[int]] = []
-    for b, (_s, e) in enumerate(blocks):
-        last = instrs[e - 1]
-        out: list[int] = []
-        if _is_branch(last):
-            target = last.operands[0] if last.operands else ""
-            if target in labels:
-                out.append(labels[target])
-            if last.guard and b + 1 < len(blocks):
-                out.append(b + 1)
-        elif _ends_thread(last):
-            if last.guard and b + 1 < len(blocks):
-                out.append(b + 1)
-        elif b + 1 < len(blocks):
-            out.append(b + 1)
-        succ.append(out)
-    # Back edges by iterative DFS from the entry block.
+    return [(s, e) for s, e in zip(starts, [*starts[1:], len(instrs)], strict=True) if s < e]
+
+
+def _successors(
+    instrs: list[Instruction], blocks: list[tuple[int, int]], labels: dict[str, int], b: int
+) -> list[int]:
+    last = instrs[blocks[b][1] - 1]
+    falls_through = b + 1 < len(blocks)
+    if _is_branch(last):
+        target = last.operands[0] if last.operands else ""
+        out = [labels[target]] if target in labels else []
+        return out + ([b + 1] if last.guard and falls_through else [])
+    if _ends_thread(last):
+        return [b + 1] if last.guard and falls_through else []
+    return [b + 1] if falls_through else []
+
+
+def _back_edges(succ: list[list[int]]) -> list[tuple[int, int]]:
+    """(latch, header) pairs, by an iterative depth-first search from the entry block."""
     back: list[tuple[int, int]] = []
-    state = [0] * len(blocks)  # 0 new, 1 on stack, 2 done
+    state = [0] * len(succ)  # 0 new, 1 on stack, 2 done
     stack: list[tuple[int, int]] = [(0, 0)]
     state[0] = 1
     while stack:
@@ -245,7 +261,14 @@ def build_cfg(entry: Entry) -> ControlFlow:
                 stack.append((nxt, 0))
         else:
             state[node] = 2
-    preds: list[list[int]] = [[] for _ in blocks]
+    return back
+
+
+def _loop_bodies(
+    succ: list[list[int]], back: list[tuple[int, int]]
+) -> dict[tuple[int, int], frozenset[int]]:
+    """The blocks of each natural loop: what reaches the latch without passing the header."""
+    preds: list[list[int]] = [[] for _ in succ]
     for b, out in enumerate(succ):
         for t in out:
             preds[t].append(b)
@@ -260,7 +283,7 @@ def build_cfg(entry: Entry) -> ControlFlow:
                     body.add(p)
                     work.append(p)
         bodies[(latch, header)] = frozenset(body)
-    return ControlFlow(blocks, labels, succ, back, bodies)
+    return bodies
 
 
 # ---------------------------------------------------------------------------------------
@@ -360,64 +383,70 @@ def compute_taint(
     """Flow-insensitive fixpoint: register -> origins (param names, LOADED, LOCAL, ...)."""
     ptrs = set(pointer_params)
     taint: dict[str, frozenset[str]] = {}
-    instrs = entry.instructions
-    shared_decls = {
-        s.text.split()[-1].split("[")[0]
-        for s in entry.body
-        if s.kind == "decl" and ".shared" in s.text
-    }
-    local_vars = {**mod_vars, **dict.fromkeys(shared_decls, "shared")}
+    local_vars = _local_vars(entry, mod_vars)
     changed = True
     while changed:
         changed = False
-        for ins in instrs:
+        for ins in entry.instructions:
             dests, _ = _dests_and_sources(ins)
-            if not dests:
-                continue
-            new: set[str] = set()
-            base = ins.base
-            ops = ins.operands
-            if base in ("ld", "ldu"):
-                space = ins.state_space
-                addr = _address(ins) or ""
-                if space == "param":
-                    pname = _param_slot(addr)
-                    if pname not in ptrs and f"{pname}@0" in ptrs:
-                        pname = f"{pname}@0"  # a struct's first field
-                    if pname in ptrs:
-                        new.add(pname)
-                elif ins.is_64bit and space in ("global", "generic", "local", "const"):
-                    new.add(LOADED)
-            elif base == "atom":
-                if ins.is_64bit:
-                    new.add(LOADED)
-            elif base == "cvta":
-                if "local" in ins.parts:
-                    new.add(LOCAL)
-                elif "shared" in ins.parts[1:] and "to" not in ins.parts:
-                    new.add(SHARED)
-                else:
-                    new |= _operand_taint(ops[1], taint, local_vars) if len(ops) > 1 else set()
-            elif base in ("mad", "fma"):
-                if len(ops) >= 4:
-                    new |= _operand_taint(ops[3], taint, local_vars)
-            elif base == "sub":
-                if len(ops) >= 2:
-                    new |= _operand_taint(ops[1], taint, local_vars)
-            elif base == "selp":
-                for o in ops[1:3]:
-                    new |= _operand_taint(o, taint, local_vars)
-            elif base in _POINTER_PRESERVING:
-                for o in ops[1:]:
-                    new |= _operand_taint(o, taint, local_vars)
-            if not new:
-                continue
-            for d in dests:
+            new = _origins(ins, taint, ptrs, local_vars) if dests else set()
+            for d in dests if new else ():
                 old = taint.get(d, frozenset())
                 if not new <= old:
                     taint[d] = old | new
                     changed = True
     return taint
+
+
+def _local_vars(entry: Entry, mod_vars: Mapping[str, str]) -> dict[str, str]:
+    """Module variables and the entry's own ``.shared`` declarations, by name."""
+    shared_decls = {
+        s.text.split()[-1].split("[")[0]
+        for s in entry.body
+        if s.kind == "decl" and ".shared" in s.text
+    }
+    return {**mod_vars, **dict.fromkeys(shared_decls, "shared")}
+
+
+def _origins(
+    ins: Instruction,
+    taint: Mapping[str, frozenset[str]],
+    ptrs: set[str],
+    local_vars: Mapping[str, str],
+) -> set[str]:
+    """Where the value ``ins`` writes may come from, given the taint known so far."""
+    base, ops = ins.base, ins.operands
+    if base in ("ld", "ldu"):
+        space = ins.state_space
+        if space == "param":
+            pname = _param_slot(_address(ins) or "")
+            if pname not in ptrs and f"{pname}@0" in ptrs:
+                pname = f"{pname}@0"  # a struct's first field
+            return {pname} if pname in ptrs else set()
+        wide = ins.is_64bit and space in ("global", "generic", "local", "const")
+        return {LOADED} if wide else set()
+    if base == "atom":
+        return {LOADED} if ins.is_64bit else set()
+    if base == "cvta":
+        if "local" in ins.parts:
+            return {LOCAL}
+        if "shared" in ins.parts[1:] and "to" not in ins.parts:
+            return {SHARED}
+        sources = ops[1:2]
+    elif base in ("mad", "fma"):
+        sources = ops[3:4]  # the addend; the product is an offset
+    elif base == "sub":
+        sources = ops[1:2]
+    elif base == "selp":
+        sources = ops[1:3]
+    elif base in _POINTER_PRESERVING:
+        sources = ops[1:]
+    else:
+        return set()
+    out: set[str] = set()
+    for o in sources:
+        out |= _operand_taint(o, taint, local_vars)
+    return out
 
 
 def _varying_registers(entry: Entry) -> set[str]:
@@ -462,17 +491,60 @@ def analyse_entry(
     *,
     pointer_params: Iterable[str] | None = None,
 ) -> KernelReport:
-    """Analyse one entry. ``pointer_params`` narrows which params are buffers (Numba ABI)."""
+    """Analyse one entry. ``pointer_params`` narrows which params are buffers (Numba ABI).
+
+    The steps, each a function below: control flow, candidate pointers, taint, the
+    definite pointers, memory accesses, buffers, grid-wide synchronisation, block-id
+    uses, early exits, then the classification.
+    """
     cfg = build_cfg(entry)
     instrs = entry.instructions
+    candidates = _candidate_pointers(entry, pointer_params)
+    taint = compute_taint(entry, candidates, module.module_vars)
+    definite = _definite_pointers(instrs, taint, module.module_vars, candidates)
+    accesses, atomics, unsupported = _memory_accesses(module, entry, taint, candidates, definite)
+    buffers = _buffers(entry, candidates, accesses, definite)
+    barriers = [ins for ins in instrs if _is_barrier(ins)]
+    uses_ctaid, uses_nctaid, refused = _block_id_uses(module, instrs)
+    early_exits, hazards = _early_exits(entry, cfg, barriers)
+    report = KernelReport(
+        entry=entry,
+        cfg=cfg,
+        buffers=buffers,
+        accesses=accesses,
+        classification=Classification(Idempotence.UNKNOWN, ()),
+        atomics=atomics,
+        barriers=barriers,
+        grid_sync=_grid_sync(instrs, cfg),
+        loaded_pointers=[a for a in accesses if a.origin == "loaded"],
+        early_exits=early_exits,
+        early_exit_hazards=hazards,
+        uses_ctaid=frozenset(uses_ctaid),
+        uses_nctaid=frozenset(uses_nctaid),
+        unsupported=list(dict.fromkeys(unsupported + refused)),
+        taint=taint,
+    )
+    report.classification = _classify(report, module)
+    return report
+
+
+def _candidate_pointers(entry: Entry, pointer_params: Iterable[str] | None) -> list[str]:
+    """Parameters (and by-value struct fields) that may be buffers."""
     candidates = [p.name for p in entry.params if p.may_be_pointer]
     candidates += struct_pointer_fields(entry)
     if pointer_params is not None:
         allowed = set(pointer_params)
         candidates = [p for p in candidates if p in allowed]
-    taint = compute_taint(entry, candidates, module.module_vars)
+    return candidates
 
-    # Params that provably are global pointers: they flow into cvta.to.global.
+
+def _definite_pointers(
+    instrs: list[Instruction],
+    taint: dict[str, frozenset[str]],
+    module_vars: Mapping[str, str],
+    candidates: list[str],
+) -> set[str]:
+    """Params that provably are global pointers: they flow into cvta.to.global."""
     definite: set[str] = set()
     for ins in instrs:
         if (
@@ -481,18 +553,24 @@ def analyse_entry(
             and "global" in ins.parts
             and len(ins.operands) > 1
         ):
-            definite |= _operand_taint(ins.operands[1], taint, module.module_vars) & set(candidates)
+            definite |= _operand_taint(ins.operands[1], taint, module_vars) & set(candidates)
+    return definite
 
+
+def _memory_accesses(
+    module: PtxModule,
+    entry: Entry,
+    taint: dict[str, frozenset[str]],
+    candidates: list[str],
+    definite: set[str],
+) -> tuple[list[MemoryAccess], list[Instruction], list[str]]:
+    """Every global (or generic, not provably local/shared) access, the atomics, and the
+    texture/surface instructions the transform refuses."""
     accesses: list[MemoryAccess] = []
     atomics: list[Instruction] = []
     unsupported: list[str] = []
-    shared_decls = {
-        s.text.split()[-1].split("[")[0]
-        for s in entry.body
-        if s.kind == "decl" and ".shared" in s.text
-    }
-    local_vars = {**module.module_vars, **dict.fromkeys(shared_decls, "shared")}
-    for i, ins in enumerate(instrs):
+    local_vars = _local_vars(entry, module.module_vars)
+    for i, ins in enumerate(entry.instructions):
         base = ins.base
         if base in ("atom", "red"):
             atomics.append(ins)
@@ -518,7 +596,13 @@ def analyse_entry(
             continue
         kind = "read" if base in ("ld", "ldu") else "write" if base == "st" else "atomic"
         accesses.append(_make_access(i, ins, kind, t, candidates, definite))
+    return accesses, atomics, unsupported
 
+
+def _buffers(
+    entry: Entry, candidates: list[str], accesses: list[MemoryAccess], definite: set[str]
+) -> dict[str, BufferUse]:
+    """Per candidate that is used as a buffer: how it is accessed."""
     buffers: dict[str, BufferUse] = {}
     for p in candidates:
         reads = tuple(a for a in accesses if p in a.params and a.kind == "read")
@@ -537,10 +621,12 @@ def analyse_entry(
             else Access.NONE
         )  # fmt: skip
         buffers[p] = BufferUse(p, entry.display_name(p), access, reads, writes, atoms)
+    return buffers
 
-    loaded = [a for a in accesses if a.origin == "loaded"]
-    # Barriers, grid sync, spin loops.
-    barriers = [ins for ins in instrs if _is_barrier(ins)]
+
+def _grid_sync(instrs: list[Instruction], cfg: ControlFlow) -> list[str]:
+    """Reasons the kernel's blocks communicate: cluster barriers, cooperative-launch grid
+    handles, spin loops on global memory."""
     grid_sync: list[str] = []
     for ins in instrs:
         if ins.base == "barrier" and "cluster" in ins.parts:
@@ -550,73 +636,70 @@ def analyse_entry(
                 f"reads {ins.operands[-1]} at PTX line {ins.line} (cooperative-launch grid handle)"
             )
     for (latch, header), body in cfg.loop_bodies.items():
-        for b in sorted(body):
-            s, e = cfg.blocks[b]
-            for ins in instrs[s:e]:
-                strong = {"volatile", "acquire", "relaxed"} & set(ins.parts)
-                if (
-                    ins.base in ("ld", "atom")
-                    and ins.state_space in ("global", "generic")
-                    and (strong or (ins.base == "atom" and "cas" in ins.parts))
-                ):
-                    grid_sync.append(
-                        f"spin loop on global memory: {ins.opcode} at PTX line {ins.line} inside "
-                        f"the loop at PTX lines {instrs[cfg.blocks[header][0]].line}-"
-                        f"{instrs[cfg.blocks[latch][1] - 1].line} (waits on other blocks)"
-                    )
-                    break
-    grid_sync = list(dict.fromkeys(grid_sync))
+        spin = _spin_load(instrs, cfg, body)
+        if spin is not None:
+            grid_sync.append(
+                f"spin loop on global memory: {spin.opcode} at PTX line {spin.line} inside "
+                f"the loop at PTX lines {instrs[cfg.blocks[header][0]].line}-"
+                f"{instrs[cfg.blocks[latch][1] - 1].line} (waits on other blocks)"
+            )
+    return list(dict.fromkeys(grid_sync))
 
+
+def _spin_load(instrs: list[Instruction], cfg: ControlFlow, body: Iterable[int]):
+    """The first strong (volatile/acquire/relaxed) global load or CAS in a loop body."""
+    for b in sorted(body):
+        s, e = cfg.blocks[b]
+        for ins in instrs[s:e]:
+            strong = {"volatile", "acquire", "relaxed"} & set(ins.parts)
+            if (
+                ins.base in ("ld", "atom")
+                and ins.state_space in ("global", "generic")
+                and (strong or (ins.base == "atom" and "cas" in ins.parts))
+            ):
+                return ins
+    return None
+
+
+def _block_id_uses(
+    module: PtxModule, instrs: list[Instruction]
+) -> tuple[set[str], set[str], list[str]]:
+    """Which of %ctaid/%nctaid x/y/z the kernel reads, and what the transform refuses
+    about them: vector reads, cluster registers, calls to functions that read them."""
     uses_ctaid: set[str] = set()
     uses_nctaid: set[str] = set()
+    unsupported: list[str] = []
     for ins in instrs:
         for op in ins.operands:
             if "%ctaid" in op or "%nctaid" in op:
-                for dim in ("x", "y", "z"):
-                    if f"%ctaid.{dim}" in op:
-                        uses_ctaid.add(dim)
-                    if f"%nctaid.{dim}" in op:
-                        uses_nctaid.add(dim)
+                uses_ctaid |= {d for d in "xyz" if f"%ctaid.{d}" in op}
+                uses_nctaid |= {d for d in "xyz" if f"%nctaid.{d}" in op}
                 if op.strip() in ("%ctaid", "%nctaid"):
                     unsupported.append(f"vector read of {op} at PTX line {ins.line}")
             if "%cluster" in op or "%is_explicit_cluster" in op:
                 unsupported.append(f"cluster register {op} at PTX line {ins.line}")
         if ins.base == "call":
-            callee = ins.operands[1] if len(ins.operands) > 1 else ""
-            callee = (
-                callee if not callee.startswith("(") else (ins.operands[0] if ins.operands else "")
-            )
-            if not any(fn.name == callee for fn in module.functions) and callee == "vprintf":
-                continue
-            fn = next((f for f in module.functions if f.name == callee), None)
-            if fn is None or any(
-                "%ctaid" in o or "%nctaid" in o for x in fn.instructions for o in x.operands
-            ):
-                unsupported.append(
-                    f"call to {callee or 'a function'} at PTX line {ins.line}: device functions "
-                    "are not instrumented (inline them)"
-                )
-    early_exits, hazards = _early_exits(entry, cfg, barriers)
+            refusal = _call_refusal(module, ins)
+            if refusal:
+                unsupported.append(refusal)
+    return uses_ctaid, uses_nctaid, unsupported
 
-    report = KernelReport(
-        entry=entry,
-        cfg=cfg,
-        buffers=buffers,
-        accesses=accesses,
-        classification=Classification(Idempotence.UNKNOWN, ()),
-        atomics=atomics,
-        barriers=barriers,
-        grid_sync=grid_sync,
-        loaded_pointers=loaded,
-        early_exits=early_exits,
-        early_exit_hazards=hazards,
-        uses_ctaid=frozenset(uses_ctaid),
-        uses_nctaid=frozenset(uses_nctaid),
-        unsupported=list(dict.fromkeys(unsupported)),
-        taint=taint,
-    )
-    report.classification = _classify(report, module)
-    return report
+
+def _call_refusal(module: PtxModule, ins: Instruction) -> str | None:
+    """Why a call keeps the kernel from being transformed, or None (vprintf is fine)."""
+    callee = ins.operands[1] if len(ins.operands) > 1 else ""
+    callee = callee if not callee.startswith("(") else (ins.operands[0] if ins.operands else "")
+    if not any(fn.name == callee for fn in module.functions) and callee == "vprintf":
+        return None
+    fn = next((f for f in module.functions if f.name == callee), None)
+    if fn is None or any(
+        "%ctaid" in o or "%nctaid" in o for x in fn.instructions for o in x.operands
+    ):
+        return (
+            f"call to {callee or 'a function'} at PTX line {ins.line}: device functions "
+            "are not instrumented (inline them)"
+        )
+    return None
 
 
 def _atomic_op(ins: Instruction) -> str:
@@ -646,10 +729,20 @@ def _make_access(i, ins, kind, t, candidates, definite) -> MemoryAccess:
 def _early_exits(entry: Entry, cfg: ControlFlow, barriers: list[Instruction]):
     """Returns that are not the final one, and whether threads may return while others
     still wait at a barrier (the persistent transform cannot keep such kernels correct)."""
-    instrs = entry.instructions
+    early = _early_returns(entry.instructions, cfg)
+    if early is None:
+        return [], []
+    if not barriers:
+        return early, []
+    return early, _return_barrier_hazards(entry, cfg)
+
+
+def _early_returns(instrs: list[Instruction], cfg: ControlFlow) -> list[Instruction] | None:
+    """Returns before the last one, and guarded branches to a block that only returns;
+    None if the kernel never returns."""
     rets = [i for i, ins in enumerate(instrs) if _ends_thread(ins) and ins.base != "trap"]
     if not rets:
-        return [], []
+        return None
     last_ret = rets[-1]
     early = [instrs[i] for i in rets if i != last_ret or instrs[i].guard]
     # Compilers merge returns: `if (i >= n) return;` becomes a guarded branch to a block
@@ -662,9 +755,13 @@ def _early_exits(entry: Entry, cfg: ControlFlow, barriers: list[Instruction]):
         ins for ins in instrs
         if _is_branch(ins) and ins.guard and ins.operands and ins.operands[0] in labels_to_ret
     ]  # fmt: skip
-    if not barriers:
-        return early, []
-    nb = len(cfg.blocks)
+    return early
+
+
+def _return_barrier_hazards(entry: Entry, cfg: ControlFlow) -> list[str]:
+    """Branches on a thread-varying predicate where one way returns before any barrier
+    and the other reaches one: some threads of a block would wait for ever."""
+    instrs = entry.instructions
     has_bar = [any(_is_barrier(x) for x in instrs[s:e]) for s, e in cfg.blocks]
     has_ret = [any(_ends_thread(x) for x in instrs[s:e]) for s, e in cfg.blocks]
 
@@ -681,26 +778,28 @@ def _early_exits(entry: Entry, cfg: ControlFlow, barriers: list[Instruction]):
                     work.append(t)
         return seen
 
+    def returns_first(start: int) -> bool:
+        return any(has_ret[x] and not has_bar[x] for x in reach(start, False))
+
+    def meets_barrier(start: int) -> bool:
+        return any(has_bar[x] for x in reach(start, True))
+
     varying = _varying_registers(entry)
     hazards: list[str] = []
-    for b in range(nb):
-        _, e = cfg.blocks[b]
+    for b, (_, e) in enumerate(cfg.blocks):
         last = instrs[e - 1]
         if not (last.guard and len(cfg.succ[b]) == 2):
             continue
         if last.guard.lstrip("!") not in varying:
             continue  # every thread of the block takes the same way
         a, c = cfg.succ[b]
-        ret_a = any(has_ret[x] and not has_bar[x] for x in reach(a, False))
-        ret_c = any(has_ret[x] and not has_bar[x] for x in reach(c, False))
-        bar_a = any(has_bar[x] for x in reach(a, True))
-        bar_c = any(has_bar[x] for x in reach(c, True))
-        if (ret_a and bar_c and not bar_a) or (ret_c and bar_a and not bar_c):
+        bar_a, bar_c = meets_barrier(a), meets_barrier(c)
+        if (returns_first(a) and bar_c and not bar_a) or (returns_first(c) and bar_a and not bar_c):
             hazards.append(
                 f"threads may return early at the branch on PTX line {last.line} while others "
                 "go on to a barrier"
             )
-    return early, hazards
+    return hazards
 
 
 def _classify(report: KernelReport, module: PtxModule) -> Classification:
