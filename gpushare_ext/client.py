@@ -28,6 +28,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
+from gpushare_ext.errors import GpushareError
 from gpushare_ext.paths import default_socket_path, trusted_broker_uids
 from gpushare_ext.protocol import (
     PROTOCOL_VERSION,
@@ -69,7 +70,7 @@ from gpushare_ext.safe_fs import (
 )
 
 
-class BrokerError(Exception):
+class BrokerError(GpushareError):
     """The broker refused something, or cannot be reached.  ``code`` is an ErrorCode."""
 
     def __init__(self, code: ErrorCode, message: str) -> None:
@@ -79,6 +80,9 @@ class BrokerError(Exception):
 
     def __str__(self) -> str:
         return self.message
+
+    def in_cell(self) -> str:
+        return f"gpushare: {self.message}"
 
 
 class BrokerUnavailable(BrokerError):

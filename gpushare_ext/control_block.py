@@ -33,6 +33,8 @@ import struct
 import time
 from pathlib import Path
 
+from gpushare_ext.errors import GpushareError
+
 MAGIC = 0x48535047  # b"GPSH" little-endian
 LAYOUT_VERSION = 1
 SIZE = 4096
@@ -54,7 +56,7 @@ class SessionState(enum.IntEnum):
     EVICTED = 4
 
 
-class ControlBlockError(Exception):
+class ControlBlockError(GpushareError):
     """The control block is missing, not ours, or not a control block."""
 
 

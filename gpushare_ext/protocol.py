@@ -29,6 +29,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from gpushare_ext.devices import DeviceInfo
+from gpushare_ext.errors import GpushareError
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 256 * 1024
@@ -377,7 +378,7 @@ BrokerMessageUnion = (
 )
 
 
-class ProtocolError(Exception):
+class ProtocolError(GpushareError):
     """A frame or message that cannot be accepted; ``code`` and ``message`` go to the peer."""
 
     def __init__(self, code: ErrorCode, message: str) -> None:

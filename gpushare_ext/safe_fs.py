@@ -32,10 +32,12 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from gpushare_ext.errors import GpushareError
+
 _MAX_SYMLINKS = 40
 
 
-class UnsafePathError(Exception):
+class UnsafePathError(GpushareError):
     """A path that another user could control; the message is one line for the user."""
 
 

@@ -28,11 +28,12 @@ import threading
 from dataclasses import dataclass
 from typing import Protocol
 
+from gpushare_ext.broker.errors import DaemonError
 from gpushare_ext.control_block import ControlBlock, SessionState
 from gpushare_ext.protocol import PreemptionLevel
 
 
-class ActuatorError(Exception):
+class ActuatorError(DaemonError):
     """A ladder step failed.  ``not_supported`` distinguishes "cannot here" from "went wrong"."""
 
     def __init__(self, message: str, *, not_supported: bool = False) -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gpushare_ext.broker.errors import DaemonError
 from gpushare_ext.broker.inventory import DeviceInfo
 from gpushare_ext.broker.policy import (
     Policy,
@@ -58,7 +59,7 @@ CONTEXT_ALLOWANCE = 1024 * MIB
 ACTIVE_STATES = (LeaseState.QUEUED, LeaseState.RUNNING, LeaseState.PAUSED, LeaseState.EVICTED)
 
 
-class SchedulerError(Exception):
+class SchedulerError(DaemonError):
     """An event the core cannot accept; state is unchanged.  ``code`` is a protocol ErrorCode."""
 
     def __init__(self, code: ErrorCode, message: str) -> None:

@@ -27,6 +27,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Protocol
 
+from gpushare_ext.broker.errors import DaemonError
 from gpushare_ext.devices import (
     MIB,
     DeviceInfo,
@@ -73,7 +74,7 @@ _PLACEMENT_RULES: dict[int, tuple[int, tuple[int, ...]]] = {
 }
 
 
-class InventoryError(Exception):
+class InventoryError(DaemonError):
     """A device description could not be read or parsed; the message says which and why."""
 
 

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpushare_ext.broker.errors import DaemonError
 from gpushare_ext.safe_fs import UnsafePathError, open_private_file, trusted_directory
 
 SCHEMA_VERSION = "2"
@@ -85,7 +86,7 @@ MAX_ENDED_LEASES = 20_000
 MAX_HISTORY_ROWS = 20_000
 
 
-class JournalError(RuntimeError):
+class JournalError(DaemonError, RuntimeError):
     """The journal cannot be opened or written; the message names the path."""
 
 

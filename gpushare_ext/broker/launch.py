@@ -18,10 +18,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpushare_ext.broker.errors import DaemonError
+
 START_TIMEOUT_S = 30.0
 
 
-class BrokerStartError(RuntimeError):
+class BrokerStartError(DaemonError, RuntimeError):
     """The broker exited or did not answer; the message holds the tail of its log."""
 
 

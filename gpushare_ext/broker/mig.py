@@ -43,6 +43,7 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
+from gpushare_ext.broker.errors import DaemonError
 from gpushare_ext.broker.inventory import (
     MIB,
     DeviceInfo,
@@ -57,7 +58,7 @@ from gpushare_ext.units import format_size, parse_size
 MEMORY_SLICES = 8  # memory slices of an A100/H100/H200 (profiles' placements live on these)
 
 
-class MigPlanError(Exception):
+class MigPlanError(DaemonError):
     """The plan cannot be made or applied; the message says why, in one line.
 
     ``exit_code`` is 2 for bad usage (a wrong size, a missing option) and 1 otherwise.

@@ -25,6 +25,7 @@ import socket
 import stat
 from pathlib import Path
 
+from gpushare_ext.broker.errors import DaemonError
 from gpushare_ext.paths import SHM_DIR, BrokerPaths
 from gpushare_ext.safe_fs import (
     UnsafePathError,
@@ -35,7 +36,7 @@ from gpushare_ext.safe_fs import (
 )
 
 
-class PlaceError(RuntimeError):
+class PlaceError(DaemonError, RuntimeError):
     """A place the broker cannot use safely; the message is one line naming it."""
 
 

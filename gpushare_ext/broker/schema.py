@@ -27,11 +27,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from gpushare_ext.broker.errors import DaemonError
 from gpushare_ext.protocol import SliceWish, priority_value
 from gpushare_ext.units import GIB, KIB, MIB, PIB, parse_size
 
 
-class PolicyError(Exception):
+class PolicyError(DaemonError):
     """A config or policy value that cannot be used; the message is one line naming the
     file, the dotted key, the value and what is allowed.  ``key`` is that dotted key,
     where there is one (not for a file that is not TOML at all)."""

@@ -15,6 +15,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from gpushare_ext.errors import GpushareError
+
 __all__ = [
     "Entry",
     "Instruction",
@@ -27,7 +29,7 @@ __all__ = [
 ]
 
 
-class KernelError(Exception):
+class KernelError(GpushareError):
     """The one error of the kernels layer: a stable ``code`` and a human ``message``.
 
     ``step`` names the pipeline step that failed (``parse``, ``compile``, ``transform:...``,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import shlex
 
+from gpushare_ext.errors import GpushareError
 from gpushare_ext.protocol import SliceWish, priority_value
 from gpushare_ext.units import parse_size
 
@@ -25,7 +26,7 @@ ALIASES = {"memory": "mem", "prio": "priority", "sm_share": "share", "wait": "ti
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|sec|m|min|h)?\s*$", re.IGNORECASE)
 
 
-class ArgumentError(ValueError):
+class ArgumentError(GpushareError, ValueError):
     """One bad argument; the message is what the user reads."""
 
 

@@ -12,15 +12,11 @@ import ast
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 
-from gpushare_ext.client import BrokerError
+from gpushare_ext.errors import GpushareError
 from gpushare_ext.magics.arguments import KEYS, ArgumentError, parse_lease_arguments
 from gpushare_ext.protocol import describe_priority
-from gpushare_ext.runtime.binding import BindingError
-from gpushare_ext.runtime.embedded import EmbeddedBrokerError
 from gpushare_ext.runtime.session import (
     CellOutput,
-    LeaseRefused,
-    LeaseTimeout,
     current_session,
 )
 from gpushare_ext.units import format_size
@@ -65,13 +61,18 @@ class GpuMagics(Magics):
         session = current_session()
         label = next((text.strip() for text in cell.splitlines() if text.strip()), "")[:120]
         output = CellOutput()
+        raised_by_cell: list[BaseException] = []
         try:
             with session.lease(output=output, label=label, **options):
-                return self._run_body(cell)
-        except (LeaseRefused, LeaseTimeout, BindingError, EmbeddedBrokerError) as exc:
-            raise UsageError(str(exc)) from None
-        except BrokerError as exc:
-            raise UsageError(f"gpushare: {exc}") from None
+                try:
+                    return self._run_body(cell)
+                except BaseException as exc:  # the cell's own errors are the user's to see
+                    raised_by_cell.append(exc)
+                    raise
+        except GpushareError as exc:
+            if raised_by_cell and exc is raised_by_cell[0]:
+                raise
+            raise UsageError(exc.in_cell()) from None
 
     gpu.__doc__ = (gpu.__doc__ or "").replace("{keys}", _KEY_HELP.strip())
 
@@ -107,14 +108,14 @@ class GpuMagics(Magics):
             return widget(str(session.connect().socket_path))
         except ImportError:
             pass
-        except (BrokerError, EmbeddedBrokerError) as exc:
-            raise UsageError(f"gpushare: {exc}") from None
+        except GpushareError as exc:
+            raise UsageError(exc.in_cell()) from None
         from gpushare_ext.status_view import status_text
 
         try:
             snapshot = session.connect().status()
-        except (BrokerError, EmbeddedBrokerError) as exc:
-            raise UsageError(f"gpushare: {exc}") from None
+        except GpushareError as exc:
+            raise UsageError(exc.in_cell()) from None
         print(status_text(snapshot))
         return None
 

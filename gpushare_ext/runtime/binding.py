@@ -18,11 +18,12 @@ import sys
 from dataclasses import dataclass
 
 from gpushare_ext.protocol import Placement
+from gpushare_ext.runtime.errors import SessionError
 
 current_ordinal: int | None = None  # the CUDA device of the lease in force
 
 
-class BindingError(Exception):
+class BindingError(SessionError):
     """The lease's device cannot be used by this process; the message says how to fix it."""
 
 

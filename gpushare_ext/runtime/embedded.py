@@ -23,10 +23,11 @@ import time
 from pathlib import Path
 
 from gpushare_ext.paths import SYSTEM_SOCKET, user_runtime_dir
+from gpushare_ext.runtime.errors import SessionError
 from gpushare_ext.safe_fs import UnsafePathError, open_private_file, trusted_directory
 
 
-class EmbeddedBrokerError(Exception):
+class EmbeddedBrokerError(SessionError):
     """The embedded broker could not be started; the message includes the tail of its log."""
 
 

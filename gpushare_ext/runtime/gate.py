@@ -21,11 +21,12 @@ import contextlib
 from typing import Any
 
 from gpushare_ext.control_block import GATE_OFFSET, SIZE, ControlBlock
+from gpushare_ext.runtime.errors import SessionError
 
 _REGISTERED: set[int] = set()  # host pages registered with CUDA (once per process)
 
 
-class GateError(Exception):
+class GateError(SessionError):
     """The device gate could not be set up; the session falls back to the host gate."""
 
 

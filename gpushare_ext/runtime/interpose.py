@@ -34,6 +34,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpushare_ext.runtime.errors import SessionError
+
 NATIVE = Path(__file__).with_name("native") / "libgpushare_interpose.so"
 GATE_OFFSET = 8  # the control block's words (control_block.py)
 STATE_OFFSET = 12
@@ -42,7 +44,7 @@ DEFAULT_RECORD_EVERY = 4
 DEFAULT_QUEUE_US = 3000  # GPU work kept queued: drains in ~3 ms, keeps small kernels fed
 
 
-class InterposerError(Exception):
+class InterposerError(SessionError):
     """The interposer cannot be attached here; the message says why in one line."""
 
 

@@ -14,10 +14,11 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from gpushare_ext.runtime.errors import SessionError
 from gpushare_ext.units import format_size
 
 
-class QuotaExceeded(MemoryError):
+class QuotaExceeded(SessionError, MemoryError):
     """An allocation would take the session over its lease's memory."""
 
     def __init__(self, requested: int, used: int, quota: int, where: str) -> None:

@@ -50,6 +50,7 @@ from gpushare_ext.protocol import (
 )
 from gpushare_ext.runtime import binding, interpose, memory, preemptible
 from gpushare_ext.runtime.embedded import broker_answers, ensure_embedded_broker
+from gpushare_ext.runtime.errors import SessionError
 from gpushare_ext.units import format_size, priority_band
 
 HELD_STATES = ("granted", "running", "paused")
@@ -57,11 +58,11 @@ OPEN_STATES = (*HELD_STATES, "queued")  # what a reconnect reclaims
 RECONNECT_DEADLINE_S = 120.0
 
 
-class LeaseRefused(Exception):
+class LeaseRefused(SessionError):
     """The broker refused the request (policy, impossible size, bad device)."""
 
 
-class LeaseTimeout(TimeoutError):
+class LeaseTimeout(SessionError, TimeoutError):
     """No grant within the cell's timeout; the request was withdrawn."""
 
 
