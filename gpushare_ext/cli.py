@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return classify_main(argv[1:])
     if argv[:2] == ["mig", "plan"]:
-        from gpushare_ext.broker.mig import plan_main
+        from gpushare_ext.mig_command import plan_main
 
         return plan_main(argv[2:])
     parser = build_parser()
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return classify_main(args.rest)
         if args.command == "mig":
-            from gpushare_ext.broker.mig import plan_main
+            from gpushare_ext.mig_command import plan_main
 
             return plan_main(args.rest)
     except KeyboardInterrupt:

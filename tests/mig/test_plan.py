@@ -14,8 +14,10 @@ from hypothesis import strategies as st
 from mig_helpers import GIB, device_of, devices_of
 from msgspec.structs import replace
 
+from gpushare_ext import mig_command
 from gpushare_ext.broker import mig
-from gpushare_ext.broker.mig import Demand, check_layout, plan_layout, plan_main
+from gpushare_ext.broker.mig import Demand, check_layout, plan_layout
+from gpushare_ext.mig_command import plan_main
 from gpushare_ext.protocol import DeviceView, LeaseState, LeaseView, Snapshot
 
 
@@ -271,7 +273,7 @@ def test_apply_is_refused_on_a_simulated_inventory(capsys, monkeypatch):
     def never(*args, **kwargs):
         raise AssertionError("nvidia-smi must not run")
 
-    monkeypatch.setattr(mig.subprocess, "run", never)
+    monkeypatch.setattr(mig_command.subprocess, "run", never)
 
     code, out, err = run(["--simulate", "h200-mig-empty", "--demand", "8GiB", "--apply"], capsys)
 
@@ -287,7 +289,7 @@ def test_apply_is_refused_while_leases_run_on_the_device():
     calls = []
 
     with pytest.raises(mig.MigPlanError, match="1 lease\\(s\\) run on GPU 0") as caught:
-        mig.apply_plan(plan, run=lambda *a, **k: calls.append(a))
+        mig_command.apply_plan(plan, run=lambda *a, **k: calls.append(a))
     assert "would kill their work" in str(caught.value)
     assert calls == []
 
@@ -301,7 +303,7 @@ def test_apply_runs_the_commands_in_order_on_an_idle_real_device():
         returncode = 0
         stdout = stderr = ""
 
-    done = mig.apply_plan(plan, run=lambda argv, **kw: ran.append(argv) or Done())
+    done = mig_command.apply_plan(plan, run=lambda argv, **kw: ran.append(argv) or Done())
 
     assert done == list(plan.commands)
     assert ran[0] == ["nvidia-smi", "mig", "-i", "0", "-dci"]
