@@ -73,19 +73,9 @@ def _kernels(cupy):
         smooth((n // 256,), (256,), (y, y, cupy.int32(n), cupy.int32(n_iter)))
         return y
 
-    from benchmarks.environment import allow_numba_import
+    from benchmarks.tenant import numba_relax
 
-    allow_numba_import()
-    from numba import cuda, float32
-
-    @cuda.jit
-    def gps_numba_relax(x, out, iterations):
-        i = cuda.grid(1)
-        if i < x.size:
-            v = x[i]
-            for _ in range(iterations):
-                v = v * float32(0.999) + float32(0.5)
-            out[i] = v
+    gps_numba_relax = numba_relax()
 
     def run_numba():
         out = cupy.empty_like(base)
@@ -200,7 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "said": registry.said,
         "stats": interpose.stats(),
-        "twins": {t.name: t.reason or "preemptible" for t in registry.twins.values()},
+        "twins": {
+            t.name: t.reason or ("preemptible" if t.analysed else "never long: not analysed")
+            for t in registry.twins.values()
+        },
     }
     if args.out:
         from benchmarks.environment import describe

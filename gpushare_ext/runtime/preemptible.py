@@ -4,11 +4,12 @@ What it is for: the launch shim (``interpose``) tells this module of every modul
 framework loads from PTX text (CuPy compiling its generated and user kernels to PTX, a
 ``RawModule`` of PTX) and of every function taken from one; Numba, which links its
 kernels to a cubin itself, hands over each kernel's PTX as it loads it (a hook on its
-code library, installed when Numba is imported).  Each function goes through
-the same analysis and transform as ``gpushare_ext.kernel`` (``gpushare_ext/kernels``); the
-shim times its first launches, and once one took longer than the drain a pause should
-cost (``GPUSHARE_PREEMPTIBLE_US``, 2 ms), its later launches come here instead of going
-to the GPU as they are.  Each one is then classified *with its actual buffers* (two
+code library, installed when Numba is imported).  The shim times each function's first
+launches, and once one took longer than the drain a pause should cost
+(``GPUSHARE_PREEMPTIBLE_US``, 2 ms), its later launches come here instead of going to
+the GPU as they are.  The function then goes through the same analysis and transform as
+``gpushare_ext.kernel`` (``gpushare_ext/kernels``), once: at that first long launch
+(CuPy loads many short kernels that never need it), or as Numba loads it.  Each one is then classified *with its actual buffers* (two
 arguments in one allocation are one buffer, so an in-place call is seen) and run as a
 transaction:
 
@@ -70,10 +71,21 @@ class Twin:
 
     name: str
     module: int
+    ptx: bytes = b""  # kept until the analysis has run
     kernel: Any = None  # gpushare_ext.kernels.frontends.Kernel
     reason: str = ""  # why it runs unmodified (empty: it has a preemptible twin)
     said: bool = False
     launches: int = 0
+
+    @property
+    def analysed(self) -> bool:
+        return not self.ptx
+
+    def analyse(self) -> None:
+        """Analyse and transform now (once): sets ``kernel``, or ``reason``."""
+        if self.ptx:
+            self.kernel, self.reason = _analyse(self.ptx, self.name)
+            self.ptx = b""
 
 
 @dataclass
@@ -88,7 +100,6 @@ class Registry:
     fallbacks: int = 0  # launches given back to run unmodified
     said: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    say: Any = None  # where notes go (the cell's stderr by default)
 
     # ---- hooks (called by the shim through ctypes; never raise)
 
@@ -103,22 +114,23 @@ class Registry:
             self.modules[int(module)] = text
 
     def on_function(self, function: int, module: int, name: bytes) -> None:
-        try:
-            text = self.modules.get(int(module or 0))
-            if text is None or not function:
-                return
-            twin = _analyse(text, name.decode("ascii", "replace"), int(module))
-            with self.lock:
-                self.twins[int(function)] = twin
-            interpose.track_function(int(function), interpose.TRACK_TIMING)
-        except Exception:  # keep the framework's call whole
-            return
+        # Analysed only once a launch was found long: CuPy loads many short kernels.
+        text = self.modules.get(int(module or 0))
+        if text is not None and function:
+            self._track(
+                function, Twin(name=name.decode("ascii", "replace"), module=int(module), ptx=text)
+            )
 
     def adopt(self, function: int, ptx: str, name: str) -> None:
         """A function whose PTX a framework hands over itself (Numba links to a cubin,
-        so the shim never sees its PTX): analysed and tracked like one the shim saw."""
+        so the shim never sees its PTX): analysed now (a Numba compile dwarfs it) and
+        tracked like one the shim saw."""
+        twin = Twin(name=name, module=0, ptx=ptx.encode("ascii", "replace"))
+        twin.analyse()
+        self._track(function, twin)
+
+    def _track(self, function: int, twin: Twin) -> None:
         try:
-            twin = _analyse(ptx.encode("ascii", "replace"), name, module=0)
             with self.lock:
                 self.twins[int(function)] = twin
             interpose.track_function(int(function), interpose.TRACK_TIMING)
@@ -138,6 +150,10 @@ class Registry:
         twin = self.twins.get(int(function or 0))
         if twin is None:
             return interpose.LAUNCH_NOT_HANDLED
+        try:
+            twin.analyse()
+        except Exception as exc:  # the analysis itself failed: the original runs
+            twin.ptx, twin.reason = b"", _reason_of(exc)
         if twin.kernel is None:
             self._give_up(function, twin, twin.reason)
             return interpose.LAUNCH_NOT_HANDLED
@@ -175,7 +191,7 @@ class Registry:
                 "waits for it to finish"
             )
             self.said.append(line)
-            (self.say or _to_stderr)(line)
+            _to_stderr(line)  # the cell's stderr: the note lands in the cell that ran it
 
 
 def _to_stderr(line: str) -> None:
@@ -187,24 +203,20 @@ def _reason_of(exc: Exception) -> str:
     return message.splitlines()[0][:300]
 
 
-def _analyse(ptx: bytes, name: str, module: int) -> Twin:
-    """The analysed kernel for ``name`` in ``ptx``, or the reason it has none."""
+def _analyse(ptx: bytes, name: str) -> tuple[Any, str]:
+    """(the analysed kernel for ``name`` in ``ptx``, "") or (None, why it has none)."""
     from gpushare_ext.kernels import Idempotence, Kernel, KernelError
 
-    twin = Twin(name=name, module=module)
     try:
         kernel = Kernel(ptx.decode("ascii", "replace"), name, origin="ptx")
         report = kernel.report
         if report.classification.verdict is Idempotence.UNKNOWN:
             why = report.classification.reasons[0] if report.classification.reasons else ""
-            twin.reason = f"the analysis cannot tell what it writes: {why}".rstrip(": ")
-            return twin
+            return None, f"the analysis cannot tell what it writes: {why}".rstrip(": ")
         kernel.preemptible(abort_checks=bool(report.loops))  # refused here, not at launch
     except KernelError as exc:
-        twin.reason = exc.message
-        return twin
-    twin.kernel = kernel
-    return twin
+        return None, exc.message
+    return kernel, ""
 
 
 # ---- one launch

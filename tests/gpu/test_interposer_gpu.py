@@ -10,41 +10,23 @@ a GPU.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _gpu_available() -> bool:
-    probe = "import cupy, torch; assert cupy.cuda.runtime.getDeviceCount() > 0"
-    try:
-        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=120)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return done.returncode == 0
-
+from gpu_support import ROOT, gpu_with, shim_env
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.timeout(600),
-    pytest.mark.skipif(not _gpu_available(), reason="needs an NVIDIA GPU with CuPy and PyTorch"),
+    pytest.mark.skipif(not gpu_with("torch"), reason="needs an NVIDIA GPU with CuPy and PyTorch"),
 ]
 
 
 def _scenario(name: str, *extra: str) -> dict:
-    from gpushare_ext.runtime.interpose import shim_path
-
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
-    env["LD_PRELOAD"] = str(shim_path())
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.interposer", name, *extra],
-        capture_output=True, text=True, timeout=500, cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=500, cwd=ROOT, env=shim_env(),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -10,41 +10,23 @@ the server extension starts kernels.  Skipped cleanly without a GPU.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _gpu_available() -> bool:
-    probe = "import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0"
-    try:
-        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=120)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return done.returncode == 0
-
+from gpu_support import ROOT, gpu_with, shim_env
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.timeout(600),
-    pytest.mark.skipif(not _gpu_available(), reason="needs an NVIDIA GPU with CuPy"),
+    pytest.mark.skipif(not gpu_with(), reason="needs an NVIDIA GPU with CuPy"),
 ]
 
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict:
-    from gpushare_ext.runtime.interpose import shim_path
-
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
-    env["LD_PRELOAD"] = str(shim_path())
-    env["CUPY_COMPILE_WITH_PTX"] = "1"
-    env["CUPY_CACHE_DIR"] = str(tmp_path_factory.mktemp("cupy-cache"))  # no cached cubins
+    cache = str(tmp_path_factory.mktemp("cupy-cache"))  # no cubins cached from earlier runs
+    env = shim_env(CUPY_COMPILE_WITH_PTX="1", CUPY_CACHE_DIR=cache)
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.preemptible"],
         capture_output=True, text=True, timeout=500, cwd=ROOT, env=env,

@@ -348,7 +348,9 @@ def fake_driver(tmp_path_factory) -> Path:
     return directory
 
 
-def test_preloaded_the_shim_wraps_what_the_driver_hands_out_and_holds_it(fake_driver, tmp_path):
+def run_preloaded(script: str, fake_driver: Path, *args: str) -> dict:
+    """Run ``script`` in a fresh interpreter with the shim preloaded in front of the fake
+    driver (as a kernel the server extension starts); its last line of output, as JSON."""
     env = dict(os.environ)
     env.update(
         LD_PRELOAD=str(interpose.NATIVE),
@@ -357,11 +359,14 @@ def test_preloaded_the_shim_wraps_what_the_driver_hands_out_and_holds_it(fake_dr
     )
     env.pop("GPUSHARE_INTERPOSER", None)
     done = subprocess.run(
-        [sys.executable, "-c", SHIM_SCRIPT, str(tmp_path)],
-        capture_output=True, text=True, timeout=60, env=env,
-    )  # fmt: skip
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120, env=env
+    )
     assert done.returncode == 0, done.stderr
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_preloaded_the_shim_wraps_what_the_driver_hands_out_and_holds_it(fake_driver, tmp_path):
+    seen = run_preloaded(SHIM_SCRIPT, fake_driver, str(tmp_path))
 
     assert seen["preloaded"] == 1
     assert seen["launch_wrapped"] and seen["lookup_wrapped"]
@@ -468,17 +473,7 @@ print(json.dumps(out))
 
 
 def test_the_shim_hands_long_kernels_loaded_from_ptx_to_the_runtime(fake_driver, tmp_path):
-    env = dict(os.environ)
-    env.update(
-        LD_PRELOAD=str(interpose.NATIVE),
-        LD_LIBRARY_PATH=str(fake_driver),
-        PYTHONPATH=str(Path(__file__).resolve().parents[2]),
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", PTX_SCRIPT], capture_output=True, text=True, timeout=60, env=env
-    )
-    assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = run_preloaded(PTX_SCRIPT, fake_driver)
 
     # Only the PTX text is reported (not the ELF image), and each function taken from it.
     assert out["seen_first"]["modules"] == ["//\n// Genera"]
@@ -531,17 +526,7 @@ print(json.dumps(out))
 
 
 def test_numba_kernels_are_handed_over_from_its_code_library(fake_driver):
-    env = dict(os.environ)
-    env.update(
-        LD_PRELOAD=str(interpose.NATIVE),
-        LD_LIBRARY_PATH=str(fake_driver),
-        PYTHONPATH=str(Path(__file__).resolve().parents[2]),
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", NUMBA_SCRIPT], capture_output=True, text=True, timeout=120, env=env
-    )
-    assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = run_preloaded(NUMBA_SCRIPT, fake_driver)
     # Installed before Numba is imported, the hook is in place once it is.
     assert out["installed"] and not out["numba_imported_before"] and out["hooked"]
     # Numba's flattened array arguments: the data pointers are the buffers.

@@ -853,11 +853,20 @@ static void read_sample(Tracked *t) {
 static int sample_begin(void *f, CUstream stream) {
     Tracked *t = find_tracked(f);
     if (t == NULL || !g_driver_ready || t_redirecting) return -1;
+    /* Most launches of a tracked kernel are of a short one between two resamplings:
+     * they only count, without the lock (this is every CuPy launch's path). */
+    int state = __atomic_load_n(&t->state, __ATOMIC_ACQUIRE);
+    if (state == TRACK_OFF || state == TRACK_LONG) return -1;
+    int counted = 0;
+    if (state == TRACK_SHORT && !__atomic_load_n(&t->pending, __ATOMIC_ACQUIRE)) {
+        if (__atomic_add_fetch(&t->launches, 1, __ATOMIC_RELAXED) % RESAMPLE_EVERY != 0) return -1;
+        counted = 1;
+    }
     int token = -1;
     t_inside = 1;
     pthread_mutex_lock(&g_lock);
     read_sample(t);
-    t->launches++;
+    if (!counted) __atomic_add_fetch(&t->launches, 1, __ATOMIC_RELAXED);
     int due = t->state == TRACK_SAMPLING || (t->state == TRACK_SHORT && t->launches % RESAMPLE_EVERY == 0);
     if (due && !t->pending && !capturing(stream)) {
         if (t->start == NULL && g_driver.event_create(&t->start, 0) != CUDA_SUCCESS) t->start = NULL;
