@@ -254,6 +254,22 @@ def scenario_overhead(tmp: Path, mode: str, steps: int = 100) -> dict:
     return result
 
 
+def _paired_overhead(overhead: dict[str, list], loop: str) -> dict:
+    """The median over rounds of each mode against the run without the shim in the same
+    round: the GPU's speed drifts between processes (10 % seen on the H200), and runs
+    started one after the other drift least apart."""
+    out = {}
+    for mode in ("with", "unbounded"):
+        ratios = [
+            r[loop] / base[loop]
+            for r, base in zip(overhead[mode], overhead["without"], strict=False)
+            if loop in r and loop in base
+        ]
+        if ratios:
+            out[f"overhead_pct_{mode}_paired"] = round((statistics.median(ratios) - 1) * 100, 2)
+    return out
+
+
 def scenario_lock(tmp: Path) -> dict:
     """Levels 3 and 4 on a process the shim holds: lock, checkpoint, restore, unlock."""
     import cupy as cp
@@ -365,6 +381,9 @@ def main() -> int:
     parser.add_argument("--mechanism", choices=["preload", "cupti"], default="preload")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--quick", action="store_true", help="accepted for the suite runner")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="overhead: processes per mode, alternated"
+    )
     args = parser.parse_args()
     if args.scenario == "lock" and not os.environ.get("GPUSHARE_LOCK_CHILD"):
         # The checkpoint API acts on another process: this one is the parent, the child
@@ -386,7 +405,7 @@ def main() -> int:
         run("lock"),
     ]
     overhead: dict[str, list] = {"without": [], "with": [], "unbounded": []}
-    for _ in range(3):  # alternate processes so that drift hits every mode alike
+    for _ in range(args.rounds):  # alternate processes so that drift hits every mode alike
         for mode in overhead:
             overhead[mode].append(run("overhead", "--mode", mode, shim=mode != "without"))
     summary: dict = {"scenario": "overhead_summary"}
@@ -404,6 +423,7 @@ def main() -> int:
                     for mode, value in medians.items()
                     if mode != "without"
                 },
+                **_paired_overhead(overhead, loop),
             }
     runs.append(summary)
     runs += [r for results in overhead.values() for r in results if "error" in r]

@@ -8,9 +8,12 @@ called on its own output (idempotent statically, in place at launch) and a Numba
 ``@cuda.jit`` kernel -- the first
 launch runs unmodified (the shim times it) and is the reference; later launches run
 preemptibly while a thread raises the session's yield flag for 2 ms every 10 ms, as the
-broker does for a pause.  Reported per kernel: bit-identical to the reference, launches
-run preemptibly, yields and aborts, and how long after the flag rose the kernel had left
-the GPU (the stop latency a pause waits for, against the kernel's own length).
+broker does for a pause.  One more runs the first kernel over a single resident wave,
+so that each logical block lasts the whole launch.  Reported per kernel: bit-identical
+to the reference, launches run preemptibly, yields, aborts undone and stops that saved
+their state, how long after the flag rose the kernel had left the GPU (the stop
+latency a pause waits for, against the kernel's own length), and the work kept: the
+kernel time the launches needed over the GPU time the flag left free.
 
 ``python -m benchmarks.preemptible [--out DIR]`` prints one JSON line (the GPU test reads
 it) and writes ``preemptible.json`` under ``--out``.
@@ -58,6 +61,16 @@ def _kernels(cupy):
     def run_long_ew():
         return long_ew(base, cupy.int32(n_iter))
 
+    # One resident wave (2^18 threads): each logical block lasts the whole launch, far
+    # longer than the gaps between preemptions; only a stop that keeps its work finishes.
+    one_wave = cupy.ElementwiseKernel(
+        "float32 x, int32 n", "float32 y", f"float acc = x; {loop} y = acc;", "gps_one_wave"
+    )
+    wave = base[: 1 << 18]
+
+    def run_one_wave():
+        return one_wave(wave, cupy.int32(n_iter * 8))
+
     def run_inplace_ew():
         y = base.copy()
         inplace_ew(cupy.int32(n_iter), y)
@@ -85,6 +98,7 @@ def _kernels(cupy):
     return {
         "gps_numba_relax": run_numba,
         "gps_long_ew": run_long_ew,
+        "gps_one_wave": run_one_wave,
         "gps_inplace_ew": run_inplace_ew,
         "gps_histogram": run_histogram,
         "gps_smooth": run_smooth_in_place,
@@ -140,13 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     flag = launch.YieldFlag()
     launch.set_session_yield_flag(flag)
     stops: list[float] = []  # flag raised -> the kernel left the GPU, seconds
-    waiting = launch.wait_for_resume
 
     def timed_wait(f) -> None:
         stops.append(time.perf_counter())
-        waiting(f)
+        launch.poll_until_resumed(f)
 
-    launch.wait_for_resume = timed_wait
+    launch.set_session_hooks(launch.LaunchHooks(wait_for_resume=timed_wait))
     rows = []
     for name, run in _kernels(cupy).items():
         if args.only and name != args.only:
@@ -156,12 +169,19 @@ def main(argv: list[str] | None = None) -> int:
         reference = run().get()  # the first launch: unmodified, timed by the shim
         cupy.cuda.runtime.deviceSynchronize()
         alone_s = time.perf_counter() - t0
-        before = (registry.launched, registry.yields, registry.aborts, registry.fallbacks)
+        run().get()  # the second: analysed and transformed (the shim sent it here)
+        t0 = time.perf_counter()
+        run().get()  # the third: the transformed kernel, never preempted
+        transformed_s = time.perf_counter() - t0
+        before = (registry.launched, registry.yields, registry.aborts, registry.fallbacks,
+                  registry.saves)  # fmt: skip
         identical = True
         stops.clear()
+        t0 = time.perf_counter()
         with Preempter(flag) as preempter:
             for _ in range(args.launches):
                 identical &= bool((run().get() == reference).all())
+        preempted_s = time.perf_counter() - t0
         latencies = []
         for stopped in stops:
             raised = max((r for r in preempter.raised if r <= stopped), default=None)
@@ -171,16 +191,22 @@ def main(argv: list[str] | None = None) -> int:
             (interpose.function_state(f)[1] for f, t in registry.twins.items() if name in t.name),
             default=0.0,
         )
+        # The GPU time the flag left free, against the kernel time the launches needed.
+        free_s = preempted_s - len(preempter.raised) * preempter.on_ms / 1e3
+        kept = args.launches * longest_us / 1e6 / free_s if free_s > 0 else None
         rows.append(
             {
                 "kernel": name,
                 "kernel_ms": longest_us / 1e3,  # its first launch, timed by the shim
                 "first_call_ms": alone_s * 1e3,  # the same with CuPy's compile
+                "transformed_ms": transformed_s * 1e3,  # a launch of the transformed kernel
                 "bit_identical": identical,
                 "preemptible_launches": registry.launched - before[0],
                 "yields": registry.yields - before[1],
                 "aborts": registry.aborts - before[2],
+                "saves": registry.saves - before[4],
                 "fallbacks": registry.fallbacks - before[3],
+                "work_kept": kept,
                 "stop_ms_p50": statistics.median(latencies) * 1e3 if latencies else None,
                 "stop_ms_max": max(latencies) * 1e3 if latencies else None,
             }
@@ -201,13 +227,19 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         text = json.dumps({**describe(), **document}, indent=2)
         (Path(args.out) / "preemptible.json").write_text(text)
-    print(f"{'kernel':<16}{'ms':>8}{'same':>6}{'runs':>6}{'yield':>7}{'abort':>7}{'stop ms':>9}")
+    print(
+        f"{'kernel':<16}{'ms':>8}{'tr. ms':>8}{'same':>6}{'runs':>6}{'yield':>7}{'abort':>7}{'saved':>7}"
+        f"{'stop ms':>9}{'kept':>7}",
+        file=sys.stderr,
+    )
     for row in rows:
-        stop = row["stop_ms_p50"]
+        stop, kept = row["stop_ms_p50"], row["work_kept"]
         print(
-            f"{row['kernel']:<16}{row['kernel_ms']:8.1f}{'yes' if row['bit_identical'] else 'NO':>6}"
-            f"{row['preemptible_launches']:6d}{row['yields']:7d}{row['aborts']:7d}"
-            f"{'-' if stop is None else f'{stop:9.2f}':>9}",
+            f"{row['kernel']:<16}{row['kernel_ms']:8.1f}{row['transformed_ms']:8.1f}"
+            f"{'yes' if row['bit_identical'] else 'NO':>6}"
+            f"{row['preemptible_launches']:6d}{row['yields']:7d}{row['aborts']:7d}{row['saves']:7d}"
+            f"{'-' if stop is None else f'{stop:9.2f}':>9}"
+            f"{'-' if kept is None else f'{kept:7.0%}':>7}",
             file=sys.stderr,
         )
     print(json.dumps(document))

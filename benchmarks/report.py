@@ -366,20 +366,26 @@ def _third_party_section(doc: dict) -> list[str]:
 
 
 def _preemptible_section(doc: dict) -> list[str]:
-    """Long kernels made preemptible at load time: stop latency and correctness."""
+    """Long kernels made preemptible at load time: stop latency, work kept, correctness."""
     lines = [
         f"**Long kernels made preemptible at load time** ({_where(doc)}; the yield flag "
-        "raised for 2 ms every 10 ms)",
+        "raised for 2 ms every 10 ms). *Stops*: aborts undone (restart or rollback) / "
+        "stops whose threads saved their state / yields between logical blocks; *work "
+        "kept*: the kernel time the launches needed over the GPU time the flag left free.",
         "",
-        "| kernel | launch alone | stop after the flag (p50 / max) | preempted launches "
-        "| aborts / yields | bit-identical |",
-        "|---|---|---|---|---|---|",
+        "| kernel | launch alone / transformed | stop after the flag (p50 / max) "
+        "| preempted launches | stops | work kept | bit-identical |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in doc["rows"]:
+        transformed = row.get("transformed_ms")
+        alone = f"{row['kernel_ms']:.1f}" + (f" / {transformed:.1f}" if transformed else "")
+        kept = row.get("work_kept")
         lines.append(
-            f"| `{row['kernel']}` | {row['kernel_ms']:.1f} ms | {_fmt(row['stop_ms_p50'])} / "
+            f"| `{row['kernel']}` | {alone} ms | {_fmt(row['stop_ms_p50'])} / "
             f"{_fmt(row['stop_ms_max'])} ms | {row['preemptible_launches']} | {row['aborts']} / "
-            f"{row['yields']} | {'yes' if row['bit_identical'] else 'NO'} |"
+            f"{row.get('saves', 0)} / {row['yields']} | {'-' if kept is None else f'{kept:.0%}'} "
+            f"| {'yes' if row['bit_identical'] else 'NO'} |"
         )
     return [*lines, ""]
 

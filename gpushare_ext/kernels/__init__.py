@@ -1,8 +1,8 @@
 """Preemptible kernels: parse -> analyse -> classify -> transform -> assemble -> launch.
 
 What it is for: the notebook-facing API (``kernel``, ``jit``) and the pieces the runtime
-and broker use (``YieldFlag``, ``write_yield_flag_from_handle``, the ``before_launch``
-hook in ``launch``). See ``docs/kernels.md``.
+and broker use (``YieldFlag``, ``write_yield_flag_from_handle``, the ``LaunchHooks``
+of ``launch``). See ``docs/kernels.md``.
 
 What it must not do: import CUDA, CuPy or Numba at import time (``import gpushare_ext``
 stays cheap and works without a GPU); everything heavy is imported where it is used.

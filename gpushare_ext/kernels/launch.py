@@ -7,16 +7,24 @@ notebook's arrays half updated by a non-idempotent kernel:
 
 * *resume*: the kernel yields between logical blocks; the launch is continued from the
   progress record's counter (all-or-nothing blocks, see ``transform.py``).
-* *restart* (idempotent kernels only): an abort mid-block throws the launch away and it
-  is run again from logical block 0.
+* *restart* (idempotent kernels only): an abort mid-block throws away the logical
+  blocks in flight and the launch goes on from the lowest of them.
 * *snapshot*: the write-set (buffers the analysis says the kernel writes, as actually
   passed) is copied device-to-device before the first launch; an abort, Ctrl-C or error
   restores it. Yields between blocks still resume.
 
+Where the variant saves state (``transform.SavePlan``: no shared or local memory, no
+barriers, no warp collectives), an abort is not undone at all: every stopped thread
+saved its live registers, and the next slice reloads them and goes on, so an abort
+keeps all the work done, whatever the kernel's idempotence. A snapshot is still taken
+for what Ctrl-C must roll back.
+
 The mode comes from the classification (idempotent -> resume, otherwise snapshot) and
-can be forced. Hooks for the runtime: :data:`before_launch` (called with the stream
-handle before every launch, e.g. to enqueue ``cuStreamWaitValue32`` on the gate) and
-:data:`wait_for_resume` (called after a yield; default: poll the flag until it is 0).
+can be forced. :class:`LaunchTransaction` is one launch (plan, snapshot, slices, roll
+back); the runtime's :class:`LaunchHooks` are passed to it (``before_launch`` with the
+stream handle before every launch, e.g. to enqueue ``cuStreamWaitValue32`` on the gate;
+``wait_for_resume`` after a yield), by default the ones the session registered with
+:func:`set_session_hooks`.
 
 Also here: :class:`YieldFlag`, a device int32 the broker writes through a CUDA IPC
 handle, and :func:`write_yield_flag_from_handle`, which the broker's actuator calls from
@@ -48,30 +56,55 @@ from gpushare_ext.kernels.transform import (
 )
 
 __all__ = [
+    "LaunchHooks",
     "LaunchMode",
     "LaunchReport",
+    "LaunchShape",
+    "LaunchTransaction",
     "YieldFlag",
-    "before_launch",
     "launch_kernel",
+    "poll_until_resumed",
+    "session_hooks",
+    "set_session_hooks",
     "set_session_yield_flag",
-    "wait_for_resume",
     "write_yield_flag_from_handle",
 ]
 
-# Hooks the runtime may replace. ``before_launch(stream_handle: int)`` runs before each
-# launch (and relaunch); ``wait_for_resume(flag)`` runs after a kernel yielded and must
-# return when it may continue.
-before_launch: Callable[[int], None] = lambda stream: None  # noqa: E731
+
+def _no_gate(stream_handle: int) -> None:
+    """Nothing to hold before a launch (no session gate)."""
 
 
-def _default_wait_for_resume(flag: YieldFlag) -> None:
+def poll_until_resumed(flag: YieldFlag) -> None:
+    """Wait until the yield flag is clear again (polling, up to 5 ms between reads)."""
     delay = 1e-4
     while flag.read() != 0:
         time.sleep(delay)
         delay = min(delay * 2, 5e-3)
 
 
-wait_for_resume: Callable[[YieldFlag], None] = _default_wait_for_resume
+@dataclass(frozen=True)
+class LaunchHooks:
+    """What the runtime adds around a transactional launch. ``before_launch(stream)``
+    runs before every launch and relaunch (the session's gate enqueues its wait there);
+    ``wait_for_resume(flag)`` runs after a yield or an abort and returns when the launch
+    may go on."""
+
+    before_launch: Callable[[int], None] = _no_gate
+    wait_for_resume: Callable[[YieldFlag], None] = poll_until_resumed
+
+
+_session_hooks = LaunchHooks()
+
+
+def set_session_hooks(hooks: LaunchHooks) -> None:
+    """The runtime's session registers its gate here (used where a launch is given none)."""
+    global _session_hooks
+    _session_hooks = hooks
+
+
+def session_hooks() -> LaunchHooks:
+    return _session_hooks
 
 
 class LaunchMode(str, Enum):
@@ -521,6 +554,7 @@ class LaunchReport:
     first_yield_ns: int | None = None
     last_exit_ns: int | None = None
     chunk: int = 1  # logical blocks claimed per atomic
+    saves: int = 0  # aborts whose threads saved their state (nothing to undo)
     notes: list[str] = field(default_factory=list)
 
 
@@ -705,6 +739,7 @@ def _launch_raw(
     shared: int,
     stream_handle: int,
     values: Sequence[bytes],
+    before_launch: Callable[[int], None] = _no_gate,
 ) -> None:
     drv = _driver()
     before_launch(stream_handle)
@@ -821,12 +856,16 @@ def launch_kernel(
     chunk_target_us: float | None = None,
     bound: BoundArgs | None = None,
     max_aborts: int | None = None,
+    hooks: LaunchHooks | None = None,
 ) -> LaunchReport:
-    """Run one launch as a transaction. See the module docstring for the modes.
+    """Run one launch as a transaction (:class:`LaunchTransaction`). See the module
+    docstring for the modes.
 
-    ``max_aborts``: after this many aborts the launch goes on without back-edge checks
-    (yields between logical blocks only), so a launch whose logical blocks are longer
-    than the gaps between preemptions still finishes instead of being aborted for ever.
+    ``max_aborts``: after this many aborts that are undone (restart or rollback) the
+    launch goes on without back-edge checks (yields between logical blocks only), so a
+    launch whose logical blocks are longer than the gaps between preemptions still
+    finishes instead of being aborted for ever. Aborts that save the threads' state keep
+    all progress and are never bounded.
 
     ``bound``: the arguments already packed (a launch taken from another framework by
     the launch shim: raw parameter bytes and buffer extents); ``args`` is then unused.
@@ -838,12 +877,13 @@ def launch_kernel(
     ``chunk``: logical blocks a persistent block claims at once (forced; default: chosen
     from the measured time per logical block, see :func:`choose_chunk`);
     ``chunk_target_us``: the wall time a chunk should take (default ``CHUNK_TARGET_US``).
-    """
-    import cupy
 
+    ``hooks``: the gate and the wait for resume (default: :func:`session_hooks`).
+    """
     if bound is None:
         kernel = kernel.bind(args)
         bound = bind_arguments(kernel, args)
+    hooks = hooks or session_hooks()
     g = _dim3(grid)
     b = _dim3(block)
     total = g[0] * g[1] * g[2]
@@ -851,221 +891,383 @@ def launch_kernel(
         raise KernelError(
             "grid-too-large", f"{total} blocks exceed the 32-bit logical id", step="launch"
         )
-    report = kernel.report
-    cls = classify_launch(report, bound.extents)
+    cls = classify_launch(kernel.report, bound.extents)
     sh = _stream_handle(stream)
     ctx = _ensure_context()
-
     if not preemptible or mode in (LaunchMode.OFF, "off"):
-        fn = _modules.function(kernel.ptx, kernel.entry.name, ctx)
-        _launch_raw(fn, g, b, shared_mem, sh, bound.values)
-        out = LaunchReport(kernel.entry.name, LaunchMode.OFF, cls, total, total, launches=1)
-        kernel.last_launch = out
-        if sync:
-            _wait(sh)
-        return out
-
+        return _run_unmodified(kernel, g, b, shared_mem, sh, bound, cls, ctx, sync, "")
     chosen = _choose_mode(kernel, cls, mode)
-    if chosen is LaunchMode.OFF:  # pragma: no cover - handled above
-        raise AssertionError
     use_abort = (
         abort_checks
         if abort_checks is not None
-        else (chosen is not LaunchMode.RESUME and bool(report.loops))
+        else (chosen is not LaunchMode.RESUME and bool(kernel.report.loops))
     )
     try:
         variant: PreemptibleKernel = kernel.preemptible(abort_checks=use_abort, fence=fence)
     except KernelError as exc:
         # Not transformable (grid sync, early exit before a barrier ...): run it as is.
-        fn = _modules.function(kernel.ptx, kernel.entry.name, ctx)
-        _launch_raw(fn, g, b, shared_mem, sh, bound.values)
-        out = LaunchReport(kernel.entry.name, LaunchMode.OFF, cls, total, total, launches=1)
-        out.notes.append(f"not instrumented: {exc.message}")
-        kernel.last_launch = out
-        if sync:
-            _wait(sh)
-        return out
+        note = f"not instrumented: {exc.message}"
+        return _run_unmodified(kernel, g, b, shared_mem, sh, bound, cls, ctx, sync, note)
+    shape = LaunchShape(g, b, shared_mem, sh, ctx)
+    tx = LaunchTransaction(
+        kernel, variant, shape, bound, cls, chosen, _as_flag(yield_flag), hooks,
+        fence=fence, max_aborts=max_aborts,
+    )  # fmt: skip
+    tx.plan(sm_share=sm_share, max_blocks=max_blocks, chunk=chunk, chunk_target_us=chunk_target_us)
+    return tx.run(preempt_at=preempt_at, abort_at=abort_at, fixed_chunk=chunk is not None)
 
-    fn = _modules.function(variant.ptx, kernel.entry.name, ctx)
-    # Persistent grid: the SM share, else what fits on the device at once.
-    sms = _Device.sm_count(ctx)
-    per_sm = _modules.blocks_per_sm(fn, b[0] * b[1] * b[2], shared_mem)
-    if per_sm < 1:
-        raise KernelError("does-not-fit", "the block does not fit on one SM", step="launch")
-    k_blocks = sms * int(per_sm)
-    if sm_share is not None:
-        k_blocks = max(1, int(sm_share * sms))
-    if max_blocks is not None:
-        k_blocks = max(1, min(k_blocks, int(max_blocks)))
-    persistent = max(1, min(k_blocks, total))
-    times_key = (variant.ptx, kernel.entry.name, g, b, shared_mem, persistent)
-    if chunk is not None:
-        chunk_size = max(1, int(chunk))
-    else:
-        chunk_size = choose_chunk(total, persistent, _BlockTimes.get(times_key), chunk_target_us)
-    chunk_size = _fit_chunk(chunk_size, total, persistent)
 
-    flag = _as_flag(yield_flag)
-    # The record: from CuPy's pool without a memset (its header is written before every
-    # slice; the fence scratch area after it is never read).
-    record = cupy.empty(PROGRESS_RECORD_BYTES, dtype=cupy.uint8)
-    record_ptr = int(record.data.ptr)
-    out = LaunchReport(kernel.entry.name, chosen, cls, total, persistent, chunk=chunk_size)
-    if use_abort:
-        out.notes.append("flag checks at loop back-edges (abort mode)")
+def _run_unmodified(
+    kernel: Any,
+    g: tuple[int, int, int],
+    b: tuple[int, int, int],
+    shared_mem: int,
+    sh: int,
+    bound: BoundArgs,
+    cls: Classification,
+    ctx: Any,
+    sync: bool,
+    note: str,
+) -> LaunchReport:
+    """The original kernel, one launch, not preemptible (mode ``off`` or untransformable)."""
+    fn = _modules.function(kernel.ptx, kernel.entry.name, ctx)
+    _launch_raw(fn, g, b, shared_mem, sh, bound.values, session_hooks().before_launch)
+    total = g[0] * g[1] * g[2]
+    out = LaunchReport(kernel.entry.name, LaunchMode.OFF, cls, total, total, launches=1)
+    if note:
+        out.notes.append(note)
+    kernel.last_launch = out
+    if sync:
+        _wait(sh)
+    return out
 
-    # Write-set and snapshot.
-    if report.classification.verdict is Idempotence.UNKNOWN:
-        write_params = list(bound.extents)
-        out.notes.append("unknown kernel: every array argument is snapshotted")
-    else:
-        write_params = [p for p in report.write_set if p in bound.extents]
-    snapshots: list[tuple[int, Any, int]] = []  # (address, copy, nbytes)
 
-    def take_snapshot() -> None:
-        for p in write_params:
-            addr, n = bound.extents[p]
+@dataclass(frozen=True)
+class LaunchShape:
+    """Where and how big: the original grid and block, dynamic shared memory, the
+    stream handle and the context."""
+
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_mem: int
+    stream: int
+    context: Any
+
+    @property
+    def logical_blocks(self) -> int:
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+    @property
+    def threads_per_block(self) -> int:
+        return self.block[0] * self.block[1] * self.block[2]
+
+
+class LaunchTransaction:
+    """One launch of a preemptible variant as a transaction: :meth:`plan` (persistent
+    grid, chunk, record, snapshot set, save area), then :meth:`run` (slices until every
+    logical block is done; each yield waits for resume, each abort is saved, restarted
+    or rolled back), and on Ctrl-C or an error :meth:`abandon` (stop the kernel, drain,
+    roll back what a snapshot covers).
+
+    The gate and the wait for resume are the ``hooks`` it is given, not module state.
+    """
+
+    def __init__(
+        self,
+        kernel: Any,
+        variant: PreemptibleKernel,
+        shape: LaunchShape,
+        bound: BoundArgs,
+        classification: Classification,
+        mode: LaunchMode,
+        flag: YieldFlag,
+        hooks: LaunchHooks,
+        *,
+        fence: bool = False,
+        max_aborts: int | None = None,
+    ) -> None:
+        self.kernel = kernel
+        self.variant = variant
+        self.shape = shape
+        self.bound = bound
+        self.cls = classification
+        self.mode = mode
+        self.flag = flag
+        self.hooks = hooks
+        self.fence = fence
+        self.max_aborts = max_aborts
+        self.fn: Any = None
+        self.persistent = 1
+        self.chunk = 1
+        self.times_key: tuple = ()
+        self.out: LaunchReport | None = None
+        self.record: Any = None
+        self.save_area: Any = None
+        self.snapshots: list[tuple[int, Any, int]] = []  # (address, copy, nbytes)
+        self.slot: _PinnedSlot | None = None
+        self.drained = True  # False while a slice may run or a record copy is in flight
+        self._head: list[bytes] = []
+        self._tail: list[bytes] = []
+
+    # -- plan --------------------------------------------------------------------------
+
+    def plan(
+        self,
+        *,
+        sm_share: float | None = None,
+        max_blocks: int | None = None,
+        chunk: int | None = None,
+        chunk_target_us: float | None = None,
+    ) -> None:
+        """Persistent grid (the SM share, else what fits on the device at once), chunk,
+        progress record, save area, and the parameters every slice shares."""
+        import cupy
+
+        shape, variant = self.shape, self.variant
+        name = self.kernel.entry.name
+        self.fn = _modules.function(variant.ptx, name, shape.context)
+        sms = _Device.sm_count(shape.context)
+        per_sm = _modules.blocks_per_sm(self.fn, shape.threads_per_block, shape.shared_mem)
+        if per_sm < 1:
+            raise KernelError("does-not-fit", "the block does not fit on one SM", step="launch")
+        k_blocks = sms * int(per_sm)
+        if sm_share is not None:
+            k_blocks = max(1, int(sm_share * sms))
+        if max_blocks is not None:
+            k_blocks = max(1, min(k_blocks, int(max_blocks)))
+        total = shape.logical_blocks
+        self.persistent = max(1, min(k_blocks, total))
+        self.times_key = (variant.ptx, name, shape.grid, shape.block, shape.shared_mem,
+                          self.persistent)  # fmt: skip
+        if chunk is not None:
+            size = max(1, int(chunk))
+        else:
+            size = choose_chunk(
+                total, self.persistent, _BlockTimes.get(self.times_key), chunk_target_us
+            )
+        self.chunk = _fit_chunk(size, total, self.persistent)
+        # The record: from CuPy's pool without a memset (its header is written before
+        # every slice; the fence scratch area after it is never read).
+        self.record = cupy.empty(PROGRESS_RECORD_BYTES, dtype=cupy.uint8)
+        out = LaunchReport(name, self.mode, self.cls, total, self.persistent, chunk=self.chunk)
+        self.out = out
+        if variant.options.abort_checks:
+            out.notes.append("flag checks at loop back-edges (abort mode)")
+            if variant.saves_state:
+                out.notes.append(
+                    f"an abort saves {len(variant.saved_registers)} registers per thread"
+                )
+            elif variant.save_refusal:
+                out.notes.append(f"aborts are undone: {variant.save_refusal}")
+        self._pack_parameters()
+
+    def _pack_parameters(self) -> None:
+        import cupy
+
+        g = self.shape.grid
+        self._head = [
+            *self.bound.values,
+            struct.pack("<Q", int(self.record.data.ptr)),
+            struct.pack("<Q", self.flag.device_ptr),
+            struct.pack("<I", g[0]),
+            struct.pack("<I", g[1]),
+            struct.pack("<I", g[2]),
+        ]
+        tail = [struct.pack("<I", self.chunk)]
+        if self.variant.saves_state:
+            threads = self.persistent * self.shape.threads_per_block
+            stride = 8 * threads
+            self.save_area = cupy.empty(self.variant.save_cells * stride, dtype=cupy.uint8)
+            ptr = int(self.save_area.data.ptr)
+            # Only the tags must start clear: a cell is read only under a set tag.
+            cupy.cuda.runtime.memsetAsync(ptr, 0, stride, self.shape.stream)
+            tail += [struct.pack("<Q", ptr), struct.pack("<Q", stride)]
+        for p in self.variant.fenced_params:
+            addr, n = self.bound.extents.get(p, (0, 0))
+            tail += [struct.pack("<Q", addr), struct.pack("<Q", n)]
+        self._tail = tail
+
+    def _write_set(self) -> list[str]:
+        report = self.kernel.report
+        if report.classification.verdict is Idempotence.UNKNOWN:
+            assert self.out is not None
+            self.out.notes.append("unknown kernel: every array argument is snapshotted")
+            return list(self.bound.extents)
+        return [p for p in report.write_set if p in self.bound.extents]
+
+    # -- snapshot and roll back --------------------------------------------------------
+
+    def take_snapshot(self) -> None:
+        """Copy the write-set as passed (device to device, on the launch stream)."""
+        import cupy
+
+        assert self.out is not None
+        for p in self._write_set():
+            addr, n = self.bound.extents[p]
             if n == 0:
                 continue
             copy = cupy.empty(n, dtype=cupy.uint8)
-            cupy.cuda.runtime.memcpyAsync(copy.data.ptr, addr, n, 3, sh)
-            snapshots.append((addr, copy, n))
-            out.snapshot_bytes += n
+            cupy.cuda.runtime.memcpyAsync(copy.data.ptr, addr, n, 3, self.shape.stream)
+            self.snapshots.append((addr, copy, n))
+            self.out.snapshot_bytes += n
 
-    def restore() -> None:
-        for addr, copy, n in snapshots:
-            cupy.cuda.runtime.memcpyAsync(addr, copy.data.ptr, n, 3, sh)
-        out.restored = True
+    def roll_back(self) -> None:
+        import cupy
 
-    # The parameters are the same for every slice but `stop`: packed once.
-    fence_vals: list[bytes] = []
-    for p in variant.fenced_params:
-        addr, n = bound.extents.get(p, (0, 0))
-        fence_vals += [struct.pack("<Q", addr), struct.pack("<Q", n)]
-    head = [
-        *bound.values,
-        struct.pack("<Q", record_ptr),
-        struct.pack("<Q", flag.device_ptr),
-        struct.pack("<I", g[0]),
-        struct.pack("<I", g[1]),
-        struct.pack("<I", g[2]),
-    ]
-    chunk_val = struct.pack("<I", chunk_size)
-    slot = _PinnedSlot()
-    drained = True  # False while a slice may still run or a record copy is in flight
+        assert self.out is not None
+        for addr, copy, n in self.snapshots:
+            cupy.cuda.runtime.memcpyAsync(addr, copy.data.ptr, n, 3, self.shape.stream)
+        self.out.restored = True
 
-    def write_record(start_block: int) -> None:
-        nonlocal drained
-        drained = False
-        slot.write_header(record_ptr, start_block, sh)
-
-    def without_abort_checks() -> None:
-        """Go on with yields between logical blocks only (after ``max_aborts``)."""
-        nonlocal fn
-        fn = _modules.function(kernel.preemptible(abort_checks=False, fence=fence).ptx,
-                               kernel.entry.name, ctx)  # fmt: skip
-        out.notes.append(f"after {out.aborts} aborts: yields between logical blocks only")
-
-    def run_slice(stop: int) -> dict[str, int]:
-        nonlocal drained
-        drained = False
-        _launch_raw(
-            fn,
-            (persistent, 1, 1),
-            b,
-            shared_mem,
-            sh,
-            [*head, struct.pack("<I", stop), chunk_val, *fence_vals],
-        )
-        out.launches += 1
-        slot.enqueue_read(record_ptr, sh)  # behind the kernel: the wait below covers it
-        _wait(sh)
-        drained = True
-        return slot.parse()
-
-    def undo() -> None:
-        """Abort: put the buffers back as they were before the launch."""
-        if chosen is LaunchMode.SNAPSHOT:
-            restore()
-        elif chosen is LaunchMode.RESUME and cls.verdict is not Idempotence.IDEMPOTENT:
+    def undo(self) -> None:
+        """An abort that did not save state: put the buffers back as before the launch."""
+        assert self.out is not None
+        if self.mode is LaunchMode.SNAPSHOT:
+            self.roll_back()
+        elif self.mode is LaunchMode.RESUME and self.cls.verdict is not Idempotence.IDEMPOTENT:
             raise KernelError(
                 "cannot-undo",
-                f"{kernel.entry.name} was stopped mid-block in resume mode but is "
-                f"{cls.verdict.value}; use snapshot mode",
+                f"{self.kernel.entry.name} was stopped mid-block in resume mode but is "
+                f"{self.cls.verdict.value}; use snapshot mode",
                 step="launch",
             )
-        out.aborts += 1
+        self.out.aborts += 1
 
-    cuts = sorted({int(x) for x in preempt_at if 0 < int(x) < total})
-    aborts = sorted(int(x) for x in abort_at if 0 <= int(x) <= total)
-    try:
-        if chosen is LaunchMode.SNAPSHOT:
-            take_snapshot()
-        # Simulated aborts: run a prefix, then undo it and start again.
-        for cut in aborts:
-            write_record(0)
-            run_slice(cut)
-            undo()
-        write_record(0)
+    # -- slices ------------------------------------------------------------------------
+
+    def write_record(self, start_block: int) -> None:
+        assert self.slot is not None
+        self.drained = False
+        self.slot.write_header(int(self.record.data.ptr), start_block, self.shape.stream)
+
+    def run_slice(self, stop: int) -> dict[str, int]:
+        """One launch of the persistent grid over ids ``[record start, stop)``; waits for
+        it and returns the progress record."""
+        assert self.slot is not None and self.out is not None
+        shape = self.shape
+        self.drained = False
+        _launch_raw(
+            self.fn,
+            (self.persistent, 1, 1),
+            shape.block,
+            shape.shared_mem,
+            shape.stream,
+            [*self._head, struct.pack("<I", stop), *self._tail],
+            self.hooks.before_launch,
+        )
+        self.out.launches += 1
+        self.slot.enqueue_read(int(self.record.data.ptr), shape.stream)  # covered by the wait
+        _wait(shape.stream)
+        self.drained = True
+        return self.slot.parse()
+
+    def _without_abort_checks(self) -> None:
+        """Go on with yields between logical blocks only (after ``max_aborts``)."""
+        assert self.out is not None
+        plain = self.kernel.preemptible(abort_checks=False, fence=self.fence)
+        self.fn = _modules.function(plain.ptx, self.kernel.entry.name, self.shape.context)
+        self.out.notes.append(f"after {self.out.aborts} aborts: yields between logical blocks only")
+
+    def _after_abort(self, state: dict[str, int], stop: int) -> int:
+        """Where the launch goes on after an abort: saved threads keep everything (the
+        counter); an idempotent restart goes on from the lowest block an abort left (all
+        below are done); a rolled-back snapshot starts again."""
+        assert self.out is not None
+        if self.variant.saves_state:
+            self.out.saves += 1
+            self.hooks.wait_for_resume(self.flag)
+            return min(state["next"], stop)
+        self.undo()
+        # A logical block longer than the gaps between preemptions would be aborted for
+        # ever (a rollback loses everything, a restart the blocks in flight): after
+        # max_aborts the launch only yields between blocks.
+        if self.max_aborts is not None and self.out.aborts == self.max_aborts:
+            self._without_abort_checks()
+        self.hooks.wait_for_resume(self.flag)
+        if self.mode is LaunchMode.RESTART:
+            return min(state["lowest_aborted"], state["next"], stop)
+        self.out.fenced_accesses = 0
+        return 0
+
+    def _account(self, state: dict[str, int]) -> None:
+        assert self.out is not None
+        self.out.fenced_accesses += state["fenced"]
+        if state["first_yield_ns"] != (1 << 64) - 1:
+            self.out.first_yield_ns = self.out.first_yield_ns or state["first_yield_ns"]
+            self.out.last_exit_ns = state["last_exit_ns"]
+
+    def run(
+        self, *, preempt_at: Sequence[int] = (), abort_at: Sequence[int] = (),
+        fixed_chunk: bool = False,
+    ) -> LaunchReport:  # fmt: skip
+        """Slices until every logical block is done. ``preempt_at``/``abort_at``: see
+        :func:`launch_kernel`."""
+        assert self.out is not None
+        self.slot = _PinnedSlot()
+        total = self.shape.logical_blocks
+        cuts = sorted({int(x) for x in preempt_at if 0 < int(x) < total})
+        aborts = sorted(int(x) for x in abort_at if 0 <= int(x) <= total)
+        try:
+            if self.mode is LaunchMode.SNAPSHOT:
+                self.take_snapshot()
+            for cut in aborts:  # simulated aborts: run a prefix, undo it, start again
+                self.write_record(0)
+                self.run_slice(cut)
+                self.undo()
+            self._slices(total, cuts, fixed_chunk)
+        except BaseException:
+            self.abandon()
+            raise
+        self.kernel.last_launch = self.out
+        self.slot.release()
+        return self.out
+
+    def _slices(self, total: int, cuts: list[int], fixed_chunk: bool) -> None:
+        assert self.out is not None
+        self.write_record(0)
         start = 0
         pending = list(cuts)
-        while start < total:
+        saved = False  # threads parked with saved state: one more slice at least
+        while start < total or saved:
             stop = pending.pop(0) if pending and pending[0] > start else total
             while pending and pending[0] <= start:
                 pending.pop(0)
-            state = run_slice(stop)
-            fenced = state["fenced"]
-            out.fenced_accesses += fenced
-            if state["first_yield_ns"] != (1 << 64) - 1:
-                out.first_yield_ns = out.first_yield_ns or state["first_yield_ns"]
-                out.last_exit_ns = state["last_exit_ns"]
+            state = self.run_slice(stop)
+            self._account(state)
+            saved = False  # a slice without an abort finished every saved thread
             if state["aborted"]:
-                undo()
-                # A logical block longer than the gaps between preemptions would be
-                # aborted for ever (a rollback loses everything, a restart the blocks in
-                # flight): after max_aborts the launch only yields between blocks.
-                if max_aborts is not None and out.aborts == max_aborts:
-                    without_abort_checks()
-                wait_for_resume(flag)
-                # Idempotent: from the lowest block an abort left (all below are done);
-                # a rolled-back snapshot: from the start.
-                start = 0
-                if chosen is LaunchMode.RESTART:
-                    start = min(state["lowest_aborted"], state["next"], stop)
-                else:
-                    out.fenced_accesses = 0
-                write_record(start)
+                start = self._after_abort(state, stop)
+                saved = self.variant.saves_state
                 pending = []
+                self.write_record(start)
                 continue
             done_to = min(state["next"], stop)
-            if done_to >= stop and state["end_ns"] > state["start_ns"] and chunk is None:
+            if done_to >= stop and state["end_ns"] > state["start_ns"] and not fixed_chunk:
                 _BlockTimes.record(
-                    times_key, state["end_ns"] - state["start_ns"], persistent, stop - start
-                )
+                    self.times_key, state["end_ns"] - state["start_ns"], self.persistent,
+                    stop - start,
+                )  # fmt: skip
             if done_to < stop:  # the flag was seen: a real yield
-                out.yields += 1
-                wait_for_resume(flag)
+                self.out.yields += 1
+                self.hooks.wait_for_resume(self.flag)
             elif stop < total:
-                out.yields += 1  # a deterministic cut
+                self.out.yields += 1  # a deterministic cut
             start = done_to
             if start < total:
-                write_record(start)
-        kernel.last_launch = out
-        slot.release()
-        return out
-    except BaseException:
-        # Ctrl-C or an error: stop the kernel, wait for it to drain, undo its writes.
+                self.write_record(start)
+
+    def abandon(self) -> None:
+        """Ctrl-C or an error: stop the kernel, wait for it to drain, undo its writes."""
         with contextlib.suppress(BaseException):
-            before = flag.read()
-            flag.set(1)
-            _wait(sh)
-            drained = True
-            flag.set(before)
-        if snapshots:
+            before = self.flag.read()
+            self.flag.set(1)
+            _wait(self.shape.stream)
+            self.drained = True
+            self.flag.set(before)
+        if self.snapshots:
             with contextlib.suppress(BaseException):
-                restore()
-                _wait(sh)
-        if drained:  # else a record copy may still be in flight: never reuse the slot
-            slot.release()
-        kernel.last_launch = out
-        raise
+                self.roll_back()
+                _wait(self.shape.stream)
+        if self.slot is not None and self.drained:
+            self.slot.release()  # else a record copy may be in flight: never reuse it
+        self.kernel.last_launch = self.out

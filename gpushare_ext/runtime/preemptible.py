@@ -13,12 +13,16 @@ the GPU as they are.  The function then goes through the same analysis and trans
 arguments in one allocation are one buffer, so an in-place call is seen) and run as a
 transaction:
 
-* idempotent: *restart*: flag checks at loop back-edges abort it within a loop
-  iteration and it goes on from the lowest logical block an abort left;
-* not idempotent: *snapshot*: the buffers it writes are copied first, an abort rolls
-  them back and it runs again; a yield between logical blocks resumes;
-* either way, after ``MAX_ABORTS`` aborts a launch goes on with yields between logical
-  blocks only, so one whose blocks outlast the gaps between preemptions still finishes;
+* flag checks at loop back-edges stop it within a few hundred loop iterations.  Where
+  the kernel's threads hold all their state in registers (no shared or local memory,
+  no barriers: CuPy's elementwise kernels, most Numba kernels), a stopping thread saves
+  its live registers and the next slice goes on from them: nothing is lost or redone;
+* else, idempotent: *restart*: it goes on from the lowest logical block an abort left;
+* else, not idempotent: *snapshot*: the buffers it writes are copied first, an abort
+  rolls them back and it runs again; a yield between logical blocks resumes;
+* after ``MAX_ABORTS`` aborts that were undone (restart or rollback), a launch goes on
+  with yields between logical blocks only, so one whose blocks outlast the gaps between
+  preemptions still finishes;
 * unknown (a pointer loaded from memory, a call ...), or a kernel the transform refuses:
   the original runs unmodified, under the shim and the checkpoint lock, and the cell
   says so once, with the reason.
@@ -96,7 +100,8 @@ class Registry:
     twins: dict[int, Twin] = field(default_factory=dict)
     launched: int = 0  # launches run preemptibly
     yields: int = 0
-    aborts: int = 0
+    aborts: int = 0  # undone: restarted or rolled back
+    saves: int = 0  # aborts whose threads saved their state and went on
     fallbacks: int = 0  # launches given back to run unmodified
     said: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -177,6 +182,7 @@ class Registry:
         self.launched += 1
         self.yields += report.yields
         self.aborts += report.aborts
+        self.saves += report.saves
         return 0
 
     def _give_up(self, function: int, twin: Twin, reason: str) -> None:
@@ -408,8 +414,13 @@ def summary() -> str:
     if not registry.launched and not registry.fallbacks:
         return "long kernels loaded from PTX are made preemptible"
     parts = [f"{registry.launched} long kernel launches preemptible"]
-    if registry.yields or registry.aborts:
-        parts.append(f"{registry.yields} yields, {registry.aborts} aborts")
+    if registry.yields or registry.aborts or registry.saves:
+        stops = [f"{registry.yields} yields"]
+        if registry.saves:
+            stops.append(f"{registry.saves} stops that kept their work")
+        if registry.aborts:
+            stops.append(f"{registry.aborts} aborts undone")
+        parts.append(", ".join(stops))
     if registry.fallbacks:
         parts.append(f"{registry.fallbacks} run unmodified")
     return ", ".join(parts)

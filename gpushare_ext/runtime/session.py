@@ -662,7 +662,7 @@ class GpuSession:
                 launch.set_session_yield_flag(self.yield_flag)
             gate = self.device_gate
             if gate is not None:
-                launch.before_launch = gate.hold_here
+                launch.set_session_hooks(launch.LaunchHooks(before_launch=gate.hold_here))
             assert handle.placement is not None and self.client is not None
             self.client.register_yield_flag(
                 handle.lease_id, handle.placement.device_index, self.yield_flag.ipc_handle().hex()

@@ -85,7 +85,9 @@ TENANT = textwrap.dedent(
         counter += 1
         cupy.cuda.runtime.deviceSynchronize()
         steps += 1
-        open(ready + ".steps", "w").write(str(steps))
+        with open(ready + ".steps.tmp", "w") as f:  # whole or not at all: a rename
+            f.write(str(steps))
+        os.replace(ready + ".steps.tmp", ready + ".steps")
         time.sleep(0.002)
     open(done + ".result", "w").write("intact" if digest() == before else "CHANGED")
     """

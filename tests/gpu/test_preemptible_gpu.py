@@ -41,14 +41,24 @@ def _row(measured: dict, kernel: str) -> dict:
 
 @pytest.mark.parametrize(
     "kernel",
-    ["gps_long_ew", "gps_inplace_ew", "gps_histogram", "gps_smooth", "gps_numba_relax"],
-)
+    ["gps_long_ew", "gps_one_wave", "gps_inplace_ew", "gps_histogram", "gps_smooth",
+     "gps_numba_relax"],
+)  # fmt: skip
 def test_a_preempted_long_kernel_gives_the_undisturbed_result(measured, kernel):
     row = _row(measured, kernel)
     assert row["bit_identical"], row
     assert row["preemptible_launches"] >= 3, (row, measured["said"])
     assert row["fallbacks"] == 0, measured["said"]
-    assert row["yields"] + row["aborts"] >= row["preemptible_launches"], row
+    assert row["yields"] + row["aborts"] + row["saves"] >= row["preemptible_launches"], row
+
+
+@pytest.mark.parametrize("kernel", ["gps_long_ew", "gps_one_wave", "gps_inplace_ew",
+                                    "gps_smooth", "gps_numba_relax"])  # fmt: skip
+def test_kernels_that_hold_their_state_in_registers_keep_it_when_stopped(measured, kernel):
+    """No shared or local memory, no barriers: a stop saves the threads' registers and
+    nothing is undone, even where one logical block outlasts every gap (one wave)."""
+    row = _row(measured, kernel)
+    assert row["saves"] >= 1 and row["aborts"] == 0, row
 
 
 def test_a_long_kernel_leaves_the_gpu_soon_after_the_flag_rises(measured):

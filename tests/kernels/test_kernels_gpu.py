@@ -304,3 +304,98 @@ def test_yield_flag_written_from_another_process_through_ipc():
     assert proc.returncode == 0, proc.stderr
     assert flag.read() == 7
     flag.close()
+
+
+class _Toggler:
+    """Raise ``flag`` for ``on_s`` every ``period_s`` while a launch runs."""
+
+    def __init__(self, flag, on_s: float = 0.001, period_s: float = 0.004) -> None:
+        self.flag, self.on_s, self.period_s = flag, on_s, period_s
+        self.stop = threading.Event()
+        self.raised = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            time.sleep(self.period_s)
+            self.flag.set(1)
+            self.raised += 1
+            time.sleep(self.on_s)
+            self.flag.clear()
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.flag.clear()
+
+
+def test_saved_aborts_keep_the_work_of_logical_blocks_longer_than_every_gap():
+    """long_loop_inplace (not idempotent) on two persistent blocks that each run one
+    logical block of far more than the 4 ms between preemptions: with saved state the
+    launch finishes while preemptions go on, nothing is rolled back, and the bytes are
+    those of an undisturbed run."""
+    import cupy as cp
+
+    from gpushare_ext.kernels.launch import YieldFlag
+
+    case = next(c for c in CASES if c.kernel == "long_loop_inplace")
+    k = _kernel(case)
+    variant = k.preemptible(abort_checks=True)
+    assert variant.saves_state, variant.save_refusal
+    x0 = cp.asarray(np.random.default_rng(5).standard_normal(2 * 256).astype(np.float32))
+    iters = np.int32(20_000_000)  # tens of milliseconds for one logical block
+    want = x0.copy()
+    k.launch((2,), (256,), (want, np.int32(want.size), iters), mode="off")
+    cp.cuda.Device().synchronize()
+    flag = YieldFlag()
+    got = x0.copy()
+    with _Toggler(flag) as toggler:
+        # Without saved state this would restart for as long as the preemptions go on.
+        rep = k.launch((2,), (256,), (got, np.int32(got.size), iters), abort_checks=True,
+                       yield_flag=flag)  # fmt: skip
+    print(f"saved aborts: {rep}")
+    assert toggler.raised >= 3, rep
+    assert rep.saves >= 2 and rep.aborts == 0 and not rep.restored, rep
+    _compare(cp, case, "saved aborts", (got,), (want,), rep)
+    flag.close()
+
+
+ATOMIC_LOOP = r"""
+extern "C" __global__ void count_in_loop(unsigned* bins, int n, int iters) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    unsigned v = i;
+    for (int k = 0; k < iters; ++k) {
+        v = v * 1664525u + 1013904223u;
+        if ((v & 1023u) == 0u) atomicAdd(&bins[(v >> 10) & 63u], 1u);
+    }
+}
+"""
+
+
+def test_saved_aborts_run_every_atomic_exactly_once():
+    """Atomics inside the loop: a restart would count twice and a rollback would redo;
+    saved state continues each thread's loop, so the counts match an undisturbed run."""
+    import cupy as cp
+
+    from gpushare_ext.kernels.launch import YieldFlag
+
+    k = kernel(ATOMIC_LOOP, "count_in_loop")
+    assert k.preemptible(abort_checks=True).saves_state
+    n, iters = 1 << 16, np.int32(2_000_000)
+    want = cp.zeros(64, dtype=cp.uint32)
+    k.launch((n // 256,), (256,), (want, np.int32(n), iters), mode="off")
+    cp.cuda.Device().synchronize()
+    flag = YieldFlag()
+    got = cp.zeros(64, dtype=cp.uint32)
+    with _Toggler(flag, on_s=0.0005, period_s=0.002):
+        rep = k.launch((n // 256,), (256,), (got, np.int32(n), iters), abort_checks=True,
+                       yield_flag=flag)  # fmt: skip
+    print(f"atomics under saved aborts: {rep}")
+    assert rep.saves >= 1, rep
+    assert cp.asnumpy(got).tolist() == cp.asnumpy(want).tolist(), rep
+    flag.close()
