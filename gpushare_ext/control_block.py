@@ -13,6 +13,8 @@ offset word
 16     generation: bumped on every broker write
 20     preemption level in force (or 0xffffffff)
 64     reason text, UTF-8, NUL-padded to 192 bytes
+512    session note, UTF-8, NUL-padded to 256 bytes: written by the *runtime*
+       (what its long kernels got), read by the broker for status
 ====== ============================================================
 
 On a GPU the runtime registers this page with ``cuMemHostRegister`` and enqueues
@@ -44,6 +46,8 @@ GENERATION_OFFSET = 16
 LEVEL_OFFSET = 20
 REASON_OFFSET = 64
 REASON_SIZE = 192
+SESSION_NOTE_OFFSET = 512
+SESSION_NOTE_SIZE = 256
 NO_LEVEL = 0xFFFFFFFF
 _WORD = struct.Struct("<I")
 
@@ -188,6 +192,26 @@ class ControlBlock:
         self._write(LEVEL_OFFSET, NO_LEVEL if level is None else int(level))
         self._write(GATE_OFFSET, 1 if gate_closed else 0)  # last: the gate is what waiters watch
         self._write(GENERATION_OFFSET, (self.generation + 1) & 0xFFFFFFFF)
+
+    def write_session_note(self, text: str) -> None:
+        """Runtime side: a line for the broker's status (what the session's long kernels
+        got), cut to fit."""
+        if self.closed:
+            return
+        encoded = text.encode("utf-8")[: SESSION_NOTE_SIZE - 1]
+        end = SESSION_NOTE_OFFSET + SESSION_NOTE_SIZE
+        self._map[SESSION_NOTE_OFFSET:end] = encoded.ljust(SESSION_NOTE_SIZE, b"\0")
+
+    @property
+    def session_note(self) -> str:
+        """Broker side: the session's note, one printable line or "". The session writes
+        it, so it is shown as the session's word and anything but printable text is
+        dropped (no escapes or line breaks in another user's status)."""
+        if self.closed:
+            return ""
+        raw = bytes(self._map[SESSION_NOTE_OFFSET : SESSION_NOTE_OFFSET + SESSION_NOTE_SIZE])
+        text = raw.split(b"\0", 1)[0].decode("utf-8", "replace")
+        return "".join(ch for ch in text if ch.isprintable()).strip()
 
     def address(self) -> int:
         """Host address of the mapping (for cuMemHostRegister); valid while open."""

@@ -344,6 +344,9 @@ class Ladder:
                 notes.append("simulated GPU: the process was gated, not locked")
             else:
                 notes.append("stopped by: " + ", ".join(_what_stopped(target, level, needs_lock)))
+            said = target.control_block.session_note if target.control_block is not None else ""
+            if said:
+                notes.append(f"the session says: {said}")
             return "; ".join(notes)
 
     async def undo(self, target: Target, level: PreemptionLevel | None) -> None:

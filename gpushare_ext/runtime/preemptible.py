@@ -48,6 +48,7 @@ import os
 import struct
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,6 +166,7 @@ class Registry:
         try:
             grid = (int(dims[0]), int(dims[1]), int(dims[2]))
             block = (int(dims[3]), int(dims[4]), int(dims[5]))
+            _report(f"running `{twin.name}` preemptibly; {summary()}")
             report = run_launch(twin.kernel, grid, block, int(shared), int(stream or 0), params)
         except KeyboardInterrupt:  # the shim could not defer it: run whole, then stop
             import _thread
@@ -183,6 +185,7 @@ class Registry:
         self.yields += report.yields
         self.aborts += report.aborts
         self.saves += report.saves
+        _report(summary())
         return 0
 
     def _give_up(self, function: int, twin: Twin, reason: str) -> None:
@@ -198,6 +201,7 @@ class Registry:
             )
             self.said.append(line)
             _to_stderr(line)  # the cell's stderr: the note lands in the cell that ran it
+        _report(f"`{twin.name}` runs unmodified ({reason}); {summary()}")
 
 
 def _to_stderr(line: str) -> None:
@@ -394,6 +398,23 @@ def _watch_numba() -> None:
         _adopt_numba_kernels(codegen)
     elif not any(isinstance(f, _NumbaWatcher) for f in sys.meta_path):
         sys.meta_path.insert(0, _NumbaWatcher())
+
+
+_report_sink: Callable[[str], None] | None = None
+
+
+def report_to(sink: Callable[[str], None] | None) -> None:
+    """Where a line on what the long kernels got goes as it changes (the session's
+    control block, which the broker reads for ``gpushare status``); None: nowhere."""
+    global _report_sink
+    _report_sink = sink
+
+
+def _report(line: str) -> None:
+    sink = _report_sink
+    if sink is not None:
+        with contextlib.suppress(Exception):  # status is a courtesy: never fail a launch
+            sink(line)
 
 
 def installed() -> Registry | None:

@@ -283,9 +283,11 @@ class GpuSession:
         )
 
     def _point_interposer(self, block: ControlBlock | None) -> None:
-        """The launch interposer follows this session's current control block."""
+        """The launch interposer follows this session's current control block, and so
+        does the note on long kernels the broker shows in status."""
         if self.interposer is not None:
             interpose.point_at(block.address() if block is not None else None)
+        preemptible.report_to(block.write_session_note if block is not None else None)
 
     def _attach_interposer(self, handle: LeaseHandle) -> None:
         """Hold every framework's launches while paused (once per process, on a GPU)."""
