@@ -83,15 +83,26 @@ def poll_until_resumed(flag: YieldFlag) -> None:
         delay = min(delay * 2, 5e-3)
 
 
+def _never_paused() -> bool:
+    return False
+
+
 @dataclass(frozen=True)
 class LaunchHooks:
     """What the runtime adds around a transactional launch. ``before_launch(stream)``
     runs before every launch and relaunch (the session's gate enqueues its wait there);
     ``wait_for_resume(flag)`` runs after a yield or an abort and returns when the launch
-    may go on."""
+    may go on; ``pause_requested()`` is asked while a slice runs (about once a
+    millisecond), and when it says yes the launch raises its own yield flag.
+
+    Why the last: the broker raises the flag from its own CUDA context, and on a
+    time-sliced GPU that write waits for a time slice of its own while the kernel it
+    should stop keeps running. The session's host thread sees the broker's control
+    block change at once, and its write goes out in the kernel's own context."""
 
     before_launch: Callable[[int], None] = _no_gate
     wait_for_resume: Callable[[YieldFlag], None] = poll_until_resumed
+    pause_requested: Callable[[], bool] = _never_paused
 
 
 _session_hooks = LaunchHooks()
@@ -709,8 +720,9 @@ class _PinnedSlot:
             self._free.append(self.ptr)
 
 
-def _wait(stream_handle: int) -> None:
-    """Wait for the stream with short sleeps so that Ctrl-C can land meanwhile.
+def _wait(stream_handle: int, on_tick: Callable[[], None] | None = None) -> None:
+    """Wait for the stream with short sleeps so that Ctrl-C can land meanwhile;
+    ``on_tick`` is called between sleeps.
 
     The sleep grows with the time already waited but stays under a tenth of it (at most
     1 ms), so a launch is not noticed much later than it ends.
@@ -727,6 +739,8 @@ def _wait(stream_handle: int) -> None:
                 return
             if err != drv.CUresult.CUDA_ERROR_NOT_READY:
                 _check(err, "kernel execution")
+            if on_tick is not None:
+                on_tick()
             time.sleep(min(1e-3, max(1e-5, 0.1 * (time.perf_counter() - t0))))
     finally:
         drv.cuEventDestroy(event)
@@ -1008,6 +1022,7 @@ class LaunchTransaction:
         self.drained = True  # False while a slice may run or a record copy is in flight
         self._head: list[bytes] = []
         self._tail: list[bytes] = []
+        self._raised = False  # this launch raised its own flag (pause_requested)
 
     # -- plan --------------------------------------------------------------------------
 
@@ -1146,6 +1161,7 @@ class LaunchTransaction:
         assert self.slot is not None and self.out is not None
         shape = self.shape
         self.drained = False
+        self._raised = False
         _launch_raw(
             self.fn,
             (self.persistent, 1, 1),
@@ -1157,9 +1173,16 @@ class LaunchTransaction:
         )
         self.out.launches += 1
         self.slot.enqueue_read(int(self.record.data.ptr), shape.stream)  # covered by the wait
-        _wait(shape.stream)
+        _wait(shape.stream, self._watch_for_pause)
         self.drained = True
         return self.slot.parse()
+
+    def _watch_for_pause(self) -> None:
+        """Raise the yield flag as soon as the session is asked to pause (see
+        :class:`LaunchHooks`); once per slice, the resume hook lowers it."""
+        if not self._raised and self.hooks.pause_requested():
+            self._raised = True
+            self.flag.set(1)
 
     def _without_abort_checks(self) -> None:
         """Go on with yields between logical blocks only (after ``max_aborts``)."""

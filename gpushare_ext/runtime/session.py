@@ -23,9 +23,10 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from gpushare_ext.client import BrokerClient, BrokerError, BrokerUnavailable
 from gpushare_ext.control_block import ControlBlock, ControlBlockError
@@ -39,6 +40,7 @@ from gpushare_ext.protocol import (
     Granted,
     Placement,
     Preempt,
+    PreemptionLevel,
     Queued,
     Refused,
     Released,
@@ -663,8 +665,15 @@ class GpuSession:
                 self.yield_flag = launch.YieldFlag()
                 launch.set_session_yield_flag(self.yield_flag)
             gate = self.device_gate
-            if gate is not None:
-                launch.set_session_hooks(launch.LaunchHooks(before_launch=gate.hold_here))
+            launch.set_session_hooks(
+                launch.LaunchHooks(
+                    before_launch=gate.hold_here
+                    if gate is not None
+                    else launch.LaunchHooks.before_launch,
+                    wait_for_resume=self._wait_for_resume,
+                    pause_requested=self._asked_to_yield,
+                )
+            )
             assert handle.placement is not None and self.client is not None
             self.client.register_yield_flag(
                 handle.lease_id, handle.placement.device_index, self.yield_flag.ipc_handle().hex()
@@ -672,6 +681,12 @@ class GpuSession:
             handle.note("yield flag registered")
         except Exception as exc:  # no flag: the broker stops this session by locking it
             handle.note(f"no yield flag: {exc}")
+
+    def _asked_to_yield(self) -> bool:
+        return asked_to_yield(self.control_block)
+
+    def _wait_for_resume(self, flag: Any) -> None:
+        wait_until_resumed(lambda: self.control_block, flag)
 
     def release(self, handle: LeaseHandle) -> None:
         self.leases.pop(handle.lease_id, None)
@@ -783,3 +798,30 @@ __all__ = [
     "current_session",
     "safe_point",
 ]
+
+
+def asked_to_yield(block: ControlBlock | None) -> bool:
+    """The broker's control block asks the session to stop its kernels (a pause at the
+    yield level or above). It is read on the host, so the session knows before the
+    broker's own write of the yield flag has reached the GPU."""
+    if block is None or block.closed or not block.paused:
+        return False
+    level = block.level
+    return level is not None and level >= int(PreemptionLevel.YIELD)
+
+
+def wait_until_resumed(block_of: Callable[[], ControlBlock | None], flag: Any) -> None:
+    """After a yield: wait until neither the control block nor the flag holds the launch.
+    A flag still raised once the broker has published the resume is the session's own
+    (the broker lowers its before it publishes), so it is lowered here."""
+    delay = 1e-4
+    while True:
+        block = block_of()
+        if not asked_to_yield(block):
+            if flag.read() == 0:
+                return
+            if block is None or not block.paused:
+                flag.set(0)
+                return
+        time.sleep(delay)
+        delay = min(delay * 2, 2e-3)

@@ -237,12 +237,12 @@ def test_interrupt_mid_launch_restores_a_non_idempotent_kernel(monkeypatch):
     real_wait = L._wait
     calls = {"n": 0}
 
-    def interrupted_wait(stream):
+    def interrupted_wait(stream, on_tick=None):
         calls["n"] += 1
         if calls["n"] == 1:
             time.sleep(0.003)  # let it write part of x
             raise KeyboardInterrupt
-        return real_wait(stream)
+        return real_wait(stream, on_tick)
 
     monkeypatch.setattr(L, "_wait", interrupted_wait)
     with pytest.raises(KeyboardInterrupt):
