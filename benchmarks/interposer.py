@@ -9,6 +9,8 @@ the broker writes it:
 * ``count``    -- CuPy and PyTorch operations: launches the interposer saw, per library;
 * ``hold``     -- a CuPy loop is paused for a second: launches and iterations stop, then go
                   on; its result is bit-identical to an undisturbed run;
+* ``hold_torch`` -- the same for a PyTorch training loop (deterministic algorithms): its
+                  weights afterwards, bit for bit;
 * ``drain``    -- a thread queues 300 fp32 4096^2 matmuls; 0.2 s in, the session is paused:
                   the time until the GPU is idle, with the bound on work in flight (about
                   3 ms of GPU time) and without it;
@@ -33,9 +35,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-SCENARIOS = ("count", "hold", "drain", "overhead", "lock")
+SCENARIOS = ("count", "hold", "hold_torch", "drain", "overhead", "lock")
 
 
 def _block(tmp: Path):
@@ -92,11 +95,14 @@ def scenario_count(tmp: Path) -> dict:
     }
 
 
-def _series(cp, steps: int, pause_at: int | None, block) -> tuple[str, dict]:
-    """A deterministic CuPy loop; optionally paused for a second from another thread."""
-    x = cp.arange(1 << 22, dtype=cp.float32) / (1 << 22)
+def _paused_run(
+    step: Callable[[int], None], steps: int, pause_at: int | None, block, synchronize
+) -> dict:
+    """Run ``step`` ``steps`` times; optionally paused for a second from another thread
+    once ``pause_at`` steps are done. Returns what happened while paused."""
     progress = {"steps": 0}
     observed: dict = {}
+    thread = None
     if pause_at is not None:
 
         def pauser() -> None:
@@ -114,16 +120,53 @@ def _series(cp, steps: int, pause_at: int | None, block) -> tuple[str, dict]:
 
         thread = threading.Thread(target=pauser, daemon=True)
         thread.start()
-    for step in range(steps):
-        x = cp.sin(x) * 0.5 + x * 0.5 + step * 1e-6
-        progress["steps"] = step + 1
-    cp.cuda.Device().synchronize()
+    for k in range(steps):
+        step(k)
+        progress["steps"] = k + 1
+    synchronize()
+    if thread is not None:
+        thread.join(timeout=10)
+    return observed
+
+
+def _series(cp, steps: int, pause_at: int | None, block) -> tuple[str, dict]:
+    """A deterministic CuPy loop; its result's digest and what happened while paused."""
     import hashlib
 
-    digest = hashlib.sha256(cp.asnumpy(x).tobytes()).hexdigest()
-    if pause_at is not None:
-        thread.join(timeout=10)
-    return digest, observed
+    state = {"x": cp.arange(1 << 22, dtype=cp.float32) / (1 << 22)}
+
+    def step(k: int) -> None:
+        state["x"] = cp.sin(state["x"]) * 0.5 + state["x"] * 0.5 + k * 1e-6
+
+    observed = _paused_run(step, steps, pause_at, block, cp.cuda.Device().synchronize)
+    return hashlib.sha256(cp.asnumpy(state["x"]).tobytes()).hexdigest(), observed
+
+
+def _training(torch, steps: int, pause_at: int | None, block) -> tuple[str, dict]:
+    """A deterministic PyTorch training loop (a small CNN, SGD with momentum); the digest
+    of its weights afterwards and what happened while paused."""
+    import hashlib
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(),
+        torch.nn.Conv2d(32, 32, 3, padding=1), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, 10),
+    ).cuda()  # fmt: skip
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    images = torch.randn(64, 3, 64, 64, device="cuda")
+    labels = torch.randint(0, 10, (64,), device="cuda")
+
+    def step(_: int) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(images), labels).backward()
+        optimizer.step()
+
+    observed = _paused_run(step, steps, pause_at, block, torch.cuda.synchronize)
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().cpu().numpy().tobytes())
+    return digest.hexdigest(), observed
 
 
 def scenario_hold(tmp: Path) -> dict:
@@ -139,6 +182,29 @@ def scenario_hold(tmp: Path) -> dict:
     paused_digest, observed = _series(cp, 3000, 500, block)
     return {
         "scenario": "hold",
+        "identical_to_undisturbed": paused_digest == reference,
+        "seconds": round(time.monotonic() - started, 2),
+        **observed,
+        "stats": interpose.stats(),
+    }
+
+
+def scenario_hold_torch(tmp: Path) -> dict:
+    """The same for a PyTorch training loop: its weights, bit for bit."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts
+    import torch
+
+    from gpushare_ext.runtime import interpose
+
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    block = _block(tmp)
+    reference, _ = _training(torch, 300, None, block)
+    interpose.attach(block.address())
+    started = time.monotonic()
+    paused_digest, observed = _training(torch, 300, 50, block)
+    return {
+        "scenario": "hold_torch",
         "identical_to_undisturbed": paused_digest == reference,
         "seconds": round(time.monotonic() - started, 2),
         **observed,
@@ -324,6 +390,8 @@ def run_one(name: str, window: int | None = None, mode: str = "with") -> dict:
             return scenario_count(path)
         if name == "hold":
             return scenario_hold(path)
+        if name == "hold_torch":
+            return scenario_hold_torch(path)
         if name == "drain":
             return scenario_drain(path, window)
         if name == "lock":
@@ -400,6 +468,7 @@ def main() -> int:
     runs = [
         run("count"),
         run("hold"),
+        run("hold_torch"),
         run("drain"),
         run("drain", "--window", "0"),
         run("lock"),

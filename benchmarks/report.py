@@ -51,7 +51,7 @@ def _plots(folder: Path, documents: dict[str, dict]) -> list[str]:
     made = []
     control = documents.get("control")
     if control:
-        rows = control["results"]
+        rows = [r for r in control["results"] if r.get("mode", "closed loop") == "closed loop"]
         clients = [r["clients"] for r in rows]
         fig, ax = plt.subplots(figsize=(5, 3.2))
         ax.plot(clients, [r["grant_ms"]["p50"] for r in rows], "o-", label="p50")
@@ -142,18 +142,41 @@ def _plots(folder: Path, documents: dict[str, dict]) -> list[str]:
 
 
 def _control_section(doc: dict) -> list[str]:
+    gpu = "" if doc.get("gpu_count") else "no GPU, simulated H200 inventory; "
     lines = [
-        f"**Control plane** ({doc.get('host', '?')}, {doc.get('cpu_count', '?')} CPUs, {doc.get('date', '?')[:10]}; "
-        "request -> grant, each client its own connection)",
+        f"**Control plane** ({doc.get('host', '?')}, {doc.get('cpu_count', '?')} CPUs, {gpu}"
+        f"{doc.get('date', '?')[:10]}; request -> grant, each client its own connection)",
         "",
-        "| clients | p50 ms | p99 ms | messages/s |",
-        "|---:|---:|---:|---:|",
+        "| clients | loop | p50 ms | p99 ms | messages/s | target | verdict |",
+        "|---:|---|---:|---:|---:|---|---|",
     ]
     for row in doc["results"]:
+        mode = row.get("mode", "closed loop")
+        if mode == "open loop":
+            mode = f"open, {row['rate_per_session_hz']:g}/s each, held {row['hold_s']:g} s"
         lines.append(
-            f"| {row['clients']} | {_fmt(row['grant_ms']['p50'])} | {_fmt(row['grant_ms']['p99'])} | "
-            f"{row['messages_per_s']:.0f} |"
+            f"| {row['clients']} | {mode} | {_fmt(row['grant_ms']['p50'])} | "
+            f"{_fmt(row['grant_ms']['p99'])} | {row['messages_per_s']:.0f} | "
+            f"{row.get('target', '-')} | {_verdict(row.get('met'))} |"
         )
+    if doc.get("core"):
+        lines += [
+            "",
+            "*The scheduler core alone*, µs per event (a release, a request, a tick) on one "
+            "GPU: every lease running time-sliced, and 1 GiB leases of which ~140 fit and "
+            "the rest wait (each event then tells every waiter its new place).",
+            "",
+            "| leases | workload | running | µs per event | target | verdict |",
+            "|---:|---|---:|---:|---|---|",
+        ]
+        for row in doc["core"]:
+            lines.append(
+                f"| {row['leases']} | {row['workload']} | {row['running']} | "
+                f"{_fmt(row['us_per_event'], 1)} | {row.get('target', '-')} | "
+                f"{_verdict(row.get('met'))} |"
+            )
+    if doc.get("notes"):
+        lines += ["", *(f"- {note}" for note in doc["notes"])]
     return [*lines, ""]
 
 
@@ -281,13 +304,17 @@ def _interposer_section(doc: dict) -> list[str]:
             f"{count['torch_launches_seen']} | every one | "
             f"{_verdict(count['cupy_launches_seen'] >= count['cupy_ops'] and count['torch_launches_seen'] >= count['torch_ops'])} |"
         )
-    hold = runs.get("hold")
-    if hold:
-        lines.append(
-            f"| a paused CuPy loop: launches during a 1 s pause; result identical | "
-            f"{hold['launches_while_paused']}; {'yes' if hold['identical_to_undisturbed'] else 'no'} | "
-            f"0; yes | {_verdict(hold['launches_while_paused'] == 0 and hold['identical_to_undisturbed'])} |"
-        )
+    for key, what in (
+        ("hold", "a paused CuPy loop"),
+        ("hold_torch", "a paused PyTorch training loop"),
+    ):
+        hold = runs.get(key)
+        if hold and "launches_while_paused" in hold:
+            lines.append(
+                f"| {what}: launches during a 1 s pause; result identical | "
+                f"{hold['launches_while_paused']}; {'yes' if hold['identical_to_undisturbed'] else 'no'} | "
+                f"0; yes | {_verdict(hold['launches_while_paused'] == 0 and hold['identical_to_undisturbed'])} |"
+            )
     bounded, unbounded = runs.get("drain_bounded"), runs.get("drain_unbounded")
     if bounded and unbounded:
         lines.append(
@@ -461,6 +488,11 @@ def build_report(folders: list[Path], readme: Path | None = None) -> int:
     if not documents:
         print(f"no results in {', '.join(map(str, folders))}")
         return 1
+    # The control plane is measured on the CPU machine, which any folder may hold: the
+    # newest run is the one to show.
+    runs = [doc for folder in folders if (doc := _load(folder, names["control"]))]
+    if runs:
+        documents["control"] = max(runs, key=lambda doc: doc.get("date") or "")
     # A later run that measured the launch shim gets a table of its own.
     for folder in folders:
         shim_run = _load(folder, "contention.json")

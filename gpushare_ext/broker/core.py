@@ -22,6 +22,12 @@ normal, high), an amount of device memory, an SM share and a wish (device, MIG o
   when they are again the best candidate; the aging they earned while paused stays with
   them while they run, so a long-starved lease eventually outranks new arrivals.
 
+What placement looks up -- a slot's memory held and its running leases' bands, SM
+shares and exclusive wishes, a user's lease count, a process's leases, the waiters --
+comes from :class:`~gpushare_ext.broker.lease_index.LeaseIndex`, changed wherever a
+lease changes state, slot or identity, so an event costs about the same with one lease
+as with a thousand.  :meth:`Scheduler.index_mismatch` compares it with a recount.
+
 The core never blocks, never reads a clock and never touches a socket or a GPU: the
 server feeds it :data:`Event` values with ``now`` and carries out the returned
 :data:`Action` values.  Replaying an event list gives the same actions.  Invalid
@@ -34,6 +40,7 @@ from dataclasses import dataclass, field
 
 from gpushare_ext.broker.errors import DaemonError
 from gpushare_ext.broker.inventory import DeviceInfo
+from gpushare_ext.broker.lease_index import SPATIAL_LIMIT, LeaseIndex, SlotLoad, exact_share
 from gpushare_ext.broker.policy import (
     Policy,
     VictimTraits,
@@ -57,6 +64,7 @@ from gpushare_ext.protocol import (
 MIB = 1024 * 1024
 CONTEXT_ALLOWANCE = 1024 * MIB
 ACTIVE_STATES = (LeaseState.QUEUED, LeaseState.RUNNING, LeaseState.PAUSED, LeaseState.EVICTED)
+CANDIDATE_MEMO = 256  # device wishes whose matching slots are remembered
 
 
 class SchedulerError(DaemonError):
@@ -329,6 +337,8 @@ class Lease:
     label: str
     arrival: int  # tie-breaker: FIFO within equal effective priority
     requested_at: float
+    # state, slot, identity and awaiting_memory_from change only through the scheduler's
+    # LeaseIndex, which keeps the per-slot aggregates placement reads in step with them.
     state: LeaseState = LeaseState.QUEUED
     state_since: float = 0.0
     slot: str | None = None
@@ -350,6 +360,18 @@ class Lease:
 
     def running_priority(self) -> float:
         return min(299.0, self.base_priority + self.aging_bonus)
+
+
+@dataclass(kw_only=True)
+class _Holders:
+    """The leases running on a set of slots, as a queue notice describes them."""
+
+    keys: tuple[str, ...]
+    waiting_for: tuple[str, ...]  # their ids, sorted
+    holder_priority: int | None  # the highest base priority among them
+    top: int | None  # the highest running priority among them, whole
+    estimate: float | None = None
+    estimated: bool = False
 
 
 @dataclass(kw_only=True)
@@ -380,6 +402,11 @@ class Scheduler:
         self._arrivals = 0
         self._hold_ema: dict[int, float] = {}  # uid -> typical hold time, for estimates
         self.now = 0.0
+        self._index = LeaseIndex(self.slots)
+        self._candidates: dict[tuple[str, SliceWish], tuple[list[str], str]] = {}
+        # Queue notices of one scheduling pass, per set of slots and their versions: every
+        # waiter for the same slots is told about the same holders.
+        self._pass_holders: dict[tuple, _Holders] = {}
 
     # ---- public
 
@@ -397,12 +424,9 @@ class Scheduler:
 
     def queue(self) -> list[Lease]:
         """Waiters (queued, paused, evicted) in the order they will be served."""
-        waiters = [
-            lease
-            for lease in self.leases.values()
-            if lease.state in (LeaseState.QUEUED, LeaseState.PAUSED, LeaseState.EVICTED)
-        ]
-        return sorted(waiters, key=lambda lease: self._queue_key(lease, self.now))
+        return sorted(
+            self._index.waiters.values(), key=lambda lease: self._queue_key(lease, self.now)
+        )
 
     def queued_position(self, lease_id: str) -> int | None:
         queued = [lease for lease in self.queue() if lease.state == LeaseState.QUEUED]
@@ -413,16 +437,13 @@ class Scheduler:
 
     def slot_usage(self, key: str) -> tuple[int, list[Lease]]:
         """Memory held on a slot (running, paused and pending grants) and its running leases."""
-        held = 0
-        running = []
-        for lease in self.leases.values():
-            if lease.slot != key:
-                continue
-            if lease.state in (LeaseState.RUNNING, LeaseState.PAUSED):
-                held += lease.memory_bytes
-            if lease.state == LeaseState.RUNNING:
-                running.append(lease)
-        return held, running
+        load = self._index.slots[key]
+        return load.held, sorted(load.running.values(), key=lambda lease: lease.arrival)
+
+    def index_mismatch(self) -> str:
+        """How the kept index differs from one recomputed from the leases ("" if it does
+        not): the property tests check it after every event."""
+        return self._index.mismatch(self.leases.values())
 
     def lease_of(self, lease_id: str) -> Lease | None:
         return self.leases.get(lease_id)
@@ -490,7 +511,7 @@ class Scheduler:
                 f"{format_size(memory)} asked, but your memory quota is "
                 f"{format_size(limits.memory_quota)} per lease",
             )
-        if len(self._user_lease_ids(identity.uid)) >= limits.max_leases:
+        if len(self._index.by_uid.get(identity.uid, ())) >= limits.max_leases:
             return refuse(
                 ErrorCode.POLICY,
                 f"you already hold or wait for {limits.max_leases} lease(s), the most your "
@@ -526,6 +547,7 @@ class Scheduler:
             notice=notice,
         )
         self.leases[lease.lease_id] = lease
+        self._index.add(lease)
         record.leases.add(lease.lease_id)
         return []
 
@@ -575,6 +597,7 @@ class Scheduler:
             detached=True,
         )
         self.leases[lease.lease_id] = lease
+        self._index.add(lease)
         record.leases.add(lease.lease_id)
         return []
 
@@ -613,7 +636,7 @@ class Scheduler:
             if placeholder.detached and not placeholder.leases:
                 del self.sessions[lease.session_id]
         lease.session_id = event.session_id
-        lease.identity = record.identity
+        self._index.reidentify(lease, record.identity)
         lease.detached = False
         record.leases.add(lease.lease_id)
         if lease.state == LeaseState.RUNNING:
@@ -633,7 +656,7 @@ class Scheduler:
             return []
         level = applied if applied is not None else stopping_level(self._traits(lease))
         if level is None:
-            lease.state = LeaseState.RUNNING  # nothing can stop it: it time-slices
+            self._index.move(lease, LeaseState.RUNNING)  # nothing can stop it: it time-slices
             lease.state_since = now
             lease.reason = "could not be paused again after the broker restarted"
             return []
@@ -681,11 +704,9 @@ class Scheduler:
         lease.pending_level = None
         lease.applied_level = event.level
         if event.level == PreemptionLevel.EVICT and lease.state == LeaseState.PAUSED:
-            lease.state = LeaseState.EVICTED
+            self._index.move(lease, LeaseState.EVICTED)
             lease.reason = lease.reason or "evicted for a higher-priority session"
-            for waiter in self.leases.values():
-                if lease.lease_id in waiter.awaiting_memory_from:
-                    waiter.awaiting_memory_from = waiter.awaiting_memory_from - {lease.lease_id}
+            self._index.victim_done(lease.lease_id)
         return []
 
     def _on_PreemptionFailed(self, event: PreemptionFailed, now: float) -> list[Action]:
@@ -699,21 +720,22 @@ class Scheduler:
         else:
             # It could not be paused: it keeps running, time-sliced with the newcomer.
             lease.lockable = False
-            lease.state = LeaseState.RUNNING
+            self._index.move(lease, LeaseState.RUNNING)
             lease.state_since = now
             lease.applied_level = None
             lease.reason = f"could not be paused: {event.reason}"
-        for waiter in self.leases.values():
-            if lease.lease_id in waiter.awaiting_memory_from:
-                waiter.awaiting_memory_from = frozenset()
+        self._index.victim_done(lease.lease_id, give_up=True)
         return []
 
     def _on_MemoryObserved(self, event: MemoryObserved, now: float) -> list[Action]:
-        running = [
-            lease
-            for lease in self.leases.values()
-            if lease.identity.pid == event.pid and lease.state == LeaseState.RUNNING
-        ]
+        running = sorted(
+            (
+                lease
+                for lease in self._index.by_pid.get(event.pid, {}).values()
+                if lease.state == LeaseState.RUNNING
+            ),
+            key=lambda lease: lease.arrival,
+        )
         if not running:
             return []
         quota = sum(lease.memory_bytes for lease in running)
@@ -731,7 +753,7 @@ class Scheduler:
             level = PreemptionLevel.LOCK if lease.lockable else None
             if level is None:
                 continue
-            lease.state = LeaseState.PAUSED
+            self._index.move(lease, LeaseState.PAUSED)
             lease.state_since = now
             lease.pending_level = level
             lease.reason = reason + "; release the lease or restart the kernel"
@@ -783,15 +805,18 @@ class Scheduler:
             raise SchedulerError(ErrorCode.OUT_OF_ORDER, f"no session {session_id}")
         return record
 
-    def _user_lease_ids(self, uid: int) -> list[str]:
-        return [
-            lease.lease_id
-            for lease in self.leases.values()
-            if lease.identity.uid == uid and lease.state in ACTIVE_STATES
-        ]
-
     def _candidate_slots(self, device_wish: str, wish: SliceWish) -> tuple[list[str], str]:
         """Slots a request may be placed on, or ([], why none)."""
+        # The slots never change while the scheduler lives, and every waiter asks this on
+        # every event.  Device wishes are the clients' text: the memo stays small.
+        known = self._candidates.get((device_wish, wish))
+        if known is None:
+            if len(self._candidates) >= CANDIDATE_MEMO:
+                self._candidates.clear()
+            known = self._candidates[(device_wish, wish)] = self._match_slots(device_wish, wish)
+        return list(known[0]), known[1]
+
+    def _match_slots(self, device_wish: str, wish: SliceWish) -> tuple[list[str], str]:
         keys, matching, refusal = self._slots_for_device(device_wish)
         if refusal:
             return [], refusal
@@ -854,6 +879,7 @@ class Scheduler:
         if lease.applied_level is not None and lease.pending_level is not None:
             undo = max(lease.applied_level, lease.pending_level)
         device_index = self.slots[lease.slot].device_index if lease.slot else None
+        self._index.drop(lease)
         lease.state = state
         lease.state_since = now
         lease.reason = reason
@@ -869,9 +895,7 @@ class Scheduler:
         record = self.sessions.get(lease.session_id)
         if record is not None:
             record.leases.discard(lease.lease_id)
-        for waiter in self.leases.values():
-            if lease.lease_id in waiter.awaiting_memory_from:
-                waiter.awaiting_memory_from = waiter.awaiting_memory_from - {lease.lease_id}
+        self._index.victim_done(lease.lease_id)
         return LeaseEnded(
             session_id=lease.session_id,
             lease_id=lease.lease_id,
@@ -899,72 +923,113 @@ class Scheduler:
         band = priority_band(self._effective(lease, now))
         return all(priority_band(r.running_priority()) == band for r in running)
 
+    def _compatible_with_slot(self, lease: Lease, load: SlotLoad, now: float) -> bool:
+        """:meth:`_compute_compatible` with every lease running on a slot, read from the
+        slot's aggregates instead of its leases."""
+        count = len(load.running)
+        if not count:
+            return True
+        if lease.slice == SliceWish.EXCLUSIVE or load.exclusive:
+            return False
+        if (
+            lease.sm_share < 1.0
+            and not load.whole
+            and exact_share(lease.sm_share) + load.shares <= SPATIAL_LIMIT
+        ):
+            return True
+        if self.policy.sharing == "exclusive":
+            return False
+        band = priority_band(self._effective(lease, now))
+        return load.bands.get(band, 0) == count
+
     def _fits_now(self, lease: Lease, key: str, now: float) -> bool:
         slot = self.slots[key]
-        held, running = self.slot_usage(key)
+        load = self._index.slots[key]
+        held = load.held
         if lease.state in (LeaseState.PAUSED,):
             held -= lease.memory_bytes  # it already holds its memory there
         if held + lease.memory_bytes > slot.memory_bytes:
             return False
-        return self._compute_compatible(lease, running, now)
+        return self._compatible_with_slot(lease, load, now)
 
     def _slot_preference(self, lease: Lease, key: str) -> tuple:
         slot = self.slots[key]
-        held, running = self.slot_usage(key)
+        load = self._index.slots[key]
         # Least loaded first.  Then an idle MIG instance before a whole GPU (AUTO means "a
         # MIG instance where MIG is on"), best fit among instances (keeps big ones free for
         # big requests), and the whole GPU with the most memory free.
         if slot.mig_uuid:
-            return (len(running), 0, slot.memory_bytes, key)
-        return (len(running), 1, -(slot.memory_bytes - held), key)
+            return (len(load.running), 0, slot.memory_bytes, key)
+        return (len(load.running), 1, -(slot.memory_bytes - load.held), key)
 
     def _preemption_plan(self, lease: Lease, key: str, now: float):
         """Victims to pause and to evict so ``lease`` can run on ``key``; None if impossible."""
         slot = self.slots[key]
+        load = self._index.slots[key]
         band = priority_band(self._effective(lease, now))
-        held, running = self.slot_usage(key)
-        blockers = [r for r in running if not self._compute_compatible(lease, [r], now)]
-        if self.policy.sharing == "exclusive" or lease.slice == SliceWish.EXCLUSIVE:
-            blockers = list(running)
-        to_pause: list[Lease] = []
-        for victim in blockers:
-            if priority_band(victim.running_priority()) >= band:
-                return None
-            if victim.pending_level is not None:
-                return None  # already being stopped; wait for that
-            traits = self._traits(victim)
-            if stopping_level(traits) is None:
-                continue  # cannot be stopped: it will time-slice with us (said in status)
-            to_pause.append(victim)
+        to_pause = self._victims_to_pause(lease, load, band, now)
+        if to_pause is None:
+            return None
         # Memory: evict lower-band leases (paused ones first) until the request fits.
         own = lease.memory_bytes if lease.state == LeaseState.PAUSED else 0
-        need = held - own + lease.memory_bytes - slot.memory_bytes
+        need = load.held - own + lease.memory_bytes - slot.memory_bytes
         to_evict: list[Lease] = []
         if need > 0:
             if not self.policy.evict_when_memory_needed:
                 return None
-            candidates = [
-                other
-                for other in self.leases.values()
-                if other.slot == key
-                and other.lease_id != lease.lease_id
-                and other.state in (LeaseState.RUNNING, LeaseState.PAUSED)
-                and priority_band(other.running_priority()) < band
-                and other.evictable
-                and (other.lockable or other.state == LeaseState.PAUSED)
-                and other.pending_level is None
-            ]
-            candidates.sort(
-                key=lambda o: victim_order_key(o.running_priority(), o.memory_bytes, o.arrival)
-            )
-            for other in candidates:
-                if need <= 0:
-                    break
-                to_evict.append(other)
-                need -= other.memory_bytes
-            if need > 0:
+            evicted = self._victims_to_evict(lease, load, band, need)
+            if evicted is None:
                 return None
+            to_evict = evicted
         return to_pause, to_evict
+
+    def _victims_to_pause(
+        self, lease: Lease, load: SlotLoad, band: int, now: float
+    ) -> list[Lease] | None:
+        """The running leases in ``lease``'s way, in arrival order; None if one of them
+        may not be stopped for it (then the others need no look)."""
+        everyone = self.policy.sharing == "exclusive" or lease.slice == SliceWish.EXCLUSIVE
+        if not everyone and not load.exclusive and load.bands.get(band, 0) == len(load.running):
+            return []  # all of them time-slice with it: nobody is in its way
+        to_pause: list[Lease] = []
+        for victim in load.running.values():
+            if not everyone and self._compute_compatible(lease, [victim], now):
+                continue
+            if priority_band(victim.running_priority()) >= band:
+                return None
+            if victim.pending_level is not None:
+                return None  # already being stopped; wait for that
+            if stopping_level(self._traits(victim)) is None:
+                continue  # cannot be stopped: it will time-slice with us (said in status)
+            to_pause.append(victim)
+        to_pause.sort(key=lambda victim: victim.arrival)
+        return to_pause
+
+    def _victims_to_evict(
+        self, lease: Lease, load: SlotLoad, band: int, need: int
+    ) -> list[Lease] | None:
+        """Lower-band holders of the slot to evict for ``need`` bytes; None if too few."""
+        if load.lower_band_memory(band) < need:
+            return None  # evicting every lower band would not be enough
+        candidates = [
+            other
+            for other in load.holders.values()
+            if other.lease_id != lease.lease_id
+            and priority_band(other.running_priority()) < band
+            and other.evictable
+            and (other.lockable or other.state == LeaseState.PAUSED)
+            and other.pending_level is None
+        ]
+        candidates.sort(
+            key=lambda o: victim_order_key(o.running_priority(), o.memory_bytes, o.arrival)
+        )
+        to_evict: list[Lease] = []
+        for other in candidates:
+            if need <= 0:
+                break
+            to_evict.append(other)
+            need -= other.memory_bytes
+        return to_evict if need <= 0 else None
 
     def _schedule(self, now: float) -> list[Action]:
         actions: list[Action] = []
@@ -975,60 +1040,70 @@ class Scheduler:
         # way that memory is ever freed (it cannot be evicted).
         reserved: set[str] = set()
         waited_for: set[str] = set()
+        # Queued leases ranked higher that still wait: a queued lease's position is one
+        # more.  Nothing later in the pass puts a lease back into the queue, so the count
+        # only grows as the pass goes down the queue.
+        ahead = 0
+        self._pass_holders.clear()
         for lease in self.queue():
-            if lease.state not in (LeaseState.QUEUED, LeaseState.PAUSED, LeaseState.EVICTED):
-                continue
-            if lease.held_by_watchdog or lease.detached:
-                continue
-            if lease.pending_level is not None:
-                reserved.add(lease.slot)  # type: ignore[arg-type]
-                continue
-            if lease.awaiting_memory_from:
-                reserved.add(lease.target_slot)  # type: ignore[arg-type]
-                continue
-            lease.target_slot = None
-            if lease.slot is not None:
-                candidates = [lease.slot]
-            else:
-                candidates, _ = self._candidate_slots(lease.device_wish, lease.slice)
-                candidates = [
-                    k for k in candidates if self.slots[k].memory_bytes >= lease.memory_bytes
-                ]
-            wanted = candidates  # before draining: the queue notice says when drain is why
-            candidates = [
-                k
-                for k in candidates
-                if self.slots[k].device_index not in self.drained
-                or lease.state != LeaseState.QUEUED
-            ]
-            blocked = reserved if lease.state == LeaseState.PAUSED else reserved | waited_for
-            open_slots = [k for k in candidates if k not in blocked]
-            placed = [k for k in open_slots if self._fits_now(lease, k, now)]
-            if placed:
-                key = min(placed, key=lambda k: self._slot_preference(lease, k))
-                actions.extend(self._start(lease, key, now))
-                continue
-            plans = []
-            if lease.state in (LeaseState.QUEUED, LeaseState.PAUSED, LeaseState.EVICTED):
-                for key in open_slots:
-                    plan = self._preemption_plan(lease, key, now)
-                    if plan is not None:
-                        to_pause, to_evict = plan
-                        cost = (
-                            len(to_evict),
-                            sum(v.memory_bytes for v in to_evict),
-                            len(to_pause),
-                            self._slot_preference(lease, key),
-                        )
-                        plans.append((cost, key, to_pause, to_evict))
-            if plans:
-                _, key, to_pause, to_evict = min(plans, key=lambda p: p[0])
-                actions.extend(self._preempt_for(lease, key, to_pause, to_evict, now))
-                reserved.add(key)
-                continue
-            waited_for.update(candidates)
-            actions.extend(self._queue_notice(lease, candidates or wanted, now))
+            actions.extend(self._serve(lease, reserved, waited_for, ahead, now))
+            if lease.state == LeaseState.QUEUED:
+                ahead += 1
         return actions
+
+    def _serve(
+        self, lease: Lease, reserved: set[str], waited_for: set[str], ahead: int, now: float
+    ) -> list[Action]:
+        """One waiter's turn in the pass: placed, made room for, or told why it waits."""
+        if lease.state not in (LeaseState.QUEUED, LeaseState.PAUSED, LeaseState.EVICTED):
+            return []
+        if lease.held_by_watchdog or lease.detached:
+            return []
+        if lease.pending_level is not None:
+            reserved.add(lease.slot)  # type: ignore[arg-type]
+            return []
+        if lease.awaiting_memory_from:
+            reserved.add(lease.target_slot)  # type: ignore[arg-type]
+            return []
+        lease.target_slot = None
+        wanted = self._wanted_slots(lease)  # before draining: the notice says when drain is why
+        candidates = [
+            k
+            for k in wanted
+            if self.slots[k].device_index not in self.drained or lease.state != LeaseState.QUEUED
+        ]
+        blocked = reserved if lease.state == LeaseState.PAUSED else reserved | waited_for
+        open_slots = [k for k in candidates if k not in blocked]
+        placed = [k for k in open_slots if self._fits_now(lease, k, now)]
+        if placed:
+            return self._start(
+                lease, min(placed, key=lambda k: self._slot_preference(lease, k)), now
+            )
+        plans = []
+        for key in open_slots:
+            plan = self._preemption_plan(lease, key, now)
+            if plan is not None:
+                to_pause, to_evict = plan
+                cost = (
+                    len(to_evict),
+                    sum(v.memory_bytes for v in to_evict),
+                    len(to_pause),
+                    self._slot_preference(lease, key),
+                )
+                plans.append((cost, key, to_pause, to_evict))
+        if plans:
+            _, key, to_pause, to_evict = min(plans, key=lambda p: p[0])
+            reserved.add(key)
+            return self._preempt_for(lease, key, to_pause, to_evict, now, ahead)
+        waited_for.update(candidates)
+        return self._queue_notice(lease, candidates or wanted, now, ahead)
+
+    def _wanted_slots(self, lease: Lease) -> list[str]:
+        """The slots a waiter may run on: its own if it holds one, else those it fits."""
+        if lease.slot is not None:
+            return [lease.slot]
+        candidates, _ = self._candidate_slots(lease.device_wish, lease.slice)
+        return [k for k in candidates if self.slots[k].memory_bytes >= lease.memory_bytes]
 
     def _start(self, lease: Lease, key: str, now: float) -> list[Action]:
         slot = self.slots[key]
@@ -1039,15 +1114,15 @@ class Scheduler:
             lease.aging_bonus + effective_priority(0, waited, limits.aging_per_minute),
         )
         previous = lease.state
-        lease.state = LeaseState.RUNNING
+        if previous == LeaseState.QUEUED:
+            lease.granted_at = now  # before the move: the index keeps when holders were granted
+            lease.waited_s = now - lease.requested_at
+        self._index.move(lease, LeaseState.RUNNING, key)
         lease.state_since = now
-        lease.slot = key
         lease.reason = ""
         lease.paused_for = ""
         lease.last_queue_notice = None
         if previous == LeaseState.QUEUED:
-            lease.granted_at = now
-            lease.waited_s = now - lease.requested_at
             blocks = max(1, round(lease.sm_share * slot.multiprocessor_count))
             placement = Placement(
                 device_index=slot.device_index,
@@ -1082,7 +1157,13 @@ class Scheduler:
         ]
 
     def _preempt_for(
-        self, lease: Lease, key: str, to_pause: list[Lease], to_evict: list[Lease], now: float
+        self,
+        lease: Lease,
+        key: str,
+        to_pause: list[Lease],
+        to_evict: list[Lease],
+        now: float,
+        ahead: int,
     ) -> list[Action]:
         actions: list[Action] = []
         slot = self.slots[key]
@@ -1121,10 +1202,10 @@ class Scheduler:
                     )
                 )
         if to_evict:
-            lease.awaiting_memory_from = frozenset(v.lease_id for v in to_evict)
+            self._index.await_evictions(lease, frozenset(v.lease_id for v in to_evict))
             lease.target_slot = key
             lease.reason = "freeing memory: waiting for lower-priority sessions to be evicted"
-            actions.extend(self._queue_notice(lease, [key], now, force_reason=lease.reason))
+            actions.extend(self._queue_notice(lease, [key], now, ahead, force_reason=lease.reason))
             return actions
         actions.extend(self._start(lease, key, now))
         return actions
@@ -1132,7 +1213,7 @@ class Scheduler:
     def _pause(
         self, victim: Lease, level: PreemptionLevel, lease: Lease, reason: str, now: float
     ) -> Preempt:
-        victim.state = LeaseState.PAUSED
+        self._index.move(victim, LeaseState.PAUSED)
         victim.state_since = now
         victim.pending_level = level
         victim.reason = reason
@@ -1148,43 +1229,26 @@ class Scheduler:
         )
 
     def _queue_notice(
-        self, lease: Lease, candidates: list[str], now: float, force_reason: str = ""
+        self, lease: Lease, candidates: list[str], now: float, ahead: int, force_reason: str = ""
     ) -> list[Action]:
+        """Tell a queued lease where it stands (``ahead``: queued leases ranked higher),
+        unless nothing changed since it was last told."""
         if lease.state != LeaseState.QUEUED:
             return []
-        blockers: list[Lease] = []
-        for key in candidates:
-            for other in self.leases.values():
-                if other.slot == key and other.state == LeaseState.RUNNING:
-                    blockers.append(other)
-        ahead = [
-            other
-            for other in self.queue()
-            if other.state == LeaseState.QUEUED
-            and self._queue_key(other, now) < self._queue_key(lease, now)
-        ]
+        holders = self._holders(candidates)
         reason = force_reason
         if not reason:
             if candidates and all(self.slots[k].device_index in self.drained for k in candidates):
                 reason = "the device is drained by an admin"
-            elif blockers:
-                top = max(blockers, key=lambda b: b.running_priority())
-                reason = f"the GPU is held by {priority_class(int(top.running_priority()))}-priority work"
+            elif holders.top is not None:
+                reason = f"the GPU is held by {priority_class(holders.top)}-priority work"
             elif ahead:
                 reason = "waiting behind earlier requests"
             else:
                 reason = "waiting for memory"
-        position = len(ahead) + 1
-        waiting_for = tuple(sorted({b.lease_id for b in blockers}))
-        holder_priority = max((b.base_priority for b in blockers), default=None)
-        estimate = None
-        if blockers:
-            remaining = []
-            for b in blockers:
-                typical = self._hold_ema.get(b.identity.uid)
-                if typical is not None and b.granted_at is not None:
-                    remaining.append(max(0.0, typical - (now - b.granted_at)))
-            estimate = round(min(remaining), 1) if remaining else None
+        position = ahead + 1
+        waiting_for = holders.waiting_for
+        holder_priority = holders.holder_priority
         lease.reason = reason
         signature = (position, waiting_for, holder_priority, reason)
         if signature == lease.last_queue_notice:
@@ -1197,10 +1261,44 @@ class Scheduler:
                 position=position,
                 waiting_for=waiting_for,
                 holder_priority=holder_priority,
-                estimate_s=estimate,
+                estimate_s=self._hold_estimate(holders, now),
                 reason=reason,
             )
         ]
+
+    def _holders(self, keys: list[str]) -> _Holders:
+        loads = [self._index.slots[key] for key in keys]
+        signature = tuple((key, load.version) for key, load in zip(keys, loads, strict=True))
+        known = self._pass_holders.get(signature)
+        if known is None:
+            ids = [lease_id for load in loads for lease_id in load.running_ids]
+            known = _Holders(
+                keys=tuple(keys),
+                waiting_for=tuple(ids if len(loads) == 1 else sorted(ids)),
+                holder_priority=max(
+                    (max(load.base_priorities) for load in loads if load.base_priorities),
+                    default=None,
+                ),
+                top=max((max(load.tops) for load in loads if load.tops), default=None),
+            )
+            self._pass_holders[signature] = known
+        return known
+
+    def _hold_estimate(self, holders: _Holders, now: float) -> float | None:
+        """Seconds until the first holder is likely done, from its user's habits."""
+        if holders.estimated:
+            return holders.estimate
+        remaining = []
+        for key in holders.keys:
+            for uid, grants in self._index.slots[key].granted.items():
+                typical = self._hold_ema.get(uid)
+                if typical is not None:
+                    # typical - (now - granted) only grows with granted, rounding included:
+                    # a user's longest-held lease is the one with the least time left.
+                    remaining.append(max(0.0, typical - (now - min(grants.values()))))
+        holders.estimate = round(min(remaining), 1) if remaining else None
+        holders.estimated = True
+        return holders.estimate
 
 
 def _slots_of(device: DeviceInfo) -> list[Slot]:

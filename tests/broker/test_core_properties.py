@@ -11,7 +11,9 @@ use to the watchdog, drains devices and lets time pass.  After every event we ch
   stoppable, evictable and not already being stopped, and no waiter ranked ahead of it
   wants that slot) -- such a lease is granted, or waits for exactly one eviction;
 * every request ends granted, refused with a reason, or with its session;
-* replaying the same events gives the same actions.
+* replaying the same events gives the same actions;
+* the core's index (per slot, per user, per process) equals one recomputed from the
+  leases, and a slot's aggregates judge every waiter as its running leases do.
 """
 
 from __future__ import annotations
@@ -201,8 +203,22 @@ def check_bookkeeping(scheduler: core.Scheduler) -> None:
             assert lease.slot in scheduler.slots
 
 
+def check_index(scheduler: core.Scheduler) -> None:
+    mismatch = scheduler.index_mismatch()
+    assert not mismatch, mismatch
+    now = scheduler.now
+    for lease in scheduler.queue():
+        for key in scheduler.slots:
+            _, running = scheduler.slot_usage(key)
+            load = scheduler._index.slots[key]
+            assert scheduler._compatible_with_slot(
+                lease, load, now
+            ) == scheduler._compute_compatible(lease, running, now), (lease.lease_id, key)
+
+
 def check_all(scheduler: core.Scheduler) -> None:
     check_bookkeeping(scheduler)
+    check_index(scheduler)
     check_capacity(scheduler)
     check_no_needless_wait(scheduler)
 

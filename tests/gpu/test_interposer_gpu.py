@@ -46,6 +46,13 @@ def test_a_paused_cupy_loop_stops_and_resumes_with_a_bit_identical_result():
     assert held["identical_to_undisturbed"], held
 
 
+def test_a_paused_pytorch_training_loop_resumes_with_bit_identical_weights():
+    held = _scenario("hold_torch")
+    assert held["launches_while_paused"] <= 1, held
+    assert held["steps_while_paused"] <= 1, held
+    assert held["identical_to_undisturbed"], held
+
+
 def test_a_pause_drains_in_a_few_long_kernels_not_a_queue_of_them():
     bounded = _scenario("drain")
     assert bounded["issued_before_pause"] > 20, bounded  # the host ran ahead of the GPU
