@@ -25,7 +25,10 @@ import time
 from pathlib import Path
 
 SUITES = {
-    "control": ["benchmarks.control_plane", ["--clients", "1,16,64,256"]],
+    "control": [
+        "benchmarks.control_plane",
+        ["--clients", "1,64,256,1024", "--open-loop", "1000", "--core-leases", "1,64,256,1000"],
+    ],
     "kernels": ["benchmarks.kernels_bench", []],
     "contention": ["benchmarks.contention", []],
     "checkpoint": ["benchmarks.checkpoint", []],
