@@ -169,24 +169,32 @@ def _training(torch, steps: int, pause_at: int | None, block) -> tuple[str, dict
     return digest.hexdigest(), observed
 
 
-def scenario_hold(tmp: Path) -> dict:
-    import cupy as cp
-
+def _held_against_undisturbed(name: str, tmp: Path, loop, steps: int, pause_at: int) -> dict:
+    """Run ``loop`` undisturbed, then with the shim attached and paused once: whether
+    the two results are the same bytes, and what ran while paused."""
     from gpushare_ext.runtime import interpose
 
     block = _block(tmp)
-    cp.zeros(1).sum()
-    reference, _ = _series(cp, 3000, None, block)
+    reference, _ = loop(steps, None, block)
     interpose.attach(block.address())
     started = time.monotonic()
-    paused_digest, observed = _series(cp, 3000, 500, block)
+    paused_digest, observed = loop(steps, pause_at, block)
     return {
-        "scenario": "hold",
+        "scenario": name,
         "identical_to_undisturbed": paused_digest == reference,
         "seconds": round(time.monotonic() - started, 2),
         **observed,
         "stats": interpose.stats(),
     }
+
+
+def scenario_hold(tmp: Path) -> dict:
+    import cupy as cp
+
+    cp.zeros(1).sum()
+    return _held_against_undisturbed(
+        "hold", tmp, lambda *a: _series(cp, *a), steps=3000, pause_at=500
+    )
 
 
 def scenario_hold_torch(tmp: Path) -> dict:
@@ -194,22 +202,11 @@ def scenario_hold_torch(tmp: Path) -> dict:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts
     import torch
 
-    from gpushare_ext.runtime import interpose
-
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
-    block = _block(tmp)
-    reference, _ = _training(torch, 300, None, block)
-    interpose.attach(block.address())
-    started = time.monotonic()
-    paused_digest, observed = _training(torch, 300, 50, block)
-    return {
-        "scenario": "hold_torch",
-        "identical_to_undisturbed": paused_digest == reference,
-        "seconds": round(time.monotonic() - started, 2),
-        **observed,
-        "stats": interpose.stats(),
-    }
+    return _held_against_undisturbed(
+        "hold_torch", tmp, lambda *a: _training(torch, *a), steps=300, pause_at=50
+    )
 
 
 def scenario_drain(tmp: Path, window: int | None) -> dict:

@@ -909,7 +909,7 @@ def launch_kernel(
     sh = _stream_handle(stream)
     ctx = _ensure_context()
     if not preemptible or mode in (LaunchMode.OFF, "off"):
-        return _run_unmodified(kernel, g, b, shared_mem, sh, bound, cls, ctx, sync, "")
+        return _run_unmodified(kernel, g, b, shared_mem, sh, bound, cls, ctx, sync, "", hooks)
     chosen = _choose_mode(kernel, cls, mode)
     use_abort = (
         abort_checks
@@ -921,7 +921,7 @@ def launch_kernel(
     except KernelError as exc:
         # Not transformable (grid sync, early exit before a barrier ...): run it as is.
         note = f"not instrumented: {exc.message}"
-        return _run_unmodified(kernel, g, b, shared_mem, sh, bound, cls, ctx, sync, note)
+        return _run_unmodified(kernel, g, b, shared_mem, sh, bound, cls, ctx, sync, note, hooks)
     shape = LaunchShape(g, b, shared_mem, sh, ctx)
     tx = LaunchTransaction(
         kernel, variant, shape, bound, cls, chosen, _as_flag(yield_flag), hooks,
@@ -942,10 +942,11 @@ def _run_unmodified(
     ctx: Any,
     sync: bool,
     note: str,
+    hooks: LaunchHooks,
 ) -> LaunchReport:
     """The original kernel, one launch, not preemptible (mode ``off`` or untransformable)."""
     fn = _modules.function(kernel.ptx, kernel.entry.name, ctx)
-    _launch_raw(fn, g, b, shared_mem, sh, bound.values, session_hooks().before_launch)
+    _launch_raw(fn, g, b, shared_mem, sh, bound.values, hooks.before_launch)
     total = g[0] * g[1] * g[2]
     out = LaunchReport(kernel.entry.name, LaunchMode.OFF, cls, total, total, launches=1)
     if note:
