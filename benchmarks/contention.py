@@ -199,7 +199,20 @@ def low_alone_rate(workdir: Path, kind: str, seconds: float) -> float:
     return (len(window) - 1) / (window[-1] - window[0]) if len(window) > 1 else 0.0
 
 
-def summarise(results: list[dict], alone_rates: dict[str, float]) -> list[dict]:
+def _slowest(values: list[float], alone_p50: float, per_cell: int, count: int = 3) -> list:
+    order = sorted(range(len(values)), key=lambda i: -values[i])[:count]
+    return [
+        {"cell": i // per_cell, "request": i % per_cell, "ratio": round(values[i] / alone_p50, 2)}
+        for i in order
+    ]
+
+
+def summarise(
+    results: list[dict], alone_rates: dict[str, float], per_cell: int | None = None
+) -> list[dict]:
+    """One row per tenant pair, mode and request kind.  With ``per_cell`` each row also
+    names its three slowest requests (cell, place in the cell, times the alone p50): a
+    p99 over a few cells is its slowest request or two, and where they fall says why."""
     baseline = next(r for r in results if r["mode"] == "alone")
     rows = []
     for result in results:
@@ -215,6 +228,8 @@ def summarise(results: list[dict], alone_rates: dict[str, float]) -> list[dict]:
                 "p99_ratio": percentile(values, 99) / percentile(base, 99),
                 "grant_p50_ms": statistics.median(result["high"]["grant_s"]) * 1e3,
             }
+            if per_cell:
+                row["slowest"] = _slowest(values, percentile(base, 50), per_cell)
             rows.append(row)
         # Kept throughput is judged where the broker pauses the neighbour: without a broker
         # it is never paused, and its share of the held time is not idle time.

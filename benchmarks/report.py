@@ -341,7 +341,8 @@ def _interposer_section(doc: dict) -> list[str]:
             pct = entry["overhead_pct_with"]
             lines.append(
                 f"| overhead, nobody pausing: {label}, median {entry['median_ms_without']:.2f} ms alone | "
-                f"{pct:+.1f}% (no bound: {entry['overhead_pct_unbounded']:+.1f}%) | "
+                f"{pct:+.1f}% (paired {entry.get('overhead_pct_with_paired', float('nan')):+.1f}%; "
+                f"no bound: {entry['overhead_pct_unbounded']:+.1f}%) | "
                 f"{'<= 2 %' if target else '-'} | {_verdict(pct <= target) if target else 'n/a'} |"
             )
     return [*lines, ""]
@@ -357,10 +358,15 @@ THIRD_PARTY_LABELS = {
 }
 
 
+def _portable(command: str) -> str:
+    """The command as anyone would type it: the machine's own output folder is DIR."""
+    return re.sub(r"--out \S+", "--out DIR", command)
+
+
 def _third_party_section(doc: dict) -> list[str]:
     """Time-slicing against gpushare beside third-party neighbours, one run."""
     lines = [
-        f"**Beside third-party neighbours** ({_where(doc)}; `{doc.get('command', '')}`). "
+        f"**Beside third-party neighbours** ({_where(doc)}; `{_portable(doc.get('command', ''))}`). "
         "High priority: cells of 20 fp32 4096^2 matmuls, 10 ms think time. Ratios are "
         "against the high tenant alone in the same run; *kept*: the neighbour's throughput "
         "in the GPU time the high tenant left, against its own rate alone.",

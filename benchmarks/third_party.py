@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         broker.terminate()
         broker.wait(timeout=30)
     good = [r for r in results if "error" not in r]
-    rows = summarise(good, alone_rates)
+    rows = summarise(good, alone_rates, per_cell=pair["per_cell"])
     for result in good:  # what the shim did in each neighbour, for the reader
         if result["mode"] == "shim" and "low" in result:
             for row in rows:

@@ -247,15 +247,40 @@ def test_the_bound_follows_the_gpu_time_a_launch_takes(fake_gpu, ms_between_even
     library = interpose.native_library()
     library.gps_set_target(3000)  # keep about 3 ms of GPU work queued
     fake_gpu.gpu_ms_between_events = ms_between_events  # for the 4 launches between events
-    for _ in range(3):
+    for _ in range(4):
         for _ in range(4):
             library.gps_launch_exit(CONTEXT, None, 0)
-        fake_gpu.gpu_reaches(fake_gpu.outstanding[-1])
+        if len(fake_gpu.outstanding) > 1:  # busy: the newest checkpoint is still ahead
+            fake_gpu.gpu_reaches(fake_gpu.outstanding[-2])
     library.gps_launch_exit(CONTEXT, None, 0)  # the bound is worked out again here
 
     stats = interpose.stats()
     assert stats["per_launch_ns"] == pytest.approx(ms_between_events / 4 * 1e6, rel=0.01)
     assert (stats["window"], stats["record_every"]) == (window, every)
+
+
+def test_time_the_gpu_sat_idle_between_checkpoints_is_not_taken_for_launch_time(fake_gpu):
+    library = interpose.native_library()
+    library.gps_set_target(3000)
+    fake_gpu.gpu_ms_between_events = 50.0  # mostly the host's think time, not GPU work
+    for _ in range(4):
+        for _ in range(4):
+            library.gps_launch_exit(CONTEXT, None, 0)
+        fake_gpu.gpu_reaches(fake_gpu.outstanding[-1])  # idle before the next launches
+    library.gps_launch_exit(CONTEXT, None, 0)
+
+    stats = interpose.stats()
+    assert stats["per_launch_ns"] == 0  # not learnt from idle intervals
+    assert (stats["window"], stats["record_every"]) == (2, 4)  # the fixed start
+
+    fake_gpu.gpu_ms_between_events = 0.1  # then a busy stretch teaches the real figure
+    for _ in range(4):
+        for _ in range(4):
+            library.gps_launch_exit(CONTEXT, None, 0)
+        if len(fake_gpu.outstanding) > 1:
+            fake_gpu.gpu_reaches(fake_gpu.outstanding[-2])
+    library.gps_launch_exit(CONTEXT, None, 0)
+    assert interpose.stats()["per_launch_ns"] == pytest.approx(25_000, rel=0.01)
 
 
 def test_a_kernel_started_without_the_shim_is_told_how_to_get_it(monkeypatch):

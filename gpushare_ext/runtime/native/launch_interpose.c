@@ -24,7 +24,7 @@
  * oldest.  So at most about window x record_every launches are queued on the GPU, and
  * a pause drains in about that much work instead of a whole queue.  With a target
  * (the default), both numbers follow the GPU time a launch takes, measured between
- * completed events, so that about `target` microseconds of work stay queued: enough to
+ * completed events that had work queued between them (no idle gap), so that about `target` microseconds of work stay queued: enough to
  * keep the GPU busy behind a host that launches small kernels, little enough that a
  * pause of long kernels drains in a few of them.
  *
@@ -132,6 +132,10 @@ typedef struct {
     CUcontext ctx;
     CUevent events[MAX_WINDOW];
     uint64_t launches_at[MAX_WINDOW]; /* launches of this context when each was recorded */
+    /* Whether the event before it was still pending when each was recorded: then the GPU
+     * had work queued from that event to this one, and the time between them is GPU time
+     * alone, with no idle gap (a training step's host sync, a notebook's think time). */
+    unsigned char backlogged[MAX_WINDOW];
     int created;
     unsigned head, count;   /* ring of outstanding events; head - 1 is the last completed */
     int have_completed;
@@ -285,10 +289,12 @@ static int capturing(CUstream stream) {
 }
 
 /* Learn a launch's GPU time from the completed event at head, measured from the one
- * completed before it.  Called with g_lock held, after the head event completed. */
+ * completed before it, when the GPU was busy all that time (an interval with an idle
+ * gap in it would make launches look longer and the bound too tight).  Called with
+ * g_lock held, after the head event completed. */
 static void learn_from_completion(ContextWindow *w) {
     unsigned done = w->head;
-    if (w->have_completed && g_driver.event_elapsed != NULL) {
+    if (w->have_completed && w->backlogged[done] && g_driver.event_elapsed != NULL) {
         unsigned previous = (done + MAX_WINDOW - 1) % MAX_WINDOW;
         uint64_t launches = w->launches_at[done] - w->launches_at[previous];
         float ms = 0;
@@ -381,6 +387,7 @@ int gps_launch_exit(CUcontext ctx, CUstream stream, int ptsz) {
         unsigned slot = (w->head + w->count) % MAX_WINDOW;
         if (g_driver.event_record(w->events[slot], stream) == CUDA_SUCCESS) {
             w->launches_at[slot] = w->launches;
+            w->backlogged[slot] = w->count > 0; /* the latest event is not passed yet */
             w->count++;
         } else {
             g_stats.driver_errors++;
