@@ -42,23 +42,24 @@ SCENARIOS = ("count", "hold", "hold_torch", "drain", "overhead", "lock")
 
 
 def _block(tmp: Path):
-    from gpushare_ext.control_block import ControlBlock, SessionState
+    from gpushare_ext.control_block import ControlBlock
+    from gpushare_ext.lease_state import LeaseState
 
     block = ControlBlock.create(tmp / "session.cb")
-    block.publish(gate_closed=False, state=SessionState.RUNNING)
+    block.publish(gate_closed=False, state=LeaseState.RUNNING)
     return block
 
 
 def _pause(block) -> None:
-    from gpushare_ext.control_block import SessionState
+    from gpushare_ext.lease_state import LeaseState
 
-    block.publish(gate_closed=False, state=SessionState.PAUSED, level=0, reason="benchmark")
+    block.publish(gate_closed=False, state=LeaseState.PAUSED, level=0, reason="benchmark")
 
 
 def _resume(block) -> None:
-    from gpushare_ext.control_block import SessionState
+    from gpushare_ext.lease_state import LeaseState
 
-    block.publish(gate_closed=False, state=SessionState.RUNNING)
+    block.publish(gate_closed=False, state=LeaseState.RUNNING)
 
 
 def scenario_count(tmp: Path) -> dict:

@@ -9,7 +9,7 @@ offset word
 0      magic ``GPSH``
 4      layout version
 8      gate: 0 open, 1 closed (level 0)
-12     state: see :class:`SessionState`
+12     state: the lease's state, ``lease_state.CONTROL_BLOCK_CODES`` (0: no lease)
 16     generation: bumped on every broker write
 20     preemption level in force (or 0xffffffff)
 64     reason text, UTF-8, NUL-padded to 192 bytes
@@ -27,7 +27,6 @@ This module must stay free of CUDA imports: the broker uses it too.
 
 from __future__ import annotations
 
-import enum
 import mmap
 import os
 import stat
@@ -36,6 +35,12 @@ import time
 from pathlib import Path
 
 from gpushare_ext.errors import GpushareError
+from gpushare_ext.lease_state import (
+    CONTROL_BLOCK_CODES,
+    STOPPED,
+    LeaseState,
+    from_control_block_code,
+)
 
 MAGIC = 0x48535047  # b"GPSH" little-endian
 LAYOUT_VERSION = 1
@@ -50,14 +55,6 @@ SESSION_NOTE_OFFSET = 512
 SESSION_NOTE_SIZE = 256
 NO_LEVEL = 0xFFFFFFFF
 _WORD = struct.Struct("<I")
-
-
-class SessionState(enum.IntEnum):
-    IDLE = 0
-    QUEUED = 1
-    RUNNING = 2
-    PAUSED = 3
-    EVICTED = 4
 
 
 class ControlBlockError(GpushareError):
@@ -157,8 +154,9 @@ class ControlBlock:
         return self._read(GATE_OFFSET) != 0
 
     @property
-    def state(self) -> SessionState:
-        return SessionState(self._read(STATE_OFFSET))
+    def state(self) -> LeaseState | None:
+        """The state the broker published; None while the session holds no lease."""
+        return from_control_block_code(self._read(STATE_OFFSET))
 
     @property
     def generation(self) -> int:
@@ -177,7 +175,12 @@ class ControlBlock:
         return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
 
     def publish(
-        self, *, gate_closed: bool, state: SessionState, level: int | None = None, reason: str = ""
+        self,
+        *,
+        gate_closed: bool,
+        state: LeaseState | None,
+        level: int | None = None,
+        reason: str = "",
     ) -> None:
         """Broker side: write gate, state, level and reason, then bump the generation.
 
@@ -188,7 +191,7 @@ class ControlBlock:
             return
         encoded = reason.encode("utf-8")[: REASON_SIZE - 1]
         self._map[REASON_OFFSET : REASON_OFFSET + REASON_SIZE] = encoded.ljust(REASON_SIZE, b"\0")
-        self._write(STATE_OFFSET, int(state))
+        self._write(STATE_OFFSET, 0 if state is None else CONTROL_BLOCK_CODES[state])
         self._write(LEVEL_OFFSET, NO_LEVEL if level is None else int(level))
         self._write(GATE_OFFSET, 1 if gate_closed else 0)  # last: the gate is what waiters watch
         self._write(GENERATION_OFFSET, (self.generation + 1) & 0xFFFFFFFF)
@@ -228,11 +231,11 @@ class ControlBlock:
         Streams that wait on this page and loops in :meth:`wait_running` go on; the next
         broker starts from its journal, and nobody else may hold this session paused.
         """
-        self.publish(gate_closed=False, state=SessionState.RUNNING, reason=reason)
+        self.publish(gate_closed=False, state=LeaseState.RUNNING, reason=reason)
 
     @property
     def paused(self) -> bool:
-        return self.state in (SessionState.PAUSED, SessionState.EVICTED)
+        return self.state in STOPPED
 
     def wait_running(self, timeout: float | None = None, poll_s: float = 0.001) -> bool:
         """Block while the broker holds the session paused or evicted.  False on timeout."""

@@ -152,9 +152,10 @@ class Timeline:
                         (snapshot.time, lease.lease_id, lease.state.value, lease.label)
                     )
             for lease_id in list(self._last):
-                if lease_id not in seen and self._last[lease_id] != "released":
-                    self._last[lease_id] = "released"
-                    self.events.append((time.time(), lease_id, "released", ""))
+                ended = LeaseState.RELEASED.value
+                if lease_id not in seen and self._last[lease_id] != ended:
+                    self._last[lease_id] = ended
+                    self.events.append((time.time(), lease_id, ended, ""))
             time.sleep(0.05)
 
     def running_low(self) -> bool:

@@ -30,6 +30,7 @@ import msgspec
 
 from gpushare_ext.devices import DeviceInfo
 from gpushare_ext.errors import GpushareError
+from gpushare_ext.lease_state import LeaseState
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 256 * 1024
@@ -91,16 +92,6 @@ class ErrorCode(str, enum.Enum):
     UNAVAILABLE = "unavailable"  # draining, shutting down, or device gone
     NOT_SUPPORTED = "not_supported"  # e.g. checkpoint lock on an MPS client
     INTERNAL = "internal"
-
-
-class LeaseState(str, enum.Enum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    PAUSED = "paused"  # preempted at levels 0-3: holds its memory, does not compute
-    EVICTED = "evicted"  # preempted at level 4: device memory checkpointed to the host
-    RELEASED = "released"
-    REFUSED = "refused"
-    REVOKED = "revoked"
 
 
 class PreemptionLevel(enum.IntEnum):

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gpushare_ext.broker.errors import DaemonError
-from gpushare_ext.control_block import ControlBlock, SessionState
+from gpushare_ext.control_block import ControlBlock
+from gpushare_ext.lease_state import LeaseState
 from gpushare_ext.protocol import PreemptionLevel
 
 
@@ -303,9 +304,7 @@ class Ladder:
                 and target.yield_flag is None
             )
             if target.control_block is not None:
-                state = (
-                    SessionState.EVICTED if level == PreemptionLevel.EVICT else SessionState.PAUSED
-                )
+                state = LeaseState.EVICTED if level == PreemptionLevel.EVICT else LeaseState.PAUSED
                 # A lock waits until the work already queued has run, gate waits included:
                 # a closed gate would hold that work for ever.  So the gate closes only
                 # where nothing is locked (levels 0-2, or a simulated GPU).
@@ -375,10 +374,10 @@ class Ladder:
                         )
                 if failure is not None:
                     if target.control_block is not None:
-                        target.control_block.publish(gate_closed=False, state=SessionState.RUNNING)
+                        target.control_block.publish(gate_closed=False, state=LeaseState.RUNNING)
                     raise failure
             if target.control_block is not None:
-                target.control_block.publish(gate_closed=False, state=SessionState.RUNNING)
+                target.control_block.publish(gate_closed=False, state=LeaseState.RUNNING)
 
     def undo_blocking(self, pid: int, device_index: int, level: int) -> None:
         """Crash recovery (no event loop yet): undo what the journal says was applied."""

@@ -50,6 +50,7 @@ from gpushare_ext.broker.policy import (
     stopping_level,
     victim_order_key,
 )
+from gpushare_ext.lease_state import ACTIVE, check_move
 from gpushare_ext.protocol import (
     Capabilities,
     ErrorCode,
@@ -63,7 +64,7 @@ from gpushare_ext.protocol import (
 
 MIB = 1024 * 1024
 CONTEXT_ALLOWANCE = 1024 * MIB
-ACTIVE_STATES = (LeaseState.QUEUED, LeaseState.RUNNING, LeaseState.PAUSED, LeaseState.EVICTED)
+ACTIVE_STATES = ACTIVE  # queued, running, paused, evicted: the core still keeps it
 CANDIDATE_MEMO = 256  # device wishes whose matching slots are remembered
 
 
@@ -874,6 +875,7 @@ class Scheduler:
         return min(299.0, lease.base_priority + lease.aging_bonus + earned)
 
     def _end(self, lease: Lease, state: LeaseState, now: float, reason: str) -> LeaseEnded:
+        check_move(lease.lease_id, lease.state, state)
         held = now - lease.granted_at if lease.granted_at is not None else 0.0
         undo = lease.pending_level if lease.pending_level is not None else lease.applied_level
         if lease.applied_level is not None and lease.pending_level is not None:

@@ -27,7 +27,6 @@ from gpushare_ext.broker.actuators import ActuatorError, Target, pid_alive
 from gpushare_ext.broker.journal import JournaledLease
 from gpushare_ext.broker.peers import Connection
 from gpushare_ext.broker.views import display_user
-from gpushare_ext.control_block import SessionState
 from gpushare_ext.protocol import (
     Granted,
     LeaseState,
@@ -177,7 +176,7 @@ class Effects:
         if conn is None:
             return
         if conn.control_block is not None:
-            conn.control_block.publish(gate_closed=False, state=SessionState.RUNNING)
+            conn.control_block.publish(gate_closed=False, state=LeaseState.RUNNING)
         broker.send(
             conn,
             Granted(
@@ -203,7 +202,7 @@ class Effects:
         names = sorted({display_user(broker, h.identity, conn) for h in holders if h is not None})
         if conn.control_block is not None:
             conn.control_block.publish(
-                gate_closed=False, state=SessionState.QUEUED, reason=action.reason
+                gate_closed=False, state=LeaseState.QUEUED, reason=action.reason
             )
         broker.send(
             conn,
@@ -309,7 +308,7 @@ class Effects:
         else:
             self._last_actuation.pop(action.lease_id, None)
             if conn is not None and conn.control_block is not None:
-                conn.control_block.publish(gate_closed=False, state=SessionState.IDLE)
+                conn.control_block.publish(gate_closed=False, state=None)
         to = reply.conn if reply.conn is not None else conn
         if to is not None:
             broker.send(

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
-from gpushare_ext.protocol import LeaseState, SliceWish
+from gpushare_ext.lease_state import LeaseState, check_move
+from gpushare_ext.protocol import SliceWish
 from gpushare_ext.units import priority_band
 
 if TYPE_CHECKING:
@@ -194,7 +195,9 @@ class LeaseIndex:
                 del load.granted[entry.uid]
 
     def move(self, lease: Lease, state: LeaseState, slot: str | None = None) -> None:
-        """Put ``lease`` in ``state`` (and on ``slot`` when one is given)."""
+        """Put ``lease`` in ``state`` (and on ``slot`` when one is given); a move the
+        state table does not allow raises IllegalMove and changes nothing."""
+        check_move(lease.lease_id, lease.state, state)
         making_room = lease.lease_id in self.making_room
         self.drop(lease)
         lease.state = state

@@ -29,7 +29,7 @@ from gpushare_ext.broker.peers import Connection, claimed_pid_matches
 from gpushare_ext.broker.policy import PolicyError
 from gpushare_ext.broker.recovery import placeholder_session
 from gpushare_ext.broker.views import snapshot
-from gpushare_ext.control_block import ControlBlock, SessionState
+from gpushare_ext.control_block import ControlBlock
 from gpushare_ext.protocol import (
     PROTOCOL_VERSION,
     Admin,
@@ -107,7 +107,7 @@ class Requests:
             raise ProtocolError(
                 ErrorCode.INTERNAL, f"cannot create the session's control block: {exc.strerror}"
             ) from None
-        block.publish(gate_closed=False, state=SessionState.IDLE)
+        block.publish(gate_closed=False, state=None)
         conn.hello = hello
         conn.session_id = session_id
         conn.control_block = block

@@ -30,6 +30,7 @@ from typing import Any
 
 from gpushare_ext.client import BrokerClient, BrokerError, BrokerUnavailable
 from gpushare_ext.control_block import ControlBlock, ControlBlockError
+from gpushare_ext.lease_state import ACTIVE, STOPPED, IllegalMove, LeaseState, check_move
 from gpushare_ext.paths import SYSTEM_SOCKET, default_socket_path
 from gpushare_ext.protocol import (
     PRIORITY_CLASSES,
@@ -55,8 +56,7 @@ from gpushare_ext.runtime.embedded import broker_answers, ensure_embedded_broker
 from gpushare_ext.runtime.errors import SessionError
 from gpushare_ext.units import format_size, priority_band
 
-HELD_STATES = ("granted", "running", "paused")
-OPEN_STATES = (*HELD_STATES, "queued")  # what a reconnect reclaims
+OPEN_STATES = ACTIVE  # what a reconnect reclaims: queued, running, paused, evicted
 RECONNECT_DEADLINE_S = 120.0
 
 
@@ -136,7 +136,8 @@ class LeaseHandle:
     lease_id: str
     options: LeaseOptions
     output: CellOutput | None
-    state: str = "queued"
+    state: LeaseState = LeaseState.QUEUED
+    bound: bool = False  # the process is bound to the placement (after a grant)
     placement: Placement | None = None
     queued: Queued | None = None
     refusal: str = ""
@@ -149,6 +150,16 @@ class LeaseHandle:
 
     def note(self, what: str) -> None:
         self.events.append((time.time(), what))
+
+    def move(self, state: LeaseState) -> bool:
+        """Go to ``state`` if the state table allows it; otherwise keep the state, note
+        why, and say False (a notice that came after the lease ended, say)."""
+        try:
+            self.state = check_move(self.lease_id, self.state, state)
+        except IllegalMove as refused:
+            self.note(f"ignored: {refused.message}")
+            return False
+        return True
 
 
 def queue_line(handle: LeaseHandle, waited_s: float) -> str:
@@ -253,13 +264,13 @@ class GpuSession:
         if reclaimed:
             handle.note("reclaimed after a broker restart")
             return
-        if handle.state == "queued":
+        if handle.state == LeaseState.QUEUED:
             handle.revoked = (
                 "the broker restarted and did not keep this request; run the cell again"
             )
         else:
             handle.revoked = "the broker restarted and did not give the lease back"
-        handle.state = "revoked"
+        handle.move(LeaseState.REVOKED)
         handle.changed.set()
         if handle.output is not None:
             handle.output.show(handle.display_key + "-revoked", f"gpushare: {handle.revoked}")
@@ -371,8 +382,8 @@ class GpuSession:
         if block is not None:
             block.release_locally("the broker went away")
         for handle in list(self.leases.values()):
-            if handle.state == "paused":
-                handle.state = "running"
+            if handle.state in STOPPED:
+                handle.move(LeaseState.RUNNING)
                 handle.paused_since = None
                 handle.note("the broker went away while paused: running on")
                 if handle.output is not None:
@@ -386,16 +397,19 @@ class GpuSession:
     def _apply_notice(self, handle: LeaseHandle, message: BrokerMessage) -> None:
         if isinstance(message, Granted):
             handle.placement = message.placement
-            handle.state = "granted"
+            handle.move(LeaseState.RUNNING)
             handle.note("granted")
         elif isinstance(message, Queued):
             handle.queued = message
             handle.note(f"queued at position {message.position}")
         elif isinstance(message, Refused):
             handle.refusal = message.message
-            handle.state = "refused"
+            handle.move(LeaseState.REFUSED)
         elif isinstance(message, Preempt):
-            handle.state = "paused"
+            evicted = message.level == PreemptionLevel.EVICT
+            if not handle.move(LeaseState.EVICTED if evicted else LeaseState.PAUSED):
+                handle.changed.set()
+                return
             handle.paused_since = time.time()
             handle.note(f"paused at level {int(message.level)} for {message.for_user}")
             how = self.protection()
@@ -406,7 +420,9 @@ class GpuSession:
             if handle.output is not None:
                 handle.output.show(handle.display_key + "-pause", handle.pause_text + " ...")
         elif isinstance(message, Resume):
-            handle.state = "running"
+            if not handle.move(LeaseState.RUNNING):
+                handle.changed.set()
+                return
             text = (
                 f"gpushare: {message.note}"
                 if message.note
@@ -417,13 +433,13 @@ class GpuSession:
                 handle.output.show(handle.display_key + "-pause", text)
         elif isinstance(message, Revoked):
             handle.revoked = message.reason
-            handle.state = "revoked"
+            handle.move(LeaseState.REVOKED)
             if handle.output is not None:
                 handle.output.show(
                     handle.display_key + "-revoked", f"gpushare: lease revoked: {message.reason}"
                 )
         elif isinstance(message, Released):
-            handle.state = "released"
+            handle.move(LeaseState.RELEASED)
         handle.changed.set()
 
     def _start_reconnect(self) -> None:
@@ -456,12 +472,12 @@ class GpuSession:
         for handle in list(self.leases.values()):
             if handle.state not in OPEN_STATES:
                 continue
-            queued = handle.state == "queued"
+            queued = handle.state == LeaseState.QUEUED
             handle.revoked = (
                 f"the broker on {where} went away and was not back within {waited_s:g} s"
                 + ("; the request is withdrawn" if queued else "; this cell runs on unmanaged")
             )
-            handle.state = "revoked"
+            handle.move(LeaseState.REVOKED)
             handle.changed.set()
             if handle.output is not None:
                 handle.output.show(handle.display_key + "-revoked", f"gpushare: {handle.revoked}")
@@ -515,7 +531,7 @@ class GpuSession:
             handle = LeaseHandle(lease_id=reply.lease_id, options=options, output=output)
             if isinstance(reply, Granted):
                 handle.placement = reply.placement
-                handle.state = "granted"
+                handle.move(LeaseState.RUNNING)
             else:
                 handle.queued = reply
             with self._lock:
@@ -592,7 +608,10 @@ class GpuSession:
         timeout = handle.options.timeout_s
         # Granted is when a placement came, whatever followed it: a grant may be paused
         # again (or the broker go away) before this loop looks.
-        while handle.placement is None and handle.state not in ("refused", "revoked"):
+        while handle.placement is None and handle.state not in (
+            LeaseState.REFUSED,
+            LeaseState.REVOKED,
+        ):
             waited = time.monotonic() - started
             if timeout is not None and waited >= timeout:
                 position = handle.queued.position if handle.queued else "?"
@@ -613,9 +632,9 @@ class GpuSession:
                 last_shown = waited
             handle.changed.clear()
             handle.changed.wait(0.1)  # short waits keep Ctrl-C responsive
-        if handle.state == "refused":
+        if handle.state == LeaseState.REFUSED:
             raise LeaseRefused(f"gpushare: request refused: {handle.refusal}")
-        if handle.state == "revoked":
+        if handle.state == LeaseState.REVOKED:
             raise LeaseRefused(f"gpushare: request revoked: {handle.revoked}")
         if handle.output is not None and handle.queued is not None:
             handle.output.show(
@@ -650,8 +669,7 @@ class GpuSession:
             )
             self._connect_kernels(handle)
         memory.apply_quota(placement.memory_bytes)
-        if handle.state == "granted":  # a pause that came meanwhile stands
-            handle.state = "running"
+        handle.bound = True  # a pause that came meanwhile stands: the state is the broker's
 
     def _connect_kernels(self, handle: LeaseHandle) -> None:
         """Give preemptible kernels the session's gate and yield flag, and tell the broker
@@ -757,7 +775,9 @@ class GpuSession:
                 if handle.placement.mig_uuid:
                     where += f" ({handle.placement.mig_profile} {handle.placement.mig_uuid})"
                 where += f", {format_size(handle.placement.memory_bytes)}"
-            lines.append(f"{handle.lease_id}: {handle.state} on {where}")
+            granted_only = handle.state == LeaseState.RUNNING and not handle.bound
+            state = "granted" if granted_only else handle.state.value
+            lines.append(f"{handle.lease_id}: {state} on {where}")
         return "\n".join(lines) or "no lease held"
 
 

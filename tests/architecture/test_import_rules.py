@@ -5,7 +5,7 @@ no cycle.
 Rooms, lowest first:
 
 * the ground floor (``protocol``, ``devices``, ``units``, ``control_block``, ``client``,
-  ``errors``, ``paths``, ``safe_fs``): imports nothing else of gpushare;
+  ``errors``, ``paths``, ``safe_fs``, ``lease_state``): imports nothing else of gpushare;
 * ``kernels`` (the kernel compiler): the ground floor;
 * ``broker`` and ``runtime``, side by side: the ground floor and ``kernels``, never
   each other;
@@ -20,7 +20,17 @@ from collections import defaultdict
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "gpushare_ext"
-GROUND = {"protocol", "devices", "units", "control_block", "client", "paths", "safe_fs", "errors"}
+GROUND = {
+    "protocol",
+    "devices",
+    "units",
+    "control_block",
+    "client",
+    "paths",
+    "safe_fs",
+    "errors",
+    "lease_state",
+}
 ALLOWED: dict[str, set[str]] = {
     "ground": {"ground"},
     "kernels": {"ground", "kernels"},

@@ -165,7 +165,8 @@ def test_closed_gate_holds_work_queued_behind_it_without_blocking_the_host():
 
     import cupy
 
-    from gpushare_ext.control_block import ControlBlock, SessionState
+    from gpushare_ext.control_block import ControlBlock
+    from gpushare_ext.lease_state import LeaseState
     from gpushare_ext.runtime.gate import DeviceGate
 
     folder = Path(tempfile.mkdtemp(dir="/dev/shm"))  # control blocks live on tmpfs
@@ -180,10 +181,10 @@ def test_closed_gate_holds_work_queued_behind_it_without_blocking_the_host():
 
     def broker_opens() -> None:
         opened_at.append(time.perf_counter())
-        block.publish(gate_closed=False, state=SessionState.RUNNING)
+        block.publish(gate_closed=False, state=LeaseState.RUNNING)
 
     try:
-        block.publish(gate_closed=True, state=SessionState.PAUSED)
+        block.publish(gate_closed=True, state=LeaseState.PAUSED)
         with gate.stream:
             gate.hold_here()  # the gate is closed: the wait is queued
             y = x * 3
@@ -199,7 +200,7 @@ def test_closed_gate_holds_work_queued_behind_it_without_blocking_the_host():
         assert float(y[-1]) == 3 * ((1 << 20) - 1)
         print(f"gate released queued work {released_us:.0f} us after the host write")
     finally:
-        block.publish(gate_closed=False, state=SessionState.RUNNING)
+        block.publish(gate_closed=False, state=LeaseState.RUNNING)
         gate.close()
         session_view.close()
         block.close()

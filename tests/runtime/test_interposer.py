@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from gpushare_ext.control_block import ControlBlock, SessionState
+from gpushare_ext.control_block import ControlBlock
+from gpushare_ext.lease_state import LeaseState
 from gpushare_ext.runtime import interpose
 
 NOT_READY = 600
@@ -29,7 +30,7 @@ CONTEXT = ctypes.c_void_p(0x5EED)
 @pytest.fixture
 def block(tmp_path):
     control = ControlBlock.create(tmp_path / "session.cb")
-    control.publish(gate_closed=False, state=SessionState.RUNNING)
+    control.publish(gate_closed=False, state=LeaseState.RUNNING)
     interpose.use_driver(None)
     interpose.point_at(control.address())
     yield control
@@ -54,12 +55,12 @@ def test_a_launch_waits_while_paused_and_goes_on_resume(block):
     library = interpose.native_library()
     assert library.gps_launch_enter(None, 0) == 0  # running: straight through
 
-    block.publish(gate_closed=False, state=SessionState.PAUSED, level=3)
+    block.publish(gate_closed=False, state=LeaseState.PAUSED, level=3)
     thread, result = _enter_in_thread(library.gps_launch_enter)
     time.sleep(0.3)
     assert thread.is_alive(), "the launch went through although the session is paused"
 
-    block.publish(gate_closed=False, state=SessionState.RUNNING)
+    block.publish(gate_closed=False, state=LeaseState.RUNNING)
     thread.join(timeout=2)
     assert not thread.is_alive() and result == [1]
     stats = interpose.stats()
@@ -70,14 +71,14 @@ def test_a_launch_waits_while_paused_and_goes_on_resume(block):
 def test_a_closed_gate_and_an_eviction_hold_launches_too(block):
     library = interpose.native_library()
     for how in (
-        dict(gate_closed=True, state=SessionState.PAUSED),
-        dict(gate_closed=False, state=SessionState.EVICTED),
+        dict(gate_closed=True, state=LeaseState.PAUSED),
+        dict(gate_closed=False, state=LeaseState.EVICTED),
     ):
         block.publish(**how)
         thread, _ = _enter_in_thread(library.gps_launch_enter)
         time.sleep(0.1)
         assert thread.is_alive(), how
-        block.publish(gate_closed=False, state=SessionState.RUNNING)
+        block.publish(gate_closed=False, state=LeaseState.RUNNING)
         thread.join(timeout=2)
         assert not thread.is_alive()
 
@@ -87,7 +88,7 @@ def test_a_held_launch_gives_up_the_gil_so_the_session_can_hear_the_broker(block
     # the session's other threads (the broker listener) run meanwhile.
     held_with_gil = ctypes.PyDLL(str(interpose.NATIVE)).gps_launch_enter
     held_with_gil.argtypes = [ctypes.c_void_p, ctypes.c_int]
-    block.publish(gate_closed=False, state=SessionState.PAUSED)
+    block.publish(gate_closed=False, state=LeaseState.PAUSED)
     ticks = []
     stop = threading.Event()
 
@@ -102,7 +103,7 @@ def test_a_held_launch_gives_up_the_gil_so_the_session_can_hear_the_broker(block
     counter.start()
     time.sleep(0.3)
     progressed = len(ticks)
-    block.publish(gate_closed=False, state=SessionState.RUNNING)
+    block.publish(gate_closed=False, state=LeaseState.RUNNING)
     holder.join(timeout=2)
     stop.set()
     counter.join(timeout=2)
@@ -115,7 +116,7 @@ def test_ctrl_c_lets_a_held_launch_go_and_still_reaches_python(block, tmp_path):
     previous = signal.signal(signal.SIGINT, lambda *_: seen.append("SIGINT"))
     try:
         interpose.point_at(block.address())  # wraps the handler now in place
-        block.publish(gate_closed=False, state=SessionState.PAUSED)
+        block.publish(gate_closed=False, state=LeaseState.PAUSED)
         thread, result = _enter_in_thread(library.gps_launch_enter)
         time.sleep(0.1)
         assert thread.is_alive()
@@ -127,7 +128,7 @@ def test_ctrl_c_lets_a_held_launch_go_and_still_reaches_python(block, tmp_path):
         assert seen == ["SIGINT"]
     finally:
         signal.signal(signal.SIGINT, previous)
-        block.publish(gate_closed=False, state=SessionState.RUNNING)
+        block.publish(gate_closed=False, state=LeaseState.RUNNING)
 
 
 class FakeGpu:
@@ -319,7 +320,8 @@ SHIM_SCRIPT = r"""
 import ctypes, json, sys, threading, time
 from pathlib import Path
 from gpushare_ext.runtime import interpose
-from gpushare_ext.control_block import ControlBlock, SessionState
+from gpushare_ext.control_block import ControlBlock
+from gpushare_ext.lease_state import LeaseState
 
 u, p = ctypes.c_uint, ctypes.c_void_p
 LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, p, u, u, u, u, u, u, u, p, p, p)
@@ -342,15 +344,15 @@ out = {
 launch(None, 1, 1, 1, 1, 1, 1, 0, None, None, None)
 out["passthrough_launches"] = cuda.fake_launches()
 block = ControlBlock.create(Path(sys.argv[1]) / "session.cb")
-block.publish(gate_closed=False, state=SessionState.RUNNING)
+block.publish(gate_closed=False, state=LeaseState.RUNNING)
 out["how"] = interpose.attach(block.address()).describe()
-block.publish(gate_closed=False, state=SessionState.PAUSED, level=3)
+block.publish(gate_closed=False, state=LeaseState.PAUSED, level=3)
 held = threading.Thread(target=launch, args=(None, 1, 1, 1, 1, 1, 1, 0, None, None, None))
 held.start()
 time.sleep(0.3)
 out["launches_while_paused"] = cuda.fake_launches() - out["passthrough_launches"]
 out["held_thread_alive"] = held.is_alive()
-block.publish(gate_closed=False, state=SessionState.RUNNING)
+block.publish(gate_closed=False, state=LeaseState.RUNNING)
 held.join(timeout=5)
 out["launches_after_resume"] = cuda.fake_launches() - out["passthrough_launches"]
 for _ in range(40):

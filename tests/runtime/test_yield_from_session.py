@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from gpushare_ext.control_block import ControlBlock, SessionState
+from gpushare_ext.control_block import ControlBlock
+from gpushare_ext.lease_state import LeaseState
 from gpushare_ext.protocol import PreemptionLevel
 from gpushare_ext.runtime.session import asked_to_yield, wait_until_resumed
 
@@ -42,11 +43,11 @@ def block(tmp_path: Path):
 @pytest.mark.parametrize(
     ("state", "level", "asked"),
     [
-        (SessionState.RUNNING, None, False),
-        (SessionState.PAUSED, PreemptionLevel.GATE, False),  # hold new launches only
-        (SessionState.PAUSED, PreemptionLevel.YIELD, True),
-        (SessionState.PAUSED, PreemptionLevel.LOCK, True),
-        (SessionState.EVICTED, PreemptionLevel.EVICT, True),
+        (LeaseState.RUNNING, None, False),
+        (LeaseState.PAUSED, PreemptionLevel.GATE, False),  # hold new launches only
+        (LeaseState.PAUSED, PreemptionLevel.YIELD, True),
+        (LeaseState.PAUSED, PreemptionLevel.LOCK, True),
+        (LeaseState.EVICTED, PreemptionLevel.EVICT, True),
     ],
 )
 def test_only_a_pause_at_the_yield_level_or_above_asks_kernels_to_stop(block, state, level, asked):
@@ -69,9 +70,9 @@ def _later(seconds: float, action) -> threading.Thread:
 
 
 def test_the_session_lowers_its_own_flag_once_the_broker_resumes(block):
-    block.publish(gate_closed=False, state=SessionState.PAUSED, level=int(PreemptionLevel.YIELD))
+    block.publish(gate_closed=False, state=LeaseState.PAUSED, level=int(PreemptionLevel.YIELD))
     flag = HostFlag(1)  # raised by the session when it saw the pause
-    resume = _later(0.05, lambda: block.publish(gate_closed=False, state=SessionState.RUNNING))
+    resume = _later(0.05, lambda: block.publish(gate_closed=False, state=LeaseState.RUNNING))
     started = time.monotonic()
     wait_until_resumed(lambda: block, flag)
     resume.join()
@@ -80,7 +81,7 @@ def test_the_session_lowers_its_own_flag_once_the_broker_resumes(block):
 
 
 def test_a_flag_the_broker_raised_at_the_gate_level_is_left_to_the_broker(block):
-    block.publish(gate_closed=True, state=SessionState.PAUSED, level=int(PreemptionLevel.GATE))
+    block.publish(gate_closed=True, state=LeaseState.PAUSED, level=int(PreemptionLevel.GATE))
     flag = HostFlag(1)
     lower = _later(0.05, lambda: flag.set(0))  # the broker's own write
     wait_until_resumed(lambda: block, flag)
@@ -89,7 +90,7 @@ def test_a_flag_the_broker_raised_at_the_gate_level_is_left_to_the_broker(block)
 
 
 def test_running_with_a_clear_flag_returns_at_once(block):
-    block.publish(gate_closed=False, state=SessionState.RUNNING)
+    block.publish(gate_closed=False, state=LeaseState.RUNNING)
     flag = HostFlag(0)
     wait_until_resumed(lambda: block, flag)
     assert flag.writes == []

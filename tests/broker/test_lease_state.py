@@ -1,0 +1,137 @@
+"""One lease vocabulary: the state table, and every side that moves a lease going by it.
+
+The core, the control block and the notebook runtime all use ``lease_state``; an illegal
+move raises one error and changes nothing, wherever it is tried."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+from scheduler_helpers import GIB, Hub
+
+from gpushare_ext import lease_state
+from gpushare_ext.control_block import ControlBlock
+from gpushare_ext.lease_state import (
+    ACTIVE,
+    CONTROL_BLOCK_CODES,
+    ENDED,
+    MOVES,
+    IllegalMove,
+    LeaseState,
+    check_move,
+)
+from gpushare_ext.protocol import LeaseState as WireLeaseState
+from gpushare_ext.runtime.session import LeaseHandle, LeaseOptions
+
+PACKAGE = Path(lease_state.__file__).resolve().parent
+
+
+def test_the_protocol_speaks_of_the_same_states():
+    assert WireLeaseState is LeaseState
+
+
+def test_every_state_is_reachable_from_a_request_and_an_ended_lease_goes_nowhere():
+    reached, frontier = {LeaseState.QUEUED}, [LeaseState.QUEUED]
+    while frontier:
+        for onward in MOVES[frontier.pop()] - reached:
+            reached.add(onward)
+            frontier.append(onward)
+    assert reached == set(LeaseState)
+    assert {LeaseState.RELEASED, LeaseState.REFUSED, LeaseState.REVOKED} == ENDED
+    assert all(not MOVES[state] for state in ENDED)
+    assert set(LeaseState) == ACTIVE | ENDED and not ACTIVE & ENDED
+
+
+@pytest.mark.parametrize(
+    ("current", "wanted"),
+    [
+        (LeaseState.RELEASED, LeaseState.RUNNING),  # a resume after the end
+        (LeaseState.QUEUED, LeaseState.PAUSED),  # nothing to pause before a grant
+        (LeaseState.EVICTED, LeaseState.PAUSED),  # an evicted lease comes back by resuming
+        (LeaseState.RUNNING, LeaseState.REFUSED),  # refusals come before a grant
+    ],
+)
+def test_an_illegal_move_is_named_in_one_line(current, wanted):
+    with pytest.raises(IllegalMove) as raised:
+        check_move("L7", current, wanted)
+    message = str(raised.value)
+    assert "\n" not in message and "L7" in message
+    assert f"from {current.value} to {wanted.value}" in message
+    assert raised.value.code == "illegal_move"
+
+
+def test_the_core_refuses_an_illegal_move_and_changes_nothing():
+    hub = Hub()
+    ada = hub.open("ada")
+    hub.request(ada, "L1", memory=8 * GIB)
+    lease = hub.scheduler.leases["L1"]
+    assert lease.state == LeaseState.RUNNING
+    with pytest.raises(IllegalMove):
+        hub.scheduler._index.move(lease, LeaseState.REFUSED)
+    assert lease.state == LeaseState.RUNNING
+    assert hub.scheduler.index_mismatch() == ""
+    hub.release(ada, "L1")  # and it goes on as before
+    assert "L1" not in hub.scheduler.leases
+
+
+def _assignments_of_state(path: Path) -> list[str]:
+    """The functions of ``path`` that assign ``<something>.state``."""
+    tree = ast.parse(path.read_text())
+    found = []
+    for function in ast.walk(tree):
+        if not isinstance(function, ast.FunctionDef):
+            continue
+        for node in ast.walk(function):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if any(isinstance(t, ast.Attribute) and t.attr == "state" for t in targets):
+                found.append(function.name)
+    return found
+
+
+def test_the_core_moves_a_lease_in_two_places_both_checked():
+    places = _assignments_of_state(PACKAGE / "broker" / "core.py") + _assignments_of_state(
+        PACKAGE / "broker" / "lease_index.py"
+    )
+    assert sorted(places) == ["_end", "move"]
+    for path, name in ((PACKAGE / "broker" / "core.py", "_end"), (PACKAGE / "broker" / "lease_index.py", "move")):  # fmt: skip
+        source = path.read_text()
+        body = source[source.index(f"def {name}(") :]
+        body = body[: body.index(".state = ")]
+        assert "check_move(" in body, f"{path.name}: {name} sets the state before checking"
+
+
+def test_the_runtime_moves_its_handles_only_through_the_table():
+    assert _assignments_of_state(PACKAGE / "runtime" / "session.py") == ["move"]
+
+
+def test_a_notice_the_table_does_not_allow_is_ignored_and_noted():
+    handle = LeaseHandle(lease_id="L3", options=LeaseOptions(), output=None)
+    assert handle.move(LeaseState.RUNNING)
+    assert handle.move(LeaseState.RELEASED)
+    assert not handle.move(LeaseState.PAUSED)  # a pause that crossed the release
+    assert handle.state == LeaseState.RELEASED
+    assert "cannot go from released to paused" in handle.events[-1][1]
+
+
+def test_the_control_block_carries_the_same_states(tmp_path):
+    block = ControlBlock.create(tmp_path / "session.cb")
+    try:
+        assert block.state is None  # no lease yet
+        for state in CONTROL_BLOCK_CODES:
+            block.publish(gate_closed=False, state=state)
+            assert block.state == state
+            assert block.paused == (state in lease_state.STOPPED)
+        block.publish(gate_closed=False, state=None)
+        assert block.state is None
+    finally:
+        block.close()
+
+
+def test_the_launch_shim_holds_launches_on_the_codes_of_a_stopped_lease():
+    source = (PACKAGE / "runtime" / "native" / "launch_interpose.c").read_text()
+    defined = dict(re.findall(r"#define STATE_(PAUSED|EVICTED) (\d+)", source))
+    assert int(defined["PAUSED"]) == CONTROL_BLOCK_CODES[LeaseState.PAUSED]
+    assert int(defined["EVICTED"]) == CONTROL_BLOCK_CODES[LeaseState.EVICTED]
