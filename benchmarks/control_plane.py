@@ -381,7 +381,7 @@ def _core_run(leases: int, memory: int, cycles: int) -> dict:
     from gpushare_ext.broker import core
     from gpushare_ext.broker.inventory import fixture_path, parse_inventory
     from gpushare_ext.broker.policy import parse_policy
-    from gpushare_ext.protocol import LeaseState
+    from gpushare_ext.protocol import LeaseState, RequestLease
 
     devices = parse_inventory(json.loads(fixture_path("h200").read_text()), simulated=True)
     devices = devices[:1]
@@ -397,8 +397,8 @@ def _core_run(leases: int, memory: int, cycles: int) -> dict:
     def request(i: int, lease_id: str) -> None:
         scheduler.handle(
             core.LeaseRequested(
-                now=now, session_id=sessions[i], lease_id=lease_id, priority=150,
-                memory_bytes=memory,
+                now=now, session_id=sessions[i], lease_id=lease_id,
+                request=RequestLease(priority=150, memory_bytes=memory),
             )
         )  # fmt: skip
 

@@ -315,7 +315,7 @@ class BrokerClient:
         label: str = "",
     ) -> Granted | Queued | Refused:
         """Ask for a lease; the first answer is a grant, a queue notice or a refusal."""
-        reply = self._call(
+        return self.ask_for_lease(
             RequestLease(
                 priority=priority,
                 memory_bytes=memory_bytes,
@@ -326,6 +326,10 @@ class BrokerClient:
                 label=label[:256],
             )
         )
+
+    def ask_for_lease(self, request: RequestLease) -> Granted | Queued | Refused:
+        """Send ``request`` as it is (the struct the broker's core will see)."""
+        reply = self._call(request)
         expect(reply, Granted | Queued | Refused, self.socket_path)
         return reply  # type: ignore[return-value]
 

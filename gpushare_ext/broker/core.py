@@ -57,6 +57,7 @@ from gpushare_ext.protocol import (
     LeaseState,
     Placement,
     PreemptionLevel,
+    RequestLease,
     SliceWish,
     describe_priority,
     priority_class,
@@ -112,16 +113,13 @@ class SessionClosed:
 
 @dataclass(frozen=True, kw_only=True)
 class LeaseRequested:
+    """A session asks for a lease: its request as it sent it (the one request struct the
+    runtime builds, carried unchanged over the wire and into the core)."""
+
     now: float
     session_id: str
     lease_id: str
-    priority: int
-    memory_bytes: int | None = None
-    slice: SliceWish = SliceWish.AUTO
-    device: str = "auto"
-    sm_share: float = 1.0
-    capabilities: Capabilities = Capabilities()  # noqa: RUF009 - frozen, shared safely
-    label: str = ""
+    request: RequestLease
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -477,6 +475,7 @@ class Scheduler:
 
     def _on_LeaseRequested(self, event: LeaseRequested, now: float) -> list[Action]:
         record = self._session(event.session_id)
+        asked = event.request
         if event.lease_id in self.leases or event.lease_id in self.ended:
             raise SchedulerError(ErrorCode.INVALID, f"lease id {event.lease_id} is already used")
         identity = record.identity
@@ -489,11 +488,11 @@ class Scheduler:
                 )
             ]
 
-        if not 0 <= event.priority <= 299:
-            return refuse(ErrorCode.INVALID, f"priority {event.priority} is outside 0-299")
-        if not 0.0 < event.sm_share <= 1.0:
-            return refuse(ErrorCode.INVALID, f"sm_share {event.sm_share} is outside (0, 1]")
-        priority = event.priority
+        if not 0 <= asked.priority <= 299:
+            return refuse(ErrorCode.INVALID, f"priority {asked.priority} is outside 0-299")
+        if not 0.0 < asked.sm_share <= 1.0:
+            return refuse(ErrorCode.INVALID, f"sm_share {asked.sm_share} is outside (0, 1]")
+        priority = asked.priority
         notice = ""
         if priority > limits.max_priority:
             notice = (
@@ -501,7 +500,7 @@ class Scheduler:
                 f"{describe_priority(limits.max_priority)} by policy"
             )
             priority = limits.max_priority
-        memory = event.memory_bytes
+        memory = asked.memory_bytes
         if memory is None:
             memory = min(limits.default_memory, limits.memory_quota)
         if memory < 0:
@@ -518,8 +517,8 @@ class Scheduler:
                 f"you already hold or wait for {limits.max_leases} lease(s), the most your "
                 f"policy allows; release one first (%gpu release)",
             )
-        wish = event.slice if event.slice != SliceWish.AUTO else limits.slice
-        candidates, why_none = self._candidate_slots(event.device, wish)
+        wish = asked.slice if asked.slice != SliceWish.AUTO else limits.slice
+        candidates, why_none = self._candidate_slots(asked.device, wish)
         if not candidates:
             return refuse(ErrorCode.INVALID, why_none)
         if not any(self.slots[key].memory_bytes >= memory for key in candidates):
@@ -536,15 +535,15 @@ class Scheduler:
             identity=identity,
             base_priority=priority,
             memory_bytes=memory,
-            sm_share=event.sm_share,
+            sm_share=asked.sm_share,
             slice=wish,
-            device_wish=event.device,
-            capabilities=event.capabilities,
-            label=event.label,
+            device_wish=asked.device,
+            capabilities=asked.capabilities,
+            label=asked.label,
             arrival=self._arrivals,
             requested_at=now,
             state_since=now,
-            lockable=event.capabilities.lockable,
+            lockable=asked.capabilities.lockable,
             notice=notice,
         )
         self.leases[lease.lease_id] = lease

@@ -177,13 +177,7 @@ class Requests:
                 now=time.time(),
                 session_id=conn.session_id,  # type: ignore[arg-type]
                 lease_id=lease_id,
-                priority=request.priority,
-                memory_bytes=request.memory_bytes,
-                slice=request.slice,
-                device=request.device,
-                sm_share=request.sm_share,
-                capabilities=request.capabilities,
-                label=request.label,
+                request=request,
             ),
             Reply(to=request.seq, lease_id=lease_id),
         )

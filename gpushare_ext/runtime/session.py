@@ -45,6 +45,7 @@ from gpushare_ext.protocol import (
     Queued,
     Refused,
     Released,
+    RequestLease,
     Resume,
     Revoked,
     SliceWish,
@@ -79,6 +80,19 @@ class LeaseOptions:
     slice: SliceWish = SliceWish.AUTO
     sm_share: float = 1.0
     instrumented_only: bool = False
+
+    def request(self, capabilities: Capabilities, label: str = "") -> RequestLease:
+        """What goes to the broker: the one request struct, sent and handed to its core
+        unchanged (the timeout is the session's own business)."""
+        return RequestLease(
+            priority=self.priority,
+            memory_bytes=self.memory_bytes,
+            slice=self.slice,
+            device=self.device,
+            sm_share=self.sm_share,
+            capabilities=capabilities,
+            label=label[:256],
+        )
 
 
 # ------------------------------------------------------------------ cell output
@@ -515,15 +529,7 @@ class GpuSession:
             for line in self.announcements:
                 output.show("gpushare-announce", line)
             self.announcements.clear()
-        request = dict(
-            priority=options.priority,
-            memory_bytes=options.memory_bytes,
-            slice=options.slice,
-            device=options.device,
-            sm_share=options.sm_share,
-            capabilities=self.capabilities(options),
-            label=label,
-        )
+        request = options.request(self.capabilities(options), label)
         while True:
             reply, generation = self._request(request, output)
             if isinstance(reply, Refused):
@@ -557,7 +563,7 @@ class GpuSession:
         return handle
 
     def _request(
-        self, request: dict, output: CellOutput | None
+        self, request: RequestLease, output: CellOutput | None
     ) -> tuple[Granted | Queued | Refused, int]:
         """Send the request; if the broker is restarting, wait for it (visibly) and ask again.
 
@@ -569,7 +575,7 @@ class GpuSession:
                 with self._lock:
                     client = self.connect()
                     generation = self._generation
-                return client.request_lease(**request), generation
+                return client.ask_for_lease(request), generation
             except BrokerUnavailable:
                 # Never connected: there is no broker to wait for, say so at once.
                 left = deadline - time.monotonic()

@@ -15,7 +15,13 @@ from collections.abc import Iterable
 from gpushare_ext.broker import core
 from gpushare_ext.broker.inventory import DeviceInfo, fixture_path, parse_inventory
 from gpushare_ext.broker.policy import Policy
-from gpushare_ext.protocol import Capabilities, LeaseState, PreemptionLevel, SliceWish
+from gpushare_ext.protocol import (
+    Capabilities,
+    LeaseState,
+    PreemptionLevel,
+    RequestLease,
+    SliceWish,
+)
 
 GIB = 1024**3
 MIB = 1024**2
@@ -137,9 +143,11 @@ class Hub:
     ) -> list[core.Action]:
         return self.handle(
             core.LeaseRequested(
-                now=self.now, session_id=session, lease_id=lease_id, priority=priority,
-                memory_bytes=memory, slice=slice, device=device, sm_share=sm_share,
-                capabilities=capabilities,
+                now=self.now, session_id=session, lease_id=lease_id,
+                request=RequestLease(
+                    priority=priority, memory_bytes=memory, slice=slice, device=device,
+                    sm_share=sm_share, capabilities=capabilities,
+                ),
             )
         )  # fmt: skip
 

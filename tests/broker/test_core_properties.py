@@ -31,7 +31,7 @@ from scheduler_helpers import GIB, LOW, NORMAL, fingerprint, h200_document
 from gpushare_ext.broker import core
 from gpushare_ext.broker.inventory import parse_inventory
 from gpushare_ext.broker.policy import Limits, Policy
-from gpushare_ext.protocol import Capabilities, LeaseState, PreemptionLevel, SliceWish
+from gpushare_ext.protocol import Capabilities, LeaseState, PreemptionLevel, RequestLease, SliceWish
 from gpushare_ext.units import priority_band
 
 PROPERTY_SETTINGS = settings(
@@ -278,8 +278,10 @@ def play(script, policy: Policy) -> Run:
             run.feed(
                 core.LeaseRequested(
                     now=now, session_id=run.sessions[pick % len(run.sessions)], lease_id=lease_id,
-                    priority=priority, memory_bytes=memory, slice=wish, device=device,
-                    sm_share=share, capabilities=capabilities,
+                    request=RequestLease(
+                        priority=priority, memory_bytes=memory, slice=wish, device=device,
+                        sm_share=share, capabilities=capabilities,
+                    ),
                 )
             )  # fmt: skip
         elif kind == "release" and run.active():
@@ -432,9 +434,15 @@ def _stream_with_low_waiting(aging_per_minute: float, minutes: int) -> float | N
             )
         )
     # A normal cell is already running when the low request arrives.
-    scheduler.handle(core.LeaseRequested(now=0.0, session_id="S1", lease_id="N0", priority=NORMAL))
+    scheduler.handle(
+        core.LeaseRequested(
+            now=0.0, session_id="S1", lease_id="N0", request=RequestLease(priority=NORMAL)
+        )
+    )
     actions = scheduler.handle(
-        core.LeaseRequested(now=1.0, session_id="S0", lease_id="low", priority=LOW)
+        core.LeaseRequested(
+            now=1.0, session_id="S0", lease_id="low", request=RequestLease(priority=LOW)
+        )
     )
     assert not any(isinstance(a, core.Grant) for a in actions)
     running = [(30.0, "S1", "N0")]
@@ -451,7 +459,10 @@ def _stream_with_low_waiting(aging_per_minute: float, minutes: int) -> float | N
         lease_id = f"N{number}"
         granted += scheduler.handle(
             core.LeaseRequested(
-                now=now, session_id=f"S{1 + number % 2}", lease_id=lease_id, priority=NORMAL
+                now=now,
+                session_id=f"S{1 + number % 2}",
+                lease_id=lease_id,
+                request=RequestLease(priority=NORMAL),
             )
         )
         running.append((now + 30.0, f"S{1 + number % 2}", lease_id))

@@ -1,4 +1,5 @@
-"""One lease vocabulary: the state table, and every side that moves a lease going by it.
+"""One lease vocabulary: the state table, every side that moves a lease going by it, and
+one request struct from the session to the core.
 
 The core, the control block and the notebook runtime all use ``lease_state``; an illegal
 move raises one error and changes nothing, wherever it is tried."""
@@ -13,6 +14,7 @@ import pytest
 from scheduler_helpers import GIB, Hub
 
 from gpushare_ext import lease_state
+from gpushare_ext.broker import core
 from gpushare_ext.control_block import ControlBlock
 from gpushare_ext.lease_state import (
     ACTIVE,
@@ -23,6 +25,7 @@ from gpushare_ext.lease_state import (
     LeaseState,
     check_move,
 )
+from gpushare_ext.protocol import Capabilities, decode_client_message, encode_frame
 from gpushare_ext.protocol import LeaseState as WireLeaseState
 from gpushare_ext.runtime.session import LeaseHandle, LeaseOptions
 
@@ -135,3 +138,25 @@ def test_the_launch_shim_holds_launches_on_the_codes_of_a_stopped_lease():
     defined = dict(re.findall(r"#define STATE_(PAUSED|EVICTED) (\d+)", source))
     assert int(defined["PAUSED"]) == CONTROL_BLOCK_CODES[LeaseState.PAUSED]
     assert int(defined["EVICTED"]) == CONTROL_BLOCK_CODES[LeaseState.EVICTED]
+
+
+def test_the_request_a_session_builds_reaches_the_core_as_it_was_sent():
+    options = LeaseOptions(priority=250, memory_bytes=12 * GIB, device="0", sm_share=0.5)
+    sent = options.request(Capabilities(lockable=False, yield_flag=True), "%%gpu priority=high")
+    body = encode_frame(sent)[4:]  # what the broker reads off the socket, less the length
+    received = decode_client_message(body)
+    assert received == sent
+
+    hub = Hub()
+    session = hub.open("ada")
+    hub.handle(
+        core.LeaseRequested(now=hub.now, session_id=session, lease_id="L1", request=received)
+    )
+    lease = hub.scheduler.leases["L1"]
+    assert (lease.base_priority, lease.memory_bytes, lease.sm_share, lease.device_wish) == (
+        250,
+        12 * GIB,
+        0.5,
+        "0",
+    )
+    assert lease.label == "%%gpu priority=high" and not lease.lockable

@@ -12,7 +12,7 @@ import itertools
 
 from gpushare_ext.broker import core
 from gpushare_ext.broker.inventory import DeviceInfo, SimulatedInventory
-from gpushare_ext.protocol import Placement, SliceWish
+from gpushare_ext.protocol import Placement, RequestLease, SliceWish
 
 GIB = 1024**3
 NORMAL, HIGH = 150, 250
@@ -64,11 +64,13 @@ class Hub:
                 now=self.now,
                 session_id=session,
                 lease_id=lease_id,
-                priority=priority,
-                memory_bytes=memory,
-                slice=slice,
-                device=device,
-                sm_share=sm_share,
+                request=RequestLease(
+                    priority=priority,
+                    memory_bytes=memory,
+                    slice=slice,
+                    device=device,
+                    sm_share=sm_share,
+                ),
             )
         )
 
