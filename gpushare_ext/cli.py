@@ -18,6 +18,23 @@ from pathlib import Path
 from gpushare_ext import __version__
 
 
+class _Parser(argparse.ArgumentParser):
+    """A parser that reports arguments it does not know itself.
+
+    argparse leaves a sub-command's unknown arguments to the top-level parser, which then
+    shows the top-level usage; as each sub-parser is of this class (argparse makes them
+    of the top-level parser's class), the error and usage are the sub-command's.
+    """
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: list[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def _add_socket(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--socket",
@@ -28,7 +45,7 @@ def _add_socket(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="gpushare",
         description="Interactive shared-GPU sessions for Jupyter: broker, status and tools.",
     )
@@ -62,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     broker.add_argument(
         "--socket",
         metavar="PATH",
-        help="where to listen (default: the mode's socket above, or broker.socket in the config)",
+        help="where to listen, in a folder that exists (default: the mode's socket above, or "
+        "broker.socket in the config)",
     )
     broker.add_argument(
         "--config",
@@ -199,6 +217,26 @@ def _broker_overrides(args: argparse.Namespace) -> tuple[dict, str]:
     return overrides, ""
 
 
+def _socket_refusal(socket: str | None, mode: str) -> str:
+    """Why an explicit ``--socket`` cannot be used, or "".
+
+    The broker makes its own runtime folder, but a folder someone named that is missing
+    is most likely a typo: creating it would hide the mistake and leave stray folders.
+    """
+    if socket is None:
+        return ""
+    from gpushare_ext.paths import broker_paths
+
+    folder = Path(os.path.abspath(socket)).parent
+    default = broker_paths(mode).runtime_dir
+    if folder.exists() or folder == Path(os.path.abspath(default)):
+        return ""
+    return (
+        f"--socket {socket}: the folder {folder} does not exist; create it first, or leave "
+        f"--socket out to use {default}"
+    )
+
+
 def _cmd_broker(args: argparse.Namespace) -> int:
     from gpushare_ext.broker.config import load_config
     from gpushare_ext.broker.inventory import InventoryError, open_inventory
@@ -213,6 +251,9 @@ def _cmd_broker(args: argparse.Namespace) -> int:
     mode = "system" if args.system else "user"
     if args.system and os.geteuid() != 0:
         return _fail("system mode needs root (it serves every user of the host)")
+    refusal = _socket_refusal(args.socket, mode)
+    if refusal:
+        return _fail(refusal, 2)
     paths = broker_paths(mode, args.socket)
     config_path = args.config or (
         str(paths.config) if paths.config and paths.config.exists() else None

@@ -167,10 +167,54 @@ class Timeline:
         self.client.close()
 
 
+def inventory_problem(simulate: str) -> str | None:
+    """Why ``--simulate`` names no inventory the broker could serve, or None."""
+    from gpushare_ext.broker.inventory import InventoryError, SimulatedInventory
+
+    try:
+        SimulatedInventory(simulate)
+    except InventoryError as exc:
+        return f"--simulate: {exc}"
+    return None
+
+
+def output_problem(out: Path) -> str | None:
+    """Why the demo could not keep its results in ``out``, or None if it can.
+
+    Found out by making the folder and a file in it, then removing what was made:
+    permission bits cannot tell (root passes them, and /proc refuses root too).
+    """
+    made: list[Path] = []
+    try:
+        if out.exists() and not out.is_dir():
+            return f"--out {out} is not a folder; give a folder to keep the results in"
+        made = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        return (
+            f"--out {out}: cannot write there ({exc.strerror or exc}); "
+            "give a folder you can write to"
+        )
+    finally:
+        for folder in made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+    return None
+
+
 def run_demo(*, simulate: str | None = None, steps: int = 40, out: str | None = None) -> int:
     console = Console()
     if steps < 4:
         console.print("[red]gpushare demo: --steps must be at least 4[/red]")
+        return 2
+    # Both before anything starts: a bad name or folder must not cost a whole demo run.
+    problem = inventory_problem(simulate) if simulate else None
+    if problem is None and out:
+        problem = output_problem(Path(out))
+    if problem:
+        print(f"gpushare demo: {problem}", file=sys.stderr)
         return 2
     workdir = Path(tempfile.mkdtemp(prefix="gpushare-demo-"))
     os.chmod(workdir, 0o700)

@@ -27,6 +27,7 @@ from gpushare_ext.broker.mig import (
     MigPlanError,
     Plan,
     check_can_apply,
+    check_demand_fits,
     demand_from_snapshot,
     parse_demand,
     plan_layout,
@@ -143,6 +144,8 @@ def plan_main(argv: list[str]) -> int:
             leases, running = demand_from_snapshot(snapshot, device)
             if demand is None:
                 demand = leases
+        if args.demand is not None:  # a lease read from the broker asks for a share of SMs
+            check_demand_fits(device, demand)
         plan = plan_layout(device, demand, running_leases=running)
         if args.json:
             print(json.dumps(plan_to_builtins(plan), indent=2))

@@ -494,7 +494,8 @@ def plan_layout(
         chosen=chosen,
         candidates=tuple(candidates),
         explanation=tuple(explanation),
-        commands=tuple(admin_commands(device, chosen)),
+        # No demand asks for no change: enabling MIG for nobody is not a step to take.
+        commands=tuple(admin_commands(device, chosen)) if demand else (),
         running_leases=running,
     )
 
@@ -663,9 +664,10 @@ def layout_map(instances: Sequence[PlannedInstance]) -> str:
 def render_plan(plan: Plan) -> str:
     """The plan as a person reads it: explanation, map, commands and how to apply."""
     lines = list(plan.explanation)
-    if plan.demand:
-        lines.append("")
-        lines.append("Memory slices 0-7: " + layout_map(plan.chosen.instances))
+    if not plan.demand:
+        return "\n".join(lines)  # "Nothing to plan." is all there is to say
+    lines.append("")
+    lines.append("Memory slices 0-7: " + layout_map(plan.chosen.instances))
     lines.append("")
     if plan.commands:
         lines.append("Commands (as root; nvidia-smi places the instances):")
@@ -738,6 +740,17 @@ def parse_demand(text: str) -> list[Demand]:
             sms = int(digits)
         demands.append(Demand(memory_bytes=memory, sms=sms, label=f"#{n + 1}"))
     return demands
+
+
+def check_demand_fits(device: DeviceInfo, demand: Sequence[Demand]) -> None:
+    """Refuse (exit 2) an SM wish beyond the whole GPU: no layout, MIG or not, can serve it."""
+    for n, d in enumerate(demand, start=1):
+        if d.sms is not None and d.sms > device.multiprocessor_count:
+            raise MigPlanError(
+                f"--demand item {n} asks for {d.sms} SMs, more than GPU {device.index} "
+                f"({device.name}) has; ask for at most {device.multiprocessor_count}sm",
+                exit_code=2,
+            )
 
 
 def demand_from_snapshot(snapshot, device: DeviceInfo) -> tuple[list[Demand], int]:

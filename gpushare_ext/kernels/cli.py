@@ -41,12 +41,16 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 def classify_file(path: Path, arch: str = DEFAULT_ARCH) -> dict[str, KernelReport]:
     """Analyse every kernel of a file. Raises KernelError with a clear message."""
-    if not path.exists():
-        raise KernelError("no-such-file", f"{path}: no such file", step="classify")
-    text = path.read_text(errors="replace")
+    text = _read_source(path)
     suffix = path.suffix.lower()
     if suffix == ".ptx" or (suffix not in (".cu", ".cuh") and is_ptx(text)):
-        module = parse_ptx(text)
+        try:
+            module = parse_ptx(text)
+        except KernelError as exc:
+            # The parser does not know which file it read; the user needs to.
+            raise KernelError(
+                exc.code, f"{path}: {exc.message}", step=exc.step, log=exc.log
+            ) from None
         names: dict[str, dict[str, str]] = {}
     elif suffix in (".cu", ".cuh"):
         ptx, _ = compile_cuda(text, arch=arch, filename=path.name)
@@ -61,6 +65,31 @@ def classify_file(path: Path, arch: str = DEFAULT_ARCH) -> dict[str, KernelRepor
     for e in module.entries:
         e.source_names.update(names.get(e.name, {}))
     return analyse_module(module)
+
+
+def _read_source(path: Path) -> str:
+    """The file's text, or a KernelError naming the path and what it should have been."""
+    expected = "expected a .cu, .cuh or .ptx file"
+    try:
+        # A directory, a FIFO or a device would fail to read, block, or never end.
+        if path.exists() and not path.is_file():
+            what = "a directory" if path.is_dir() else "not a regular file"
+            raise KernelError("not-a-file", f"{path}: is {what}; {expected}", step="classify")
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        raise KernelError(
+            "no-such-file", f"{path}: no such file; {expected}", step="classify"
+        ) from None
+    except OSError as exc:
+        raise KernelError(
+            "unreadable",
+            f"{path}: cannot read it ({exc.strerror or exc}); {expected} you can read",
+            step="classify",
+        ) from None
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
 
 
 def _names_from_source(text: str, module) -> dict[str, dict[str, str]]:
@@ -128,11 +157,11 @@ def _print_tables(reports: dict[str, KernelReport], path: Path) -> None:
         console.print(table)
         facts = []
         if r.atomics:
-            facts.append(f"{len(r.atomics)} atomics")
+            facts.append(_count(len(r.atomics), "atomic"))
         if r.barriers:
-            facts.append(f"{len(r.barriers)} barriers")
+            facts.append(_count(len(r.barriers), "barrier"))
         if r.loops:
-            facts.append(f"{len(r.loops)} loops")
+            facts.append(_count(len(r.loops), "loop"))
         if r.grid_sync:
             facts.append("blocks communicate: not resumable")
         if facts:

@@ -8,15 +8,17 @@ A real broker subprocess on the simulated H200 in each test; clients are this pr
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import sqlite3
+import stat
 import struct
 import urllib.error
 import urllib.request
 
 import pytest
 from broker_wire import RawClient, status_of, wait_for
-from support import free_port, is_root, run_as
+from support import RunningBroker, free_port, is_root, run_as, short_tempdir
 
 from gpushare_ext.client import BrokerClient, BrokerError
 from gpushare_ext.protocol import (
@@ -260,6 +262,41 @@ def test_a_token_file_others_can_read_stops_the_broker_in_one_line(tmp_path):
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("gpushare: ") and str(token_file) in last and "chmod 600" in last
     assert "Traceback" not in result.stderr
+
+
+def test_a_socket_in_a_folder_that_does_not_exist_is_refused_and_nothing_is_made(tmp_path):
+    import subprocess
+    import sys
+
+    socket_path = tmp_path / "no" / "such" / "b.sock"
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "gpushare_ext.cli", "broker", "--simulate", "h200",
+            "--socket", str(socket_path), "--journal", str(tmp_path / "j.sqlite"),
+        ],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.startswith(
+        f"gpushare: --socket {socket_path}: the folder {socket_path.parent} does not exist; "
+        "create it first, or leave --socket out to use "
+    )
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert list(tmp_path.iterdir()) == []  # neither the folders nor the journal
+
+
+def test_a_socket_in_the_default_runtime_folder_still_makes_that_folder():
+    xdg = short_tempdir("gps-xdg-")
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(xdg)}
+    running = RunningBroker(xdg, socket_name="gpushare/broker.sock", env=env)
+    try:
+        running.start()
+        assert status_of(running.socket).mode == "user"
+        assert stat.S_IMODE((xdg / "gpushare").stat().st_mode) == 0o700
+    finally:
+        if running.process is not None and running.process.poll() is None:
+            running.stop()
+        shutil.rmtree(xdg, ignore_errors=True)
 
 
 def _frame(body: bytes) -> bytes:

@@ -7,9 +7,13 @@ failure here, not a skip (CI installs them).
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
+import subprocess
+import sys
 from functools import cache
+from pathlib import Path
 
 import pytest
 from corpus_specs import CASES, CORPUS, TRANSFORMABLE, Case
@@ -610,3 +614,74 @@ def test_classify_cli_errors(capsys, tmp_path):
     other.write_text("hello")
     assert classify_main([str(other)]) == 2
     assert "expected a .cu, .cuh or .ptx file" in capsys.readouterr().err
+
+
+def gpushare_classify(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "gpushare_ext.cli", "classify", *args],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def _bad_path(kind: str, tmp_path: Path) -> Path:
+    if kind == "directory":
+        return tmp_path
+    if kind == "missing":
+        return tmp_path / "missing.cu"
+    if kind == "dangling link":
+        (tmp_path / "gone.ptx").symlink_to(tmp_path / "never-there.ptx")
+        return tmp_path / "gone.ptx"
+    if kind == "not a regular file":
+        return Path("/dev/null")
+    if kind == "unreadable":
+        return Path("/proc/self/mem")  # a read fails for root too (EIO at address 0)
+    path = tmp_path / ("notes.txt" if kind == "not source" else "fake.ptx")
+    path.write_text("hello\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("directory", "is a directory; expected a .cu, .cuh or .ptx file"),
+        ("missing", "no such file; expected a .cu, .cuh or .ptx file"),
+        ("dangling link", "no such file; expected a .cu, .cuh or .ptx file"),
+        ("not a regular file", "is not a regular file; expected a .cu, .cuh or .ptx file"),
+        (
+            "unreadable",
+            "cannot read it (Input/output error); expected a .cu, .cuh or .ptx file you can read",
+        ),
+        ("not source", "expected a .cu, .cuh or .ptx file (got '.txt')"),
+        ("not PTX", "not PTX: no .version/.target directive found"),
+    ],
+)
+def test_classify_cli_a_bad_path_gets_one_line_naming_it(kind, message, tmp_path):
+    path = _bad_path(kind, tmp_path)
+
+    result = gpushare_classify(str(path))
+
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr == f"gpushare classify: {path}: {message}\n"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file whatever its mode")
+def test_classify_cli_a_file_without_read_permission_gets_one_line(tmp_path):
+    path = tmp_path / "secret.ptx"
+    path.write_text(".version 8.0\n.target sm_90\n")
+    path.chmod(0)
+
+    result = gpushare_classify(str(path))
+
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"gpushare classify: {path}: cannot read it (Permission denied); "
+        "expected a .cu, .cuh or .ptx file you can read"
+    )
+
+
+def test_classify_cli_counts_one_atomic_and_one_loop_in_the_singular():
+    result = gpushare_classify(str(CORPUS / "reduce_atomic.cu"))
+
+    assert result.returncode == 0, result.stderr
+    assert "  1 atomic, 2 barriers, 1 loop\n" in result.stdout

@@ -7,6 +7,8 @@ The layouts and demands are the shipped simulated H200s; nothing here runs nvidi
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -188,6 +190,13 @@ def test_no_demand_means_nothing_to_plan():
     assert "Nothing to plan" in plan.explanation[0]
 
 
+def test_no_demand_on_a_whole_gpu_asks_for_no_command():
+    plan = plan_layout(device_of("h200"), [])
+
+    assert plan.commands == ()
+    assert mig.render_plan(plan) == plan.explanation[0]
+
+
 def test_a_device_without_mig_profiles_cannot_be_planned():
     device = replace(device_of("h200"), profiles=())
 
@@ -318,6 +327,11 @@ def test_apply_runs_the_commands_in_order_on_an_idle_real_device():
         (["--simulate", "h200", "--demand", "0GiB"], "asks for no memory"),
         (["--simulate", "h200", "--device", "3", "--demand", "8GiB"], "there is no device 3"),
         (["--simulate", "h200"], "--simulate needs --demand"),
+        (
+            ["--simulate", "h200", "--demand", "8GiB,8GiB:999sm"],
+            "--demand item 2 asks for 999 SMs, more than GPU 0 (NVIDIA H200) has; "
+            "ask for at most 132sm",
+        ),
     ],
 )
 def test_bad_usage_gets_one_clear_line(argv, message, capsys):
@@ -327,6 +341,26 @@ def test_bad_usage_gets_one_clear_line(argv, message, capsys):
     assert out == ""
     assert message in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_as_many_sms_as_the_gpu_has_are_still_planned(capsys):
+    code, out, err = run(["--simulate", "h200", "--demand", "8GiB:132sm"], capsys)
+
+    assert code == 0, err
+    assert "#1 (8.0 GiB + 132 SMs)" in out
+
+
+def test_with_no_lease_the_plan_is_the_one_sentence_nothing_to_plan(broker):
+    result = subprocess.run(
+        [sys.executable, "-m", "gpushare_ext.cli", "mig", "plan", "--socket", str(broker)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (
+        "No lease asks for memory on GPU 0 (NVIDIA H200, simulated); MIG is off (the GPU is "
+        "used whole). Nothing to plan.\n"
+    )
 
 
 def test_an_unknown_layout_lists_the_shipped_ones(capsys):
