@@ -195,6 +195,16 @@ class MemoryObserved:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DeviceMemorySeen:
+    """What each process holds on a whole GPU (MIG off), as NVML reads it: leased or
+    not, idle notebooks and processes the broker does not know included."""
+
+    now: float
+    device_index: int
+    used_by_pid: tuple[tuple[int, int], ...]  # (pid, bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
 class DeviceDrained:
     now: float
     device_index: int
@@ -222,6 +232,7 @@ Event = (
     | PreemptionApplied
     | PreemptionFailed
     | MemoryObserved
+    | DeviceMemorySeen
     | DeviceDrained
     | PolicyChanged
     | Tick
@@ -406,6 +417,10 @@ class Scheduler:
         # Queue notices of one scheduling pass, per set of slots and their versions: every
         # waiter for the same slots is told about the same holders.
         self._pass_holders: dict[tuple, _Holders] = {}
+        # Per whole-GPU slot, the memory each process holds there as last seen (NVML):
+        # placement counts what no lease declares, so memory idle notebooks keep is not
+        # granted a second time.
+        self._seen: dict[str, dict[int, int]] = {}
 
     # ---- public
 
@@ -771,6 +786,34 @@ class Scheduler:
             )
         return actions
 
+    def _on_DeviceMemorySeen(self, event: DeviceMemorySeen, now: float) -> list[Action]:
+        key = str(event.device_index)
+        if key in self.slots:  # a whole GPU; MIG instances are not read per process
+            self._seen[key] = {pid: used for pid, used in event.used_by_pid if used > 0}
+        return []
+
+    def unleased_memory(self, key: str, asking: Lease | None = None) -> int:
+        """Memory seen on slot ``key`` beyond what the leases there declare: per process,
+        what it holds over its leases' memory (the whole of it for an idle notebook or a
+        process without a lease).  With ``asking``, that lease is counted as granted: a
+        process asking for memory it already holds (a notebook's cached arrays) is not
+        asked to find it twice."""
+        seen = self._seen.get(key)
+        if not seen:
+            return 0
+        beyond = 0
+        for pid, used in seen.items():
+            declared = sum(
+                lease.memory_bytes
+                for lease in self._index.by_pid.get(pid, {}).values()
+                if lease.slot == key and lease.state in (LeaseState.RUNNING, LeaseState.PAUSED)
+            )
+            counted = asking is not None and asking.state in (LeaseState.RUNNING, LeaseState.PAUSED)
+            if asking is not None and asking.identity.pid == pid and not counted:
+                declared += asking.memory_bytes
+            beyond += max(0, used - declared)
+        return beyond
+
     def _on_DeviceDrained(self, event: DeviceDrained, now: float) -> list[Action]:
         if event.device_index not in self.devices:
             raise SchedulerError(ErrorCode.INVALID, f"there is no device {event.device_index}")
@@ -946,7 +989,7 @@ class Scheduler:
     def _fits_now(self, lease: Lease, key: str, now: float) -> bool:
         slot = self.slots[key]
         load = self._index.slots[key]
-        held = load.held
+        held = load.held + self.unleased_memory(key, lease)
         if lease.state in (LeaseState.PAUSED,):
             held -= lease.memory_bytes  # it already holds its memory there
         if held + lease.memory_bytes > slot.memory_bytes:
@@ -961,7 +1004,8 @@ class Scheduler:
         # big requests), and the whole GPU with the most memory free.
         if slot.mig_uuid:
             return (len(load.running), 0, slot.memory_bytes, key)
-        return (len(load.running), 1, -(slot.memory_bytes - load.held), key)
+        free = slot.memory_bytes - load.held - self.unleased_memory(key, lease)
+        return (len(load.running), 1, -free, key)
 
     def _preemption_plan(self, lease: Lease, key: str, now: float):
         """Victims to pause and to evict so ``lease`` can run on ``key``; None if impossible."""
@@ -973,7 +1017,10 @@ class Scheduler:
             return None
         # Memory: evict lower-band leases (paused ones first) until the request fits.
         own = lease.memory_bytes if lease.state == LeaseState.PAUSED else 0
-        need = load.held - own + lease.memory_bytes - slot.memory_bytes
+        # Memory no lease declares is not freed by evicting leases (parking does that).
+        need = (
+            load.held + self.unleased_memory(key, lease) - own + lease.memory_bytes
+        ) - slot.memory_bytes
         to_evict: list[Lease] = []
         if need > 0:
             if not self.policy.evict_when_memory_needed:
@@ -1239,8 +1286,17 @@ class Scheduler:
         holders = self._holders(candidates)
         reason = force_reason
         if not reason:
+            unleased = [self.unleased_memory(k, lease) for k in candidates]
             if candidates and all(self.slots[k].device_index in self.drained for k in candidates):
                 reason = "the device is drained by an admin"
+            elif candidates and all(
+                self.slots[k].memory_bytes - extra < lease.memory_bytes
+                for k, extra in zip(candidates, unleased, strict=True)
+            ):
+                reason = (
+                    f"{format_size(min(unleased))} of the GPU is held outside any lease (idle "
+                    "notebooks or other processes); waiting for it to be freed"
+                )
             elif holders.top is not None:
                 reason = f"the GPU is held by {priority_class(holders.top)}-priority work"
             elif ahead:

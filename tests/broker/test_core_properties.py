@@ -110,6 +110,14 @@ ops = st.one_of(
     st.tuples(st.just("tick"), gaps),
     st.tuples(st.just("memory"), gaps, st.integers(0, 50)),
     st.tuples(st.just("drain"), gaps, st.integers(0, 1), st.booleans()),
+    # NVML's per-process reading of the whole GPU: some sessions' processes (leased or
+    # idle) and a process the broker does not know, each holding some GiB.
+    st.tuples(
+        st.just("seen"),
+        gaps,
+        st.lists(st.tuples(st.integers(0, 50), st.sampled_from([0, 1, 8, 30, 60])), max_size=3),
+        st.sampled_from([0, 0, 2, 20, 70]),
+    ),
 )
 openings = st.lists(
     st.tuples(st.just("open"), st.just(0.0), st.integers(0, len(USERS) - 1)), min_size=2, max_size=5
@@ -122,14 +130,31 @@ scripts = st.builds(
 # ------------------------------------------------------------------ the invariants
 
 
+def _declared_on(scheduler: core.Scheduler, key: str) -> int:
+    return sum(
+        lease.memory_bytes
+        for lease in scheduler.leases.values()
+        if lease.slot == key and lease.state in (LeaseState.RUNNING, LeaseState.PAUSED)
+    )
+
+
 def check_capacity(scheduler: core.Scheduler) -> None:
     for key, slot in scheduler.slots.items():
-        held = sum(
-            lease.memory_bytes
-            for lease in scheduler.leases.values()
-            if lease.slot == key and lease.state in (LeaseState.RUNNING, LeaseState.PAUSED)
-        )
+        held = _declared_on(scheduler, key)
         assert held <= slot.memory_bytes, f"slot {key} over capacity: {held} > {slot.memory_bytes}"
+
+
+def check_grants_fit_what_is_seen(scheduler: core.Scheduler, actions: list) -> None:
+    """A grant never takes memory that NVML shows held by processes no lease accounts
+    for (idle notebooks, unknown processes): leases plus that memory fit the slot."""
+    for grant in (a for a in actions if isinstance(a, core.Grant)):
+        key = scheduler.leases[grant.lease_id].slot
+        assert key is not None
+        held = _declared_on(scheduler, key) + scheduler.unleased_memory(key)
+        assert held <= scheduler.slots[key].memory_bytes, (
+            f"{grant.lease_id} granted onto slot {key}: {held} bytes held with what is seen "
+            f"beyond the leases, {scheduler.slots[key].memory_bytes} there"
+        )
 
 
 def _wanted_slots(scheduler: core.Scheduler, lease: core.Lease) -> set[str]:
@@ -187,6 +212,9 @@ def check_no_needless_wait(scheduler: core.Scheduler) -> None:
                 and h.evictable
                 for h in holders
             )
+            # Memory no lease accounts for is not freed by preempting (parking frees it).
+            free_after = scheduler.slots[slot].memory_bytes - scheduler.unleased_memory(slot, lease)
+            takeable = takeable and lease.memory_bytes <= free_after
             assert not takeable, (
                 f"lease {lease.lease_id} (effective band {band}) waits although slot {slot} "
                 f"is held only by preemptable lower-band leases "
@@ -246,6 +274,7 @@ class Run:
             if isinstance(action, core.Preempt):
                 self.pending.append((action.lease_id, action.level))
         check_all(self.scheduler)
+        check_grants_fit_what_is_seen(self.scheduler, actions)
         return actions
 
     def active(self) -> list[core.Lease]:
@@ -311,6 +340,14 @@ def play(script, policy: Policy) -> Run:
             run.feed(core.MemoryObserved(now=now, pid=lease.identity.pid, used_bytes=used))
         elif kind == "drain":
             run.feed(core.DeviceDrained(now=now, device_index=op[2], drained=op[3]))
+        elif kind == "seen":
+            used = {
+                run.pids[run.sessions[pick % len(run.sessions)]]: gib * GIB
+                for pick, gib in op[2]
+                if run.sessions
+            }
+            used[99_999] = op[3] * GIB  # not a session of the broker's
+            run.feed(core.DeviceMemorySeen(now=now, device_index=0, used_by_pid=tuple(used.items())))  # fmt: skip
         else:
             run.feed(core.Tick(now=now))
     return run
@@ -320,6 +357,8 @@ def finish(run: Run) -> None:
     """Everyone finishes their work: confirm preemptions, release running leases, wait."""
     for index in sorted(run.scheduler.drained):
         run.feed(core.DeviceDrained(now=run.now, device_index=index, drained=False))
+    # The idle notebooks and the unknown process let their memory go.
+    run.feed(core.DeviceMemorySeen(now=run.now, device_index=0, used_by_pid=()))
     for _ in range(2_000):
         while run.pending:
             lease_id, level = run.pending.pop(0)

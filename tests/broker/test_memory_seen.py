@@ -1,0 +1,65 @@
+"""Placement counts the memory processes really hold on a GPU (NVML), not only what
+leases declare: an idle notebook's arrays and a process the broker does not know take
+memory a new lease cannot have."""
+
+from __future__ import annotations
+
+from scheduler_helpers import GIB, HIGH, Hub, of_type, only
+
+from gpushare_ext.broker import core
+from gpushare_ext.protocol import LeaseState
+
+
+def _seen(hub: Hub, used: dict[int, int]) -> list[core.Action]:
+    return hub.handle(
+        core.DeviceMemorySeen(now=hub.now, device_index=0, used_by_pid=tuple(used.items()))
+    )
+
+
+def test_a_request_that_only_fits_in_memory_idle_notebooks_hold_waits_instead_of_failing():
+    hub = Hub()  # one H200, 140 GiB
+    ada, bo, cy = hub.open("ada"), hub.open("bo"), hub.open("cy")
+    _seen(hub, {hub.pid_of(ada): 60 * GIB, hub.pid_of(bo): 60 * GIB})  # idle, no lease
+
+    actions = hub.request(cy, "H1", priority=HIGH, memory=80 * GIB)
+
+    assert not of_type(actions, core.Grant)
+    assert hub.scheduler.leases["H1"].state == LeaseState.QUEUED
+    assert hub.scheduler.unleased_memory("0") == 120 * GIB
+
+    actions = _seen(hub, {hub.pid_of(ada): 60 * GIB})  # bo's notebook let its arrays go
+    assert only(actions, core.Grant).lease_id == "H1"
+
+
+def test_memory_a_process_without_a_lease_holds_is_counted_and_never_preempted():
+    hub = Hub()
+    ada = hub.open("ada")
+    _seen(hub, {99_999: 100 * GIB})  # not a session of this broker's
+    queued = only(hub.request(ada, "L1", memory=50 * GIB), core.NotifyQueued)
+    assert "100 GiB of the GPU is held outside any lease" in queued.reason
+    assert queued.waiting_for == ()  # no lease is in the way: nothing to preempt
+    hub.release(ada, "L1")
+    assert of_type(hub.request(ada, "L2", memory=30 * GIB), core.Grant)
+
+
+def test_a_notebook_asking_for_memory_it_already_holds_is_not_asked_to_find_it_twice():
+    hub = Hub()
+    ada, bo = hub.open("ada"), hub.open("bo")
+    hub.request(bo, "B1", memory=70 * GIB)
+    _seen(hub, {hub.pid_of(ada): 60 * GIB, hub.pid_of(bo): 70 * GIB})
+
+    # Ada's 60 GiB are her own cached arrays: a 60 GiB lease covers them.
+    assert only(hub.request(ada, "A1", memory=60 * GIB), core.Grant).lease_id == "A1"
+    assert hub.scheduler.unleased_memory("0") == 0
+
+
+def test_what_a_leased_process_holds_beyond_its_lease_is_counted_too():
+    hub = Hub()
+    ada, bo = hub.open("ada"), hub.open("bo")
+    hub.request(ada, "A1", memory=100 * GIB)
+    _seen(hub, {hub.pid_of(ada): 110 * GIB})  # its context and a cache past the lease
+
+    assert hub.scheduler.unleased_memory("0") == 10 * GIB
+    assert not of_type(hub.request(bo, "B1", memory=35 * GIB), core.Grant)
+    hub.release(bo, "B1")
+    assert of_type(hub.request(bo, "B2", memory=25 * GIB), core.Grant)
