@@ -2,7 +2,9 @@
 
 Subcommands: ``broker``, ``status``, ``admin``, ``demo``, ``classify``, ``mig plan``.
 Each validates its arguments and prints one clear line on error (exit status 2 for
-bad usage, 1 for a failure, 0 for success).
+bad usage, 1 for a failure, 0 for success).  Output into a pipe closed early
+(``gpushare mig plan --json | head``) ends quietly with status 141, as a tool killed by
+SIGPIPE does.
 """
 
 from __future__ import annotations
@@ -155,7 +157,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What a shell reports for a command killed by SIGPIPE (128 + 13).  Python ignores the
+# signal and raises BrokenPipeError instead; exiting with the signal's status keeps
+# ``set -o pipefail`` scripts telling a closed pipe from a real failure (status 1).
+EXIT_BROKEN_PIPE = 141
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command line's entry point: :func:`run_command` with a closed stdout made quiet."""
+    try:
+        try:
+            return run_command(argv)
+        finally:
+            # Buffered output goes now, while a closed pipe can still be caught, and
+            # not in the interpreter's exit, where it would print "Exception ignored".
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader has gone: nothing more can reach it.  Standard output is pointed at
+        # /dev/null so the interpreter's own flush at exit finds nowhere to fail.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
+
+
+def run_command(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and run the sub-command it names; the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
     # These subcommands own their options (their --help included): hand them the rest.
     if argv[:1] == ["classify"]:
@@ -275,6 +302,8 @@ def _cmd_broker(args: argparse.Namespace) -> int:
     try:
         inventory, note = open_inventory(spec)
     except InventoryError as exc:
+        if args.simulate:  # a name or file the user typed: usage, as for the demo
+            return _fail(f"--simulate: {exc}", 2)
         return _fail(str(exc))
     if note:
         print(f"gpushare broker: {note}", file=sys.stderr)

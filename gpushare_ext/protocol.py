@@ -104,6 +104,26 @@ class PreemptionLevel(enum.IntEnum):
     EVICT = 4  # cuCheckpointProcessCheckpoint: device memory moved to the host
 
 
+# The rungs as the cell's pause line names them (the broker's status names them too).
+LEVEL_NAMES: dict[PreemptionLevel, str] = {
+    PreemptionLevel.GATE: "the gate",
+    PreemptionLevel.YIELD: "the yield flag",
+    PreemptionLevel.ABORT: "the abort flag",
+    PreemptionLevel.LOCK: "the process lock",
+    PreemptionLevel.EVICT: "the checkpoint to host",
+}
+
+
+def applied_level(asked: PreemptionLevel, simulated: bool) -> PreemptionLevel:
+    """The rung that really holds a session the broker paused at ``asked``.
+
+    A simulated GPU has no process to flag, lock or checkpoint: its broker records those
+    levels, but only the gate holds the session (its launch points wait on it).  The
+    broker's status note and the cell's pause line both go by this, so they agree.
+    """
+    return PreemptionLevel.GATE if simulated else asked
+
+
 class SliceWish(str, enum.Enum):
     AUTO = "auto"  # broker decides: a MIG instance where MIG is on, else a share of a GPU
     MIG = "mig"  # only a MIG instance

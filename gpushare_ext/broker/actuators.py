@@ -31,7 +31,7 @@ from typing import Protocol
 from gpushare_ext.broker.errors import DaemonError
 from gpushare_ext.control_block import ControlBlock
 from gpushare_ext.lease_state import LeaseState
-from gpushare_ext.protocol import PreemptionLevel
+from gpushare_ext.protocol import PreemptionLevel, applied_level
 
 
 class ActuatorError(DaemonError):
@@ -303,12 +303,12 @@ class Ladder:
                 level in (PreemptionLevel.YIELD, PreemptionLevel.ABORT)
                 and target.yield_flag is None
             )
+            simulated = self.control.kind == "simulated"
             if target.control_block is not None:
                 state = LeaseState.EVICTED if level == PreemptionLevel.EVICT else LeaseState.PAUSED
                 # A lock waits until the work already queued has run, gate waits included:
                 # a closed gate would hold that work for ever.  So the gate closes only
                 # where nothing is locked (levels 0-2, or a simulated GPU).
-                simulated = self.control.kind == "simulated"
                 target.control_block.publish(
                     gate_closed=simulated or not needs_lock,
                     state=state,
@@ -328,7 +328,7 @@ class Ladder:
                         offset,
                         int(level),
                     )
-                elif level in (PreemptionLevel.YIELD, PreemptionLevel.ABORT):
+                elif level in (PreemptionLevel.YIELD, PreemptionLevel.ABORT) and not simulated:
                     # Kernels already in flight would not stop: the lock is what stops them.
                     notes.append("no yield flag registered: locked instead")
             if needs_lock and target.pid not in self._locked:
@@ -339,7 +339,7 @@ class Ladder:
             if level == PreemptionLevel.EVICT and target.pid not in self._checkpointed:
                 await self._run(self.control.checkpoint, target.pid, target.device_index)
                 self._checkpointed.add(target.pid)
-            if self.control.kind == "simulated" and level >= PreemptionLevel.LOCK:
+            if applied_level(level, simulated) != level:
                 notes.append("simulated GPU: the process was gated, not locked")
             else:
                 notes.append("stopped by: " + ", ".join(_what_stopped(target, level, needs_lock)))

@@ -9,8 +9,9 @@ mapped, and for each ``%%gpu`` cell:
    the wait can be interrupted (the request is withdrawn) and can time out;
 2. binds the device (:mod:`binding`), sets the memory quota (:mod:`memory`) and the
    gate (:mod:`gate`), then runs the cell;
-3. shows "paused for a higher-priority session" and "resumed" notices in the output
-   area of the cell they concern while it runs;
+3. shows the broker's notices in the output area of the cell they concern, each once
+   and on one line: a priority the policy lowered, "paused for a higher-priority
+   session" (at the rung that holds it) and "resumed", a lease revoked;
 4. releases the lease when the cell ends, whatever the ending (error, interrupt).
 
 If the broker restarts, the session reconnects and reclaims its leases.
@@ -33,6 +34,7 @@ from gpushare_ext.control_block import ControlBlock, ControlBlockError
 from gpushare_ext.lease_state import ACTIVE, STOPPED, IllegalMove, LeaseState, check_move
 from gpushare_ext.paths import SYSTEM_SOCKET, default_socket_path
 from gpushare_ext.protocol import (
+    LEVEL_NAMES,
     PRIORITY_CLASSES,
     BrokerMessage,
     Capabilities,
@@ -49,6 +51,7 @@ from gpushare_ext.protocol import (
     Resume,
     Revoked,
     SliceWish,
+    applied_level,
     describe_priority,
     priority_value,
 )
@@ -193,6 +196,21 @@ def queue_line(handle: LeaseHandle, waited_s: float) -> str:
     )
 
 
+def pause_line(preempt: Preempt, simulated: bool, how: str) -> str:
+    """The cell's line for a pause: the rung that holds it, and the one the broker asked
+    for where that differs (a simulated GPU only gates), as ``gpushare status`` says."""
+    asked = preempt.level
+    applied = applied_level(asked, simulated)
+    rung = f"at ladder level {int(applied)}, {LEVEL_NAMES[applied]}"
+    if applied != asked:
+        rung += (
+            f" (level {int(asked)}, {LEVEL_NAMES[asked]}, was asked; "
+            "a simulated GPU is gated, not locked)"
+        )
+    line = f"gpushare: paused for a higher-priority session ({preempt.for_user}) {rung}"
+    return f"{line}; {how}" if how else line
+
+
 class GpuSession:
     """This kernel process's connection to the broker and its leases."""
 
@@ -286,8 +304,7 @@ class GpuSession:
             handle.revoked = "the broker restarted and did not give the lease back"
         handle.move(LeaseState.REVOKED)
         handle.changed.set()
-        if handle.output is not None:
-            handle.output.show(handle.display_key + "-revoked", f"gpushare: {handle.revoked}")
+        self._say_revoked(handle, f"gpushare: {handle.revoked}")
 
     def _open_control_block(self, path: str) -> None:
         if self.control_block is not None:
@@ -408,11 +425,29 @@ class GpuSession:
                     )
         self._start_reconnect()
 
+    @staticmethod
+    def _say_grant_notice(handle: LeaseHandle, granted: Granted) -> None:
+        """What the broker said of a grant (a priority the policy lowered): one line, once
+        (a lease is granted once; the line's key keeps it one line all the same)."""
+        if not granted.notice:
+            return
+        handle.note(granted.notice)
+        if handle.output is not None:
+            handle.output.show(handle.display_key + "-notice", f"gpushare: {granted.notice}")
+
+    @staticmethod
+    def _say_revoked(handle: LeaseHandle, text: str) -> None:
+        """A line for a lease taken away.  A request still waiting gets none: the error
+        its cell ends with says the same, and two lines would tell one thing twice."""
+        if handle.output is not None and handle.placement is not None:
+            handle.output.show(handle.display_key + "-revoked", text)
+
     def _apply_notice(self, handle: LeaseHandle, message: BrokerMessage) -> None:
         if isinstance(message, Granted):
             handle.placement = message.placement
             handle.move(LeaseState.RUNNING)
             handle.note("granted")
+            self._say_grant_notice(handle, message)
         elif isinstance(message, Queued):
             handle.queued = message
             handle.note(f"queued at position {message.position}")
@@ -426,11 +461,7 @@ class GpuSession:
                 return
             handle.paused_since = time.time()
             handle.note(f"paused at level {int(message.level)} for {message.for_user}")
-            how = self.protection()
-            handle.pause_text = (
-                f"gpushare: paused for a higher-priority session ({message.for_user}) "
-                f"at ladder level {int(message.level)}" + (f"; {how}" if how else "")
-            )
+            handle.pause_text = pause_line(message, self.simulated, self.protection())
             if handle.output is not None:
                 handle.output.show(handle.display_key + "-pause", handle.pause_text + " ...")
         elif isinstance(message, Resume):
@@ -448,10 +479,7 @@ class GpuSession:
         elif isinstance(message, Revoked):
             handle.revoked = message.reason
             handle.move(LeaseState.REVOKED)
-            if handle.output is not None:
-                handle.output.show(
-                    handle.display_key + "-revoked", f"gpushare: lease revoked: {message.reason}"
-                )
+            self._say_revoked(handle, f"gpushare: lease revoked: {message.reason}")
         elif isinstance(message, Released):
             handle.move(LeaseState.RELEASED)
         handle.changed.set()
@@ -493,8 +521,7 @@ class GpuSession:
             )
             handle.move(LeaseState.REVOKED)
             handle.changed.set()
-            if handle.output is not None:
-                handle.output.show(handle.display_key + "-revoked", f"gpushare: {handle.revoked}")
+            self._say_revoked(handle, f"gpushare: {handle.revoked}")
 
     # ---- leases
 
@@ -548,6 +575,8 @@ class GpuSession:
                 self.leases[reply.lease_id] = handle
                 early = self._early.pop(reply.lease_id, [])
             break
+        if isinstance(reply, Granted):
+            self._say_grant_notice(handle, reply)
         for message in early:
             self._apply_notice(handle, message)
         try:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
-from gpushare_ext.broker.actuators import Ladder, Target, _what_stopped
+import pytest
+
+from gpushare_ext.broker.actuators import Ladder, SimulatedProcessControl, Target, _what_stopped
 from gpushare_ext.control_block import ControlBlock
-from gpushare_ext.protocol import PreemptionLevel
+from gpushare_ext.protocol import PreemptionLevel, applied_level
 
 
 class RecordingControl:
@@ -57,3 +60,33 @@ def test_without_a_control_block_or_flag_only_the_lock_is_named():
         "checkpoint to host",
     ]
     assert _what_stopped(target, PreemptionLevel.GATE, False) == ["nothing (no way to stop it)"]
+
+
+@pytest.mark.parametrize("level", list(PreemptionLevel)[1:], ids=lambda level: level.name)
+def test_on_a_simulated_gpu_every_level_above_the_gate_is_said_to_have_gated(
+    level: PreemptionLevel, tmp_path: Path
+):
+    block = ControlBlock.create(tmp_path / "s.cb")
+    ladder = Ladder(SimulatedProcessControl())
+    # this very process: the simulated lock wants a live pid, and touches none
+    target = Target(lease_id="L1", pid=os.getpid(), device_index=0, control_block=block)
+
+    note = asyncio.run(ladder.apply(target, level, "a high cell", None))
+
+    assert note == "simulated GPU: the process was gated, not locked"
+    assert applied_level(level, simulated=True) == PreemptionLevel.GATE
+    assert block.gate_closed  # the one rung that is real there
+    asyncio.run(ladder.undo(target, level))
+    block.close()
+
+
+def test_on_a_simulated_gpu_the_gate_asked_is_the_gate_applied(tmp_path: Path):
+    block = ControlBlock.create(tmp_path / "s.cb")
+    target = Target(lease_id="L1", pid=os.getpid(), device_index=0, control_block=block)
+
+    note = asyncio.run(
+        Ladder(SimulatedProcessControl()).apply(target, PreemptionLevel.GATE, "", None)
+    )
+
+    assert note == "stopped by: launches held"
+    block.close()

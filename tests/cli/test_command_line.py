@@ -4,6 +4,7 @@ before anything starts."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -81,3 +82,45 @@ def test_an_unknown_argument_is_reported_by_the_command_it_was_given_to(argv, us
     assert result.stdout == ""
     assert result.stderr.startswith(usage), result.stderr
     assert result.stderr.splitlines()[-1] == error
+
+
+def test_a_broker_with_an_unknown_inventory_is_bad_usage_naming_the_fixtures(tmp_path):
+    result = gpushare(
+        "broker", "--simulate", "nosuch",
+        "--socket", str(tmp_path / "b.sock"), "--journal", str(tmp_path / "j.sqlite"),
+    )  # fmt: skip
+
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr == (
+        "gpushare: --simulate: no inventory file 'nosuch'; give a JSON path or one of "
+        f"the shipped fixtures: {', '.join(shipped_fixtures())}\n"
+    )
+    assert list(tmp_path.iterdir()) == []  # no socket, no journal: nothing started
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        # more than a pipe buffer's worth: the write itself fails
+        ["mig", "plan", "--simulate", "h200-mig-mixed", "--demand", "8GiB,40GiB", "--json"],
+        # a few lines, still buffered when the command returns: the flush fails
+        ["mig", "plan", "--simulate", "h200-mig-empty", "--demand", "8GiB"],
+        # printed by argparse, which then exits
+        ["--version"],
+    ],
+    ids=["json", "text", "version"],
+)
+def test_output_into_a_closed_pipe_ends_quietly_with_the_sigpipe_status(argv):
+    reader, writer = os.pipe()
+    os.close(reader)  # the reader has gone before the first byte (as ``| head -c 0`` would)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "gpushare_ext.cli", *argv],
+            stdout=writer, stderr=subprocess.PIPE, text=True, timeout=60,
+        )  # fmt: skip
+    finally:
+        os.close(writer)
+
+    assert result.stderr == ""
+    assert result.returncode == 141

@@ -1,0 +1,176 @@
+"""What the broker tells a session, as the cell shows it: each notice once, one line, true.
+
+Real kernels (jupyter_client, IPC transport) against real ``gpushare broker --simulate
+h200`` subprocesses:
+
+* a priority the policy lowered is said in the cell, whether the grant came at once or
+  after a wait in the queue, and with the built-in policy a 299 cell runs at 250;
+* a pause on the simulated GPU says the rung the broker applied (the gate), the level
+  it was asked for, and agrees with ``gpushare status``;
+* an admin's cancel is one line: its own in a running cell, and in a waiting cell the
+  error the cell ends with (not that and a second line saying the same).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from runtime_helpers import ME, cli_status_json, holding_cell, wait_for
+
+from gpushare_ext.protocol import PRIORITY_CLASSES, LeaseState
+
+LOWERING_POLICY = """
+[broker]
+sharing = "exclusive"
+
+[defaults]
+max_priority = "normal"
+"""
+
+
+def lines_with(run, text: str) -> list[str]:
+    """The lines of the cell's final output that contain ``text``."""
+    return [line for line in run.final_text().splitlines() if text in line]
+
+
+def times_shown(run, text: str) -> int:
+    """How many displays (first shows and updates) carried ``text``."""
+    return sum(1 for _, shown in run.shown if text in shown)
+
+
+def test_a_priority_the_policy_lowered_is_one_line_in_the_cell_granted_at_once_or_later(
+    extra_broker, kernels, monkeypatch, tmp_path
+):
+    broker = extra_broker(LOWERING_POLICY)
+    monkeypatch.setenv("GPUSHARE_SOCKET", str(broker.socket))
+    holder, waiter = kernels(2)
+    for kernel in (holder, waiter):
+        kernel.run("%load_ext gpushare_ext").ok()
+    notice = "gpushare: priority lowered from high to normal by policy"
+    release = tmp_path / "release"
+
+    held = holder.submit(holding_cell(release, priority="high"))
+    held.wait_shown("holding since")
+    waiting = waiter.submit("%%gpu priority=high\nprint('ran')")
+    waiting.wait_shown("queued: position 1")
+    (queued,) = [lease for lease in broker.leases() if lease.state == LeaseState.QUEUED]
+    assert queued.priority == PRIORITY_CLASSES["normal"]
+    release.touch()
+
+    held.ok()
+    waiting.ok()
+    for run in (held, waiting):  # granted at once, and granted after the queue
+        assert lines_with(run, "priority lowered") == [notice], run.describe()
+        assert times_shown(run, "priority lowered") == 1, run.describe()
+    assert "ran" in waiting.final_text()
+
+
+def test_with_the_built_in_policy_a_299_cell_runs_at_250_and_says_so(on_broker, kernels, tmp_path):
+    (kernel,) = kernels(1)
+    kernel.run("%load_ext gpushare_ext").ok()
+    release = tmp_path / "release"
+
+    cell = kernel.submit(holding_cell(release, priority="299"))
+
+    cell.wait_shown("holding since")
+    (lease,) = on_broker.leases_of(kernel.pid)
+    assert lease.priority == PRIORITY_CLASSES["high"] == 250
+    release.touch()
+    cell.ok()
+    assert lines_with(cell, "priority lowered") == [
+        "gpushare: priority lowered from high (299) to high by policy"
+    ], cell.describe()
+
+
+def test_a_pause_on_the_simulated_gpu_says_the_rung_applied_as_status_does(
+    on_broker, kernels, tmp_path
+):
+    low, high = kernels(2)
+    for kernel in (low, high):
+        kernel.run("%load_ext gpushare_ext").ok()
+    low_release, high_release = tmp_path / "low", tmp_path / "high"
+    paused = low.submit(holding_cell(low_release, priority="low"))
+    paused.wait_shown("holding since")
+
+    urgent = high.submit(holding_cell(high_release, priority="high"))
+    urgent.wait_shown("holding since")
+
+    line = paused.wait_shown("gpushare: paused for a higher-priority session")
+    (view,) = wait_for(
+        lambda: [
+            lease
+            for lease in on_broker.leases_of(low.pid)
+            if lease.state == LeaseState.PAUSED and "gated, not locked" in lease.reason
+        ],
+        "gpushare status to say what the ladder applied to the paused cell",
+    )
+    assert view.preemption_level == 3  # asked for the process lock ...
+    assert "simulated GPU: the process was gated, not locked" in view.reason
+    # ... and the cell says both, as status does: asked the lock, applied the gate.
+    assert line.startswith(
+        "gpushare: paused for a higher-priority session (" + ME + ") at ladder level 0, the "
+        "gate (level 3, the process lock, was asked; a simulated GPU is gated, not locked)"
+    ), line
+    assert "\n" not in line
+    high_release.touch()
+    urgent.ok()
+    low_release.touch()
+    paused.ok()
+    resumed = lines_with(paused, "resumed after")
+    assert len(resumed) == 1 and "at ladder level 0, the gate (" in resumed[0], paused.describe()
+
+
+def admin_cancel(broker, lease_id: str) -> None:
+    """``gpushare admin cancel LEASE`` as an admin runs it (root is one)."""
+    cancel = subprocess.run(
+        [sys.executable, "-m", "gpushare_ext.cli", "admin", "cancel", lease_id,
+         "--socket", str(broker.socket)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert cancel.returncode == 0, cancel.stderr
+    assert cancel.stdout == f"lease {lease_id} cancelled\n"
+
+
+def test_an_admin_cancel_of_a_running_cell_is_one_line_in_it(on_broker, kernels, tmp_path):
+    (kernel,) = kernels(1)
+    kernel.run("%load_ext gpushare_ext").ok()
+    release = tmp_path / "release"
+    cell = kernel.submit(holding_cell(release, priority="normal"))
+    cell.wait_shown("holding since")
+    (lease,) = on_broker.leases_of(kernel.pid)
+
+    admin_cancel(on_broker, lease.lease_id)
+
+    line = cell.wait_shown("gpushare: lease revoked")
+    assert line == "gpushare: lease revoked: cancelled by an admin", line
+    assert not [
+        entry for entry in cli_status_json(on_broker.socket)["leases"] if entry["pid"] == kernel.pid
+    ]
+    release.touch()
+    cell.ok()
+    assert len(lines_with(cell, "revoked")) == 1, cell.describe()
+    assert times_shown(cell, "revoked") == 1, cell.describe()
+
+
+def test_an_admin_cancel_of_a_waiting_cell_is_its_one_error_line(on_broker, kernels, tmp_path):
+    holder, waiter = kernels(2)
+    for kernel in (holder, waiter):
+        kernel.run("%load_ext gpushare_ext").ok()
+    release = tmp_path / "release"
+    held = holder.submit(holding_cell(release, priority="high"))
+    held.wait_shown("holding since")
+    waiting = waiter.submit("%%gpu priority=low\nside_effect = 'the body ran'")
+    waiting.wait_shown("queued: position 1")
+    (request,) = on_broker.leases_of(waiter.pid)
+
+    admin_cancel(on_broker, request.lease_id)
+
+    waiting.wait()
+    assert waiting.status == "error", waiting.describe()
+    assert lines_with(waiting, "revoked") == [
+        "UsageError: gpushare: request revoked: cancelled by an admin"
+    ], waiting.describe()
+    assert "NameError" in waiter.run("side_effect").final_text()
+    release.touch()
+    held.ok()
