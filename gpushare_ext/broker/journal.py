@@ -13,6 +13,12 @@ The journal is private to the broker: its directory is created 0700 and the data
 directory another user could write is refused.  Ended leases, undone actuations and
 history are pruned (:meth:`Journal.prune`), so it stays small on a busy host.
 
+A broker checkpoints the WAL mostly on a thread of its own
+(:meth:`Journal.checkpoint_in_background`, :mod:`~gpushare_ext.broker.checkpointer`):
+SQLite's automatic checkpoint would copy and sync inside whichever commit crossed its
+limit, on the event loop.  Commits are unchanged by it: each is in the WAL when it
+returns.
+
 The journal must not decide anything: it records and answers queries.
 """
 
@@ -23,9 +29,11 @@ import json
 import os
 import sqlite3
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpushare_ext.broker.checkpointer import EVERY_S, WalCheckpointer
 from gpushare_ext.broker.errors import DaemonError
 from gpushare_ext.safe_fs import UnsafePathError, open_private_file, trusted_directory
 
@@ -161,6 +169,7 @@ class Journal:
             self._migrate()
         except sqlite3.DatabaseError as exc:
             raise JournalError(f"cannot use the journal {self.path}: {exc}") from None
+        self._checkpointer: WalCheckpointer | None = None
 
     def _migrate(self) -> None:
         """Journals of version 1 kept running leases in ``leases``: carry the open ones over."""
@@ -180,7 +189,32 @@ class Journal:
             self._db.execute("DROP TABLE leases")
         self.set_meta("schema", SCHEMA_VERSION)
 
+    def checkpoint_in_background(
+        self, call_soon: Callable[[Callable[[], None]], object], *, every_s: float = EVERY_S
+    ) -> WalCheckpointer:
+        """Checkpoint the WAL in rounds from now on, never inside a commit: each on a
+        thread but for a last short step, which ``call_soon`` (the event loop's
+        ``call_soon_threadsafe``) runs on this journal's thread.  ``close`` stops it."""
+        if self._checkpointer is None:
+            checkpointer = WalCheckpointer(
+                self.path, self._finish_checkpoint, call_soon, every_s=every_s
+            )
+            try:
+                self._db.execute("PRAGMA wal_autocheckpoint=0")
+                checkpointer.start()
+            except sqlite3.Error as exc:
+                raise JournalError(f"cannot checkpoint the journal {self.path}: {exc}") from None
+            self._checkpointer = checkpointer
+        return self._checkpointer
+
+    def _finish_checkpoint(self) -> None:
+        if self._checkpointer is not None:  # not once the journal is closed
+            self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+
     def close(self) -> None:
+        if self._checkpointer is not None:
+            self._checkpointer.stop()
+            self._checkpointer = None
         with contextlib.suppress(sqlite3.Error):
             self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         self._db.close()

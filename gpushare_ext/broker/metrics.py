@@ -1,10 +1,11 @@
 """Prometheus metrics of one broker, served on an opt-in port (loopback by default).
 
-The server calls the ``observe_*`` methods as things happen and ``refresh`` with each
-snapshot; nothing here decides anything.  The HTTP side is prometheus_client's WSGI app
-in a threading ``wsgiref`` server on a daemon thread, behind a bearer-token check when
-the config names a token file.  This module must not read the config or reach into the
-scheduler: the server hands it a port, an address and a token.
+The server calls the ``observe_*`` methods as things happen and ``refresh`` once a
+second with the leases counted; nothing here decides anything.  The HTTP side is
+prometheus_client's WSGI app in a threading ``wsgiref`` server on a daemon thread,
+behind a bearer-token check when the config names a token file.  This module must not
+read the config or reach into the scheduler: the server hands it a port, an address,
+a token and the counts.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import os
 import socket
 import stat
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -22,7 +24,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 from gpushare_ext.broker.policy import PolicyError
-from gpushare_ext.protocol import LeaseState, Snapshot, priority_class
+from gpushare_ext.protocol import LeaseState, priority_class
 
 _MAX_TOKEN_BYTES = 4096
 _UNAUTHORIZED_BODY = b"401 Unauthorized: send the broker's metrics token as a bearer token\n"
@@ -104,6 +106,16 @@ def _server_class(address: str, port: int) -> type[_ThreadingServer]:
         address_family = family
 
     return Server
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceMemory:
+    """One device's memory gauges."""
+
+    index: int
+    used_bytes: int
+    leased_bytes: int
+    total_bytes: int
 
 
 class BrokerMetrics:
@@ -214,16 +226,20 @@ class BrokerMetrics:
     def observe_priority_lowered(self) -> None:
         self.priority_lowered.inc()
 
-    def refresh(self, snapshot: Snapshot) -> None:
-        counts = {state.value: 0 for state in LeaseState}
-        for lease in snapshot.leases:
-            counts[lease.state.value] += 1
-        for state, count in counts.items():
-            self.leases.labels(state).set(count)
+    def refresh(
+        self,
+        leases: Mapping[str, int],
+        queue_by_priority: Mapping[str, int],
+        devices: Iterable[DeviceMemory],
+    ) -> None:
+        """The gauges: active leases per state, queued ones per priority class, and the
+        memory of each device (a state or class not named counts 0)."""
+        for state in LeaseState:
+            self.leases.labels(state.value).set(leases.get(state.value, 0))
         for name in ("low", "normal", "high"):
-            self.queue_length.labels(name).set(snapshot.queue_by_priority.get(name, 0))
-        for device in snapshot.devices:
-            label = str(device.info.index)
-            self.device_memory_used.labels(label).set(device.memory_used_mib * 1024 * 1024)
-            self.device_memory_leased.labels(label).set(device.memory_leased_mib * 1024 * 1024)
-            self.device_memory_total.labels(label).set(device.info.memory_total_mib * 1024 * 1024)
+            self.queue_length.labels(name).set(queue_by_priority.get(name, 0))
+        for device in devices:
+            label = str(device.index)
+            self.device_memory_used.labels(label).set(device.used_bytes)
+            self.device_memory_leased.labels(label).set(device.leased_bytes)
+            self.device_memory_total.labels(label).set(device.total_bytes)

@@ -3,8 +3,10 @@
 It reads top to bottom like uvicorn's server: :meth:`Broker.startup` (safe places for
 the socket and control blocks, journal recovery, the socket), :meth:`Broker.main_loop`
 (clients, and a 1 Hz tick that reaps dead processes and detached leases, samples
-devices, feeds the memory watchdog and prunes the journal), :meth:`Broker.shutdown`
-(stop accepting, let ladder steps finish, undo every actuator, tell clients, close).
+devices, feeds the memory watchdog, prunes the journal and sets the gauges from counts
+of the leases), :meth:`Broker.shutdown` (stop accepting, let ladder steps finish, undo
+every actuator, tell clients, close).  The journal's WAL is checkpointed on a thread
+of its own from the end of startup on (:mod:`~gpushare_ext.broker.checkpointer`).
 Signal handlers only set flags; a second SIGINT/SIGTERM forces the exit.
 
 This module is the lifecycle and the connection loop only.  Messages become events in
@@ -59,14 +61,13 @@ from gpushare_ext.broker.places import (
 from gpushare_ext.broker.policy import PolicyError
 from gpushare_ext.broker.recovery import recover, same_process
 from gpushare_ext.broker.requests import Requests
-from gpushare_ext.broker.views import snapshot
+from gpushare_ext.broker.views import Tally, tally
 from gpushare_ext.paths import BrokerPaths
 from gpushare_ext.protocol import (
     BrokerMessage,
     Error,
     ErrorCode,
     FrameReader,
-    LeaseState,
     ProtocolError,
     decode_client_message,
     encode_frame,
@@ -149,6 +150,8 @@ class Broker:
         self.salt = self.journal.meta("salt") or secrets.token_hex(8)
         self.journal.set_meta("salt", self.salt)
         recover(self)
+        # From here on no commit waits for a checkpoint of the whole WAL.
+        self.journal.checkpoint_in_background(asyncio.get_running_loop().call_soon_threadsafe)
         self._reclaim_deadline = time.monotonic() + self.config.reclaim_grace_s
         self._server = await asyncio.start_unix_server(
             self._client_connected, sock=listener, limit=1 << 20
@@ -245,12 +248,16 @@ class Broker:
 
     def _tick(self) -> None:
         now = time.time()
+        alive: dict[int, bool] = {}  # sessions of one process: one look at it
         for conn in list(self.connections.values()):
-            if not pid_alive(conn.pid):
+            if conn.pid not in alive:
+                alive[conn.pid] = pid_alive(conn.pid)
+            if not alive[conn.pid]:
                 self._session_gone(conn, "its process ended")
         self._reap_detached(now)
+        counts: Tally | None = None  # the leases as they are now, once counted
         if isinstance(self.inventory, SimulatedInventory):
-            self._feed_simulated_usage()
+            counts = self._feed_simulated_usage()
         try:
             readings = self.inventory.readings()
         except Exception as exc:  # NVML can fail transiently; keep serving
@@ -263,19 +270,23 @@ class Broker:
             self.history[reading.index].append(reading.utilization_pct)
             if self.inventory.kind == "nvml":
                 for process in reading.processes:
+                    counts = None
                     self.dispatch(
                         core.MemoryObserved(
                             now=now, pid=process.pid, used_bytes=process.used_mib * MIB
                         )
                     )
-        self.dispatch(core.Tick(now=now))
+        if self.dispatch(core.Tick(now=now)):
+            counts = None  # the tick moved leases: they are counted again below
         if time.monotonic() >= self._next_prune:
             self._next_prune = time.monotonic() + PRUNE_EVERY_S
             self.journal.prune(self.config.journal_keep_hours * 3600.0, now)
             self.ladder.forget_idle()
-        # Gauges follow the snapshot once a second: scrapers are slower than that, and a
-        # snapshot per event would put its cost on every request.
-        self.metrics.refresh(snapshot(self, None))
+        # Gauges follow the leases once a second: scrapers are slower than that.  Counts,
+        # not a snapshot: a view of every lease would stall the loop as the host fills.
+        if counts is None:
+            counts = tally(self)
+        self.metrics.refresh(counts.by_state, counts.queued, counts.device_memory(self))
 
     def _reap_detached(self, now: float) -> None:
         """Restored leases end when their process dies or the grace period is over."""
@@ -293,18 +304,15 @@ class Broker:
             with contextlib.suppress(core.SchedulerError):
                 self.dispatch(core.SessionClosed(now=now, session_id=session_id, reason=reason))
 
-    def _feed_simulated_usage(self) -> None:
+    def _feed_simulated_usage(self) -> Tally:
+        """The simulated devices show what their leases hold; returns the leases counted."""
         assert isinstance(self.inventory, SimulatedInventory)
+        counts = tally(self)
         for device in self.devices:
-            used, busy = 0, False
-            for lease in self.scheduler.active_leases():
-                slot = self.scheduler.slots.get(lease.slot or "")
-                if slot is None or slot.device_index != device.index:
-                    continue
-                if lease.state in (LeaseState.RUNNING, LeaseState.PAUSED):
-                    used += lease.memory_bytes // MIB
-                busy = busy or lease.state == LeaseState.RUNNING
-            self.inventory.set_usage(device.index, used, busy)
+            self.inventory.set_usage(
+                device.index, counts.leased_mib[device.index], device.index in counts.busy
+            )
+        return counts
 
     # ------------------------------------------------------------ connections
 

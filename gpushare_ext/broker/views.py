@@ -2,7 +2,9 @@
 
 Users see their own leases in full; others appear as ``user-xxxx`` (a salted hash of
 the uid) without pid, notebook or label; admins see everything.  The snapshot feeds
-``gpushare status``, the widget, the JupyterLab panel and the metrics.
+``gpushare status``, the widget and the JupyterLab panel.  The once-a-second tick reads
+:func:`tally` instead: counts of the active leases in one pass, without a view of each
+(a snapshot of a thousand leases held up the event loop for 10-15 ms).
 
 It reads broker state and changes nothing.
 """
@@ -12,10 +14,13 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gpushare_ext.broker import core
 from gpushare_ext.broker.inventory import MIB
+from gpushare_ext.broker.metrics import DeviceMemory
 from gpushare_ext.broker.peers import Connection
 from gpushare_ext.protocol import DeviceView, LeaseState, LeaseView, Snapshot, priority_class
 
@@ -152,3 +157,79 @@ def snapshot(broker: Broker, viewer: Connection | None) -> Snapshot:
         queue_by_priority=queue_counts,
         notes=_notes(broker),
     )
+
+
+@dataclass(kw_only=True)
+class Tally:
+    """The active leases counted, per state, per queued priority class and per device."""
+
+    by_state: dict[str, int] = field(default_factory=dict)
+    queued: Counter[str] = field(default_factory=Counter)  # priority class -> queued leases
+    leased_bytes: Counter[int] = field(default_factory=Counter)  # device -> running, paused
+    leased_mib: Counter[int] = field(default_factory=Counter)  # the same, each lease in whole MiB
+    busy: set[int] = field(default_factory=set)  # devices with a running lease
+
+    def device_memory(self, broker: Broker) -> list[DeviceMemory]:
+        """Memory used, leased and in all per device, as the snapshot's device views say."""
+        rows = []
+        for device in broker.devices:
+            reading = broker.readings.get(device.index)
+            rows.append(
+                DeviceMemory(
+                    index=device.index,
+                    used_bytes=(reading.memory_used_mib if reading else 0) * MIB,
+                    leased_bytes=self.leased_bytes[device.index] // MIB * MIB,
+                    total_bytes=device.memory_total_mib * MIB,
+                )
+            )
+        return rows
+
+
+def tally(broker: Broker) -> Tally:
+    """The counts the tick needs (gauges, simulated usage), in one pass over the leases.
+
+    It compares states with local names rather than keying dicts by them: an enum's
+    members are slow to look up and to hash, and this runs over every lease."""
+    scheduler = broker.scheduler
+    queued_state, running_state, paused_state, evicted_state = (
+        LeaseState.QUEUED, LeaseState.RUNNING, LeaseState.PAUSED, LeaseState.EVICTED,
+    )  # fmt: skip
+    running = paused = evicted = 0
+    queued: list[int] = []  # their base priorities
+    slots: dict[str | None, list[int]] = {}  # slot -> [bytes, whole MiB, running leases]
+    for lease in scheduler.leases.values():
+        state = lease.state
+        if state == running_state:
+            running += 1
+        elif state == paused_state:
+            paused += 1
+        else:
+            if state == queued_state:
+                queued.append(lease.base_priority)
+            elif state == evicted_state:
+                evicted += 1
+            continue
+        load = slots.get(lease.slot)
+        if load is None:
+            load = slots[lease.slot] = [0, 0, 0]
+        load[0] += lease.memory_bytes
+        load[1] += lease.memory_bytes // MIB
+        load[2] += state == running_state
+    counts = Tally(
+        by_state={
+            LeaseState.QUEUED.value: len(queued),
+            LeaseState.RUNNING.value: running,
+            LeaseState.PAUSED.value: paused,
+            LeaseState.EVICTED.value: evicted,
+        },
+        queued=Counter(priority_class(priority) for priority in queued),
+    )
+    for key, (held, held_mib, holders_running) in slots.items():
+        slot = scheduler.slots.get(key or "")
+        if slot is None:
+            continue
+        counts.leased_bytes[slot.device_index] += held
+        counts.leased_mib[slot.device_index] += held_mib
+        if holders_running:
+            counts.busy.add(slot.device_index)
+    return counts

@@ -33,6 +33,7 @@ from gpushare_ext.protocol import (
     ErrorCode,
     Granted,
     Hello,
+    LeaseState,
     Ok,
     Queued,
     Refused,
@@ -411,6 +412,73 @@ def test_metrics_show_leases_queue_and_preemptions(start_broker):
             lambda: next((t for t in [_metrics(port)] if all(e in t for e in expected)), None)
         )
         assert text, _metrics(port)
+
+
+TICK_GAUGES = ("gpushare_leases", "gpushare_queue_length", "gpushare_device_memory_")
+
+
+def _gauges(port: int) -> dict[tuple[str, str], float]:
+    """(gauge, its one label's value) -> value, for the gauges the tick sets."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = {}
+    for family in text_string_to_metric_families(_metrics(port)):
+        if not family.name.startswith(TICK_GAUGES):
+            continue
+        for sample in family.samples:
+            [label] = sample.labels.values()
+            found[(sample.name, label)] = sample.value
+    return found
+
+
+def _gauges_of(snapshot) -> dict[tuple[str, str], float]:
+    """The gauges a snapshot implies: leases by state, queue by class, device memory."""
+    expected = {("gpushare_leases", state.value): 0.0 for state in LeaseState}
+    for lease in snapshot.leases:
+        expected[("gpushare_leases", lease.state.value)] += 1
+    for name, count in snapshot.queue_by_priority.items():
+        expected[("gpushare_queue_length", name)] = float(count)
+    for device in snapshot.devices:
+        label = str(device.info.index)
+        for gauge, mib in (
+            ("used", device.memory_used_mib),
+            ("leased", device.memory_leased_mib),
+            ("total", device.info.memory_total_mib),
+        ):
+            expected[(f"gpushare_device_memory_{gauge}_bytes", label)] = float(mib * 1024 * 1024)
+    return expected
+
+
+def test_the_gauges_count_what_the_status_snapshot_shows(start_broker):
+    # The tick sets the gauges from counts of the leases, not from a snapshot: they
+    # must still say what a snapshot says, in every state a lease can be in.
+    port = free_port()
+    running = start_broker(metrics_port=port)
+    with (
+        BrokerClient(running.socket) as trainer,
+        BrokerClient(running.socket) as explorer,
+        BrokerClient(running.socket) as waiter,
+        BrokerClient(running.socket) as latecomer,
+    ):
+        # Running (paused by the high-priority one), running, and two queued, one low.
+        for client, priority, gib, answer in (
+            (trainer, 50, 90, Granted), (explorer, 250, 8, Granted),
+            (waiter, 150, 100, Queued), (latecomer, 50, 100, Queued),
+        ):  # fmt: skip
+            assert isinstance(
+                client.request_lease(priority=priority, memory_bytes=gib * GIB), answer
+            )
+
+        def agreed():
+            expected = _gauges_of(trainer.status())
+            return expected if _gauges(port) == expected else None
+
+        expected = wait_for(agreed, timeout=10)
+        assert expected, (_gauges(port), _gauges_of(trainer.status()))
+        states = {
+            key[1] for key, count in expected.items() if key[0] == "gpushare_leases" and count
+        }
+        assert {"running", "paused", "queued"} <= states
 
 
 # ------------------------------------------------------------------ many clients
