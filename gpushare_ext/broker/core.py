@@ -720,6 +720,8 @@ class Scheduler:
         lease.applied_level = event.level
         if event.level == PreemptionLevel.EVICT and lease.state == LeaseState.PAUSED:
             self._index.move(lease, LeaseState.EVICTED)
+            # Its process's device memory is on the host now: the last reading is stale.
+            self._seen.get(lease.slot or "", {}).pop(lease.identity.pid, None)
             lease.reason = lease.reason or "evicted for a higher-priority session"
             self._index.victim_done(lease.lease_id)
         return []

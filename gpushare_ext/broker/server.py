@@ -62,6 +62,7 @@ from gpushare_ext.broker.policy import PolicyError
 from gpushare_ext.broker.recovery import recover, same_process
 from gpushare_ext.broker.requests import Requests
 from gpushare_ext.broker.views import Tally, tally
+from gpushare_ext.devices import DeviceReading
 from gpushare_ext.paths import BrokerPaths
 from gpushare_ext.protocol import (
     BrokerMessage,
@@ -269,13 +270,8 @@ class Broker:
             self.readings[reading.index] = reading
             self.history[reading.index].append(reading.utilization_pct)
             if self.inventory.kind == "nvml":
-                for process in reading.processes:
-                    counts = None
-                    self.dispatch(
-                        core.MemoryObserved(
-                            now=now, pid=process.pid, used_bytes=process.used_mib * MIB
-                        )
-                    )
+                self._observe_processes(reading, now)
+                counts = None
         if self.dispatch(core.Tick(now=now)):
             counts = None  # the tick moved leases: they are counted again below
         if time.monotonic() >= self._next_prune:
@@ -287,6 +283,22 @@ class Broker:
         if counts is None:
             counts = tally(self)
         self.metrics.refresh(counts.by_state, counts.queued, counts.device_memory(self))
+
+    def _observe_processes(self, reading: DeviceReading, now: float) -> None:
+        """NVML's per-process memory to the core: each process against its leases' quota,
+        and what every process holds on a whole GPU, leased or not, for placement."""
+        for process in reading.processes:
+            self.dispatch(
+                core.MemoryObserved(now=now, pid=process.pid, used_bytes=process.used_mib * MIB)
+            )
+        whole_gpu = tuple(
+            (process.pid, process.used_mib * MIB)
+            for process in reading.processes
+            if process.mig_uuid is None
+        )
+        self.dispatch(
+            core.DeviceMemorySeen(now=now, device_index=reading.index, used_by_pid=whole_gpu)
+        )
 
     def _reap_detached(self, now: float) -> None:
         """Restored leases end when their process dies or the grace period is over."""

@@ -196,6 +196,15 @@ def queue_line(handle: LeaseHandle, waited_s: float) -> str:
     )
 
 
+def state_after_preempt(current: LeaseState, level: PreemptionLevel) -> LeaseState:
+    """Where a pause notice takes a handle.  A running lease asked for level 4 is paused
+    first, as the broker's core has it, and evicted once the checkpoint is done (a
+    paused lease asked for level 4); the state table has no running -> evicted."""
+    if level == PreemptionLevel.EVICT and current in STOPPED:
+        return LeaseState.EVICTED
+    return LeaseState.PAUSED
+
+
 def pause_line(preempt: Preempt, simulated: bool, how: str) -> str:
     """The cell's line for a pause: the rung that holds it, and the one the broker asked
     for where that differs (a simulated GPU only gates), as ``gpushare status`` says."""
@@ -455,8 +464,7 @@ class GpuSession:
             handle.refusal = message.message
             handle.move(LeaseState.REFUSED)
         elif isinstance(message, Preempt):
-            evicted = message.level == PreemptionLevel.EVICT
-            if not handle.move(LeaseState.EVICTED if evicted else LeaseState.PAUSED):
+            if not handle.move(state_after_preempt(handle.state, message.level)):
                 handle.changed.set()
                 return
             handle.paused_since = time.time()

@@ -25,9 +25,14 @@ from gpushare_ext.lease_state import (
     LeaseState,
     check_move,
 )
-from gpushare_ext.protocol import Capabilities, decode_client_message, encode_frame
+from gpushare_ext.protocol import (
+    Capabilities,
+    PreemptionLevel,
+    decode_client_message,
+    encode_frame,
+)
 from gpushare_ext.protocol import LeaseState as WireLeaseState
-from gpushare_ext.runtime.session import LeaseHandle, LeaseOptions
+from gpushare_ext.runtime.session import LeaseHandle, LeaseOptions, state_after_preempt
 
 PACKAGE = Path(lease_state.__file__).resolve().parent
 
@@ -160,3 +165,13 @@ def test_the_request_a_session_builds_reaches_the_core_as_it_was_sent():
         "0",
     )
     assert lease.label == "%%gpu priority=high" and not lease.lockable
+
+
+def test_a_pause_notice_at_any_level_moves_a_running_handle_by_the_table():
+    for level in PreemptionLevel:
+        handle = LeaseHandle(lease_id="L4", options=LeaseOptions(), output=None)
+        handle.move(LeaseState.RUNNING)
+        assert handle.move(state_after_preempt(handle.state, level)), (level, handle.events)
+        assert handle.state == LeaseState.PAUSED  # evicted only once it was paused
+        handle.move(state_after_preempt(handle.state, PreemptionLevel.EVICT))
+        assert handle.state == LeaseState.EVICTED

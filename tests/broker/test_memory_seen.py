@@ -4,10 +4,10 @@ memory a new lease cannot have."""
 
 from __future__ import annotations
 
-from scheduler_helpers import GIB, HIGH, Hub, of_type, only
+from scheduler_helpers import GIB, HIGH, LOW, Hub, of_type, only
 
 from gpushare_ext.broker import core
-from gpushare_ext.protocol import LeaseState
+from gpushare_ext.protocol import LeaseState, PreemptionLevel
 
 
 def _seen(hub: Hub, used: dict[int, int]) -> list[core.Action]:
@@ -63,3 +63,17 @@ def test_what_a_leased_process_holds_beyond_its_lease_is_counted_too():
     assert not of_type(hub.request(bo, "B1", memory=35 * GIB), core.Grant)
     hub.release(bo, "B1")
     assert of_type(hub.request(bo, "B2", memory=25 * GIB), core.Grant)
+
+
+def test_an_eviction_frees_what_was_seen_of_its_process_at_once():
+    hub = Hub()
+    low, high = hub.open("lo"), hub.open("hi")
+    hub.request(low, "L1", priority=LOW, memory=100 * GIB)
+    _seen(hub, {hub.pid_of(low): 101 * GIB})  # its lease and its CUDA context
+
+    actions = hub.request(high, "H1", priority=HIGH, memory=60 * GIB)
+    evict = [p for p in of_type(actions, core.Preempt) if p.level == PreemptionLevel.EVICT]
+    assert [p.lease_id for p in evict] == ["L1"]
+
+    actions = hub.applied("L1", PreemptionLevel.EVICT)  # before the next NVML reading
+    assert only(actions, core.Grant).lease_id == "H1"

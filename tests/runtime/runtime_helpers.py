@@ -19,6 +19,7 @@ Waits poll with generous deadlines: CI machines are small and loaded.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import pwd
@@ -523,3 +524,19 @@ def cli_status_json(socket_path: Path) -> dict:
     )  # fmt: skip
     assert done.returncode == 0, f"gpushare status failed: {done.stderr}"
     return json.loads(done.stdout)
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_missing_reason() -> str | None:
+    """Why the GPU tests here cannot run (None: a GPU with CuPy is there)."""
+    probe = "import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0"
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"no usable GPU: {exc}"
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["?"])[-1]
+        return f"no usable GPU (CuPy could not count devices: {last})"
+    return None

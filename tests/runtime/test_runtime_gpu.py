@@ -14,39 +14,21 @@ Skips cleanly without a usable GPU.  Failures print the broker's log and every c
 from __future__ import annotations
 
 import ast
-import functools
 import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 from runtime_helpers import (
     BrokerProcess,
     example_cells,
+    gpu_missing_reason,
     run_example,
     short_tempdir,
     wait_for,
 )
 
 from gpushare_ext.protocol import PRIORITY_CLASSES, LeaseState
-
-
-@functools.lru_cache(maxsize=1)
-def gpu_missing_reason() -> str | None:
-    probe = "import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0"
-    try:
-        done = subprocess.run(
-            [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"no usable GPU: {exc}"
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["?"])[-1]
-        return f"no usable GPU (CuPy could not count devices: {last})"
-    return None
-
 
 pytestmark = [
     pytest.mark.gpu,
