@@ -245,7 +245,7 @@ class Effects:
         if lease is not None:
             broker.journal.lease_state(
                 action.lease_id,
-                "evicted" if action.level == PreemptionLevel.EVICT else "paused",
+                LeaseState.EVICTED if action.level == PreemptionLevel.EVICT else LeaseState.PAUSED,
                 level=int(action.level),
                 paused_for=lease.paused_for,
                 reason=lease.reason,
@@ -270,7 +270,9 @@ class Effects:
     def resume(self, action: core.ResumeLease, reply: Reply) -> None:
         lease = self.broker.scheduler.lease_of(action.lease_id)
         self.broker.journal.lease_state(
-            action.lease_id, "running", aging_bonus=lease.aging_bonus if lease else None
+            action.lease_id,
+            LeaseState.RUNNING,
+            aging_bonus=lease.aging_bonus if lease else None,
         )
         target = self.target(action.lease_id, action.pid, None, device_index=action.device_index)
         self.spawn(
@@ -343,7 +345,7 @@ class Effects:
         if lease.state == LeaseState.EVICTED:
             broker.journal.lease_state(
                 action.lease_id,
-                "evicted",
+                LeaseState.EVICTED,
                 level=int(action.level),
                 paused_for=lease.paused_for,
                 reason=lease.reason,
@@ -377,7 +379,7 @@ class Effects:
         )
         lease = broker.scheduler.lease_of(action.lease_id)
         if lease is not None and lease.state == LeaseState.RUNNING:
-            broker.journal.lease_state(action.lease_id, "running", reason=lease.reason)
+            broker.journal.lease_state(action.lease_id, LeaseState.RUNNING, reason=lease.reason)
         conn = self._conn(action.session_id)
         if conn is not None and action.level != PreemptionLevel.EVICT:
             broker.send(

@@ -33,8 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpushare_ext.broker.checkpointer import EVERY_S, WalCheckpointer
+from gpushare_ext.broker.checkpointer import EVERY_S, LIMIT_BYTES, WalCheckpointer
 from gpushare_ext.broker.errors import DaemonError
+from gpushare_ext.lease_state import LeaseState
 from gpushare_ext.safe_fs import UnsafePathError, open_private_file, trusted_directory
 
 SCHEMA_VERSION = "2"
@@ -105,7 +106,7 @@ class JournaledLease:
     uid: int
     gid: int = 0
     start_ticks: int | None = None  # when the process started (so a reused pid is not it)
-    state: str = "running"  # queued, running, paused, evicted
+    state: LeaseState = LeaseState.RUNNING  # queued, running, paused or evicted
     slot: str | None = None
     priority: int = 150
     memory_bytes: int = 0
@@ -190,14 +191,22 @@ class Journal:
         self.set_meta("schema", SCHEMA_VERSION)
 
     def checkpoint_in_background(
-        self, call_soon: Callable[[Callable[[], None]], object], *, every_s: float = EVERY_S
+        self,
+        call_soon: Callable[[Callable[[], None]], object],
+        *,
+        every_s: float = EVERY_S,
+        limit_bytes: int = LIMIT_BYTES,
     ) -> WalCheckpointer:
-        """Checkpoint the WAL in rounds from now on, never inside a commit: each on a
-        thread but for a last short step, which ``call_soon`` (the event loop's
+        """Checkpoint the WAL on a thread from now on, never inside a commit, but for a
+        short step each ``limit_bytes`` of WAL that ``call_soon`` (the event loop's
         ``call_soon_threadsafe``) runs on this journal's thread.  ``close`` stops it."""
         if self._checkpointer is None:
             checkpointer = WalCheckpointer(
-                self.path, self._finish_checkpoint, call_soon, every_s=every_s
+                self.path,
+                self._finish_checkpoint,
+                call_soon,
+                every_s=every_s,
+                limit_bytes=limit_bytes,
             )
             try:
                 self._db.execute("PRAGMA wal_autocheckpoint=0")
@@ -271,7 +280,7 @@ class Journal:
     def lease_state(
         self,
         lease_id: str,
-        state: str,
+        state: LeaseState,
         *,
         level: int | None = None,
         paused_for: str = "",
@@ -305,7 +314,7 @@ class Journal:
                 start_ticks=r[2],
                 uid=r[3],
                 gid=r[4],
-                state=r[5],
+                state=LeaseState(r[5]),
                 slot=r[6],
                 priority=r[7],
                 memory_bytes=r[8],

@@ -1,8 +1,8 @@
 """The journal's WAL checkpoints off the event loop: bounded, complete, stopped at close.
 
 A stand-in for the event loop (a list of callbacks the test runs between commits)
-decides when the round's last step runs, so that nothing here depends on timing; one
-test runs a real asyncio loop in a child process and kills it with ``kill -9``.
+decides when the loop's step runs, so that nothing here depends on timing; one test
+runs a real asyncio loop in a child process and kills it with ``kill -9``.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ def _wal(journal: Journal) -> Path:
     return journal.path.with_name(journal.path.name + "-wal")
 
 
-def test_rounds_keep_the_wal_to_one_round_of_commits_and_lose_none(tmp_path):
+def test_the_loops_steps_keep_the_wal_to_the_commits_between_two_and_lose_none(tmp_path):
     journal = Journal(tmp_path / "state" / "journal.sqlite")
     pending: list[Callable[[], None]] = []
-    journal.checkpoint_in_background(pending.append, every_s=0.01)
+    journal.checkpoint_in_background(pending.append, every_s=0.001, limit_bytes=0)
     try:
         # Commits never pause but for the loop's step, as on a busy host: only that
         # step lets the WAL start anew.
@@ -51,10 +51,27 @@ def test_rounds_keep_the_wal_to_one_round_of_commits_and_lose_none(tmp_path):
                 pending.pop(0)()
                 per_round.append(since_step)
                 since_step = 0
-            assert time.monotonic() < deadline, f"only {len(per_round)} rounds in 120 s"
+            assert time.monotonic() < deadline, f"only {len(per_round)} steps in 120 s"
         longest = max([*per_round, since_step])
         assert _wal(journal).stat().st_size <= 32 + longest * MAX_FRAMES_PER_COMMIT * FRAME_BYTES
         assert len(journal.open_leases()) == written
+    finally:
+        journal.close()
+
+
+def test_the_loop_is_asked_for_its_step_only_once_the_wal_is_past_the_limit(tmp_path):
+    journal = Journal(tmp_path / "state" / "journal.sqlite")
+    pending: list[Callable[[], None]] = []
+    limit = 1024 * 1024
+    journal.checkpoint_in_background(pending.append, every_s=0.001, limit_bytes=limit)
+    try:
+        written = 0
+        deadline = time.monotonic() + 120
+        while not pending:
+            written += 1
+            journal.lease_recorded(_lease(f"L{written}"))
+            assert time.monotonic() < deadline, "the loop was never asked for its step"
+        assert _wal(journal).stat().st_size > limit
     finally:
         journal.close()
 
@@ -76,7 +93,7 @@ def test_closing_the_journal_stops_a_round_that_waits_for_the_loop(tmp_path):
     path = tmp_path / "state" / "journal.sqlite"
     journal = Journal(path)
     pending: list[Callable[[], None]] = []
-    checkpointer = journal.checkpoint_in_background(pending.append, every_s=0.01)
+    checkpointer = journal.checkpoint_in_background(pending.append, every_s=0.001, limit_bytes=0)
     journal.lease_recorded(_lease("L1"))
     assert wait_for(lambda: pending), "the round did not ask for the loop's step"
     assert checkpointer.running
@@ -101,20 +118,22 @@ from gpushare_ext.broker.journal import Journal, JournaledLease
 async def main():
     journal = Journal(sys.argv[1])
     loop = asyncio.get_running_loop()
-    checkpointer = journal.checkpoint_in_background(loop.call_soon_threadsafe, every_s=0.02)
+    checkpointer = journal.checkpoint_in_background(
+        loop.call_soon_threadsafe, every_s=0.005, limit_bytes=0
+    )
     n = 0
     while True:
         n += 1
         journal.lease_recorded(JournaledLease(lease_id=f"L{n}", pid=4242, uid=1000))
         if n % 50 == 0:
-            print(n, checkpointer.rounds, flush=True)  # L1..Ln are committed
+            print(n, checkpointer.loop_steps, flush=True)  # L1..Ln are committed
         await asyncio.sleep(0)
 
 asyncio.run(main())
 """
 
 
-def test_every_commit_reported_survives_kill_9_during_checkpoint_rounds(tmp_path):
+def test_every_commit_reported_survives_kill_9_while_checkpoints_run(tmp_path):
     path = tmp_path / "state" / "journal.sqlite"
     root = str(Path(gpushare_ext.__file__).parent.parent)
     child = subprocess.Popen(
@@ -127,8 +146,8 @@ def test_every_commit_reported_survives_kill_9_during_checkpoint_rounds(tmp_path
     try:
         assert child.stdout is not None
         for line in child.stdout:
-            committed, rounds = (int(word) for word in line.split())
-            if rounds >= 3 and committed >= 1000:
+            committed, steps = (int(word) for word in line.split())
+            if steps >= 3 and committed >= 1000:
                 break
         child.send_signal(signal.SIGKILL)
     finally:
