@@ -347,6 +347,9 @@ class DeviceView(msgspec.Struct, kw_only=True):
     utilization_pct: int
     utilization_history: list[int]
     holders: list[str]  # lease ids running or paused here
+    # Memory NVML sees held here beyond what leases declare, per user ("other processes"
+    # for processes of no session): idle notebooks' arrays, contexts, unknown programs.
+    memory_outside_leases_mib: dict[str, int] = {}
 
 
 class Snapshot(msgspec.Struct, kw_only=True):

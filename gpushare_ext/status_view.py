@@ -28,13 +28,22 @@ def _sparkline(values: list[int]) -> str:
     return "".join(bars[min(len(bars) - 1, v * len(bars) // 101)] for v in values[-30:])
 
 
+def _outside_leases(per_user: dict[str, int]) -> str:
+    """Memory held beyond the leases, biggest first: "ada 12 GiB, other processes 1 GiB"."""
+    if not per_user:
+        return "-"
+    biggest = sorted(per_user.items(), key=lambda item: (-item[1], item[0]))
+    return ", ".join(f"{who} {format_size(mib << 20)}" for who, mib in biggest)
+
+
 def build_tables(snapshot: Snapshot) -> list[Table]:
     head = Table(
         title=f"gpushare on {snapshot.node} ({snapshot.mode} broker, {snapshot.inventory})",
         show_header=True,
         header_style="bold",
     )
-    for column in ("GPU", "name", "memory used / leased / total", "SMs", "util", "MIG", "state"):
+    columns = ("GPU", "name", "memory used / leased / total", "outside leases", "SMs", "util")
+    for column in (*columns, "MIG", "state"):
         head.add_column(column)
     for device in snapshot.devices:
         info = device.info
@@ -46,6 +55,7 @@ def build_tables(snapshot: Snapshot) -> list[Table]:
             info.name + (" (simulated)" if info.simulated else ""),
             f"{format_size(device.memory_used_mib << 20)} / {format_size(device.memory_leased_mib << 20)}"
             f" / {format_size(info.memory_total_mib << 20)}",
+            _outside_leases(device.memory_outside_leases_mib),
             str(info.multiprocessor_count),
             f"{device.utilization_pct}% {_sparkline(device.utilization_history)}",
             mig,

@@ -800,11 +800,12 @@ class Scheduler:
         process without a lease).  With ``asking``, that lease is counted as granted: a
         process asking for memory it already holds (a notebook's cached arrays) is not
         asked to find it twice."""
-        seen = self._seen.get(key)
-        if not seen:
-            return 0
-        beyond = 0
-        for pid, used in seen.items():
+        return sum(self.unleased_by_pid(key, asking).values())
+
+    def unleased_by_pid(self, key: str, asking: Lease | None = None) -> dict[int, int]:
+        """:meth:`unleased_memory` per process (only those holding some)."""
+        beyond: dict[int, int] = {}
+        for pid, used in self._seen.get(key, {}).items():
             declared = sum(
                 lease.memory_bytes
                 for lease in self._index.by_pid.get(pid, {}).values()
@@ -813,7 +814,8 @@ class Scheduler:
             counted = asking is not None and asking.state in (LeaseState.RUNNING, LeaseState.PAUSED)
             if asking is not None and asking.identity.pid == pid and not counted:
                 declared += asking.memory_bytes
-            beyond += max(0, used - declared)
+            if used > declared:
+                beyond[pid] = used - declared
         return beyond
 
     def _on_DeviceDrained(self, event: DeviceDrained, now: float) -> list[Action]:

@@ -195,13 +195,31 @@ def shipped_fixtures() -> list[str]:
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".json"))
 
 
+def _processes_outside_leases(document: dict, path: Path) -> dict[int, tuple[ProcessUsage, ...]]:
+    """A simulated document's ``processes_outside_leases``, per device index."""
+    found: dict[int, list[ProcessUsage]] = {}
+    for entry in document.get("processes_outside_leases", []):
+        try:
+            device, pid, used = int(entry["device"]), int(entry["pid"]), int(entry["used_mib"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InventoryError(
+                f"{path}: processes_outside_leases entries need device, pid and used_mib "
+                f"(integers): {entry!r}"
+            ) from exc
+        found.setdefault(device, []).append(ProcessUsage(pid=pid, used_mib=used))
+    return {device: tuple(processes) for device, processes in found.items()}
+
+
 class SimulatedInventory:
     """Devices described by a JSON file; readings derived from the leases the broker reports.
 
     It never pretends to be real: ``kind`` is "simulated" and ``description`` says which
     file it serves.  Memory in use is what the broker tells it through
     :meth:`set_usage` (the sum of the leases' quotas), utilisation is 100 % while any
-    lease runs on the device.
+    lease runs on the device.  A document may also list processes that hold memory
+    outside any lease (``"processes_outside_leases": [{"device": 0, "pid": 4242,
+    "used_mib": 61440}]``): they are added to every reading, as NVML would show an idle
+    notebook or a program the broker does not know.
     """
 
     kind = "simulated"
@@ -223,6 +241,7 @@ class SimulatedInventory:
         self._devices = parse_inventory(document, simulated=True)
         self.description = f"simulated inventory from {path.name} (no GPU is used)"
         self._usage: dict[int, tuple[int, int, tuple[ProcessUsage, ...]]] = {}
+        self._outside = _processes_outside_leases(document, path)
 
     def devices(self) -> list[DeviceInfo]:
         return list(self._devices)
@@ -236,6 +255,9 @@ class SimulatedInventory:
         out = []
         for device in self._devices:
             used, util, procs = self._usage.get(device.index, (0, 0, ()))
+            outside = self._outside.get(device.index, ())
+            used += sum(process.used_mib for process in outside)
+            procs = (*procs, *outside)
             out.append(
                 DeviceReading(
                     index=device.index, memory_used_mib=used, utilization_pct=util, processes=procs

@@ -272,6 +272,9 @@ class Broker:
             if self.inventory.kind == "nvml":
                 self._observe_processes(reading, now)
                 counts = None
+            elif reading.processes:  # a simulated document's processes outside leases
+                self._observe_outside_leases(reading, now)
+                counts = None
         if self.dispatch(core.Tick(now=now)):
             counts = None  # the tick moved leases: they are counted again below
         if time.monotonic() >= self._next_prune:
@@ -291,6 +294,10 @@ class Broker:
             self.dispatch(
                 core.MemoryObserved(now=now, pid=process.pid, used_bytes=process.used_mib * MIB)
             )
+        self._observe_outside_leases(reading, now)
+
+    def _observe_outside_leases(self, reading: DeviceReading, now: float) -> None:
+        """What every process holds on a whole GPU, leased or not, for placement."""
         whole_gpu = tuple(
             (process.pid, process.used_mib * MIB)
             for process in reading.processes

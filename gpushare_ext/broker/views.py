@@ -81,7 +81,23 @@ def _lease_view(
     )
 
 
-def _device_views(broker: Broker) -> list[DeviceView]:
+OTHER_PROCESSES = "other processes"
+
+
+def _outside_leases(broker: Broker, key: str, viewer: Connection | None) -> dict[str, int]:
+    """Memory held on slot ``key`` beyond the leases, in MiB per user as ``viewer`` may
+    see them; processes of no session are "other processes"."""
+    scheduler = broker.scheduler
+    identities = {record.identity.pid: record.identity for record in scheduler.sessions.values()}
+    per_user: dict[str, int] = {}
+    for pid, extra in scheduler.unleased_by_pid(key).items():
+        identity = identities.get(pid)
+        who = OTHER_PROCESSES if identity is None else display_user(broker, identity, viewer)
+        per_user[who] = per_user.get(who, 0) + extra // MIB
+    return {who: mib for who, mib in per_user.items() if mib > 0}
+
+
+def _device_views(broker: Broker, viewer: Connection | None) -> list[DeviceView]:
     scheduler = broker.scheduler
     views = []
     for device in broker.devices:
@@ -104,6 +120,7 @@ def _device_views(broker: Broker) -> list[DeviceView]:
                 utilization_pct=reading.utilization_pct if reading else 0,
                 utilization_history=list(broker.history.get(device.index, ())),
                 holders=holders,
+                memory_outside_leases_mib=_outside_leases(broker, str(device.index), viewer),
             )
         )
     return views
@@ -152,7 +169,7 @@ def snapshot(broker: Broker, viewer: Connection | None) -> Snapshot:
         time=now,
         you=viewer.user if viewer else "",
         is_admin=bool(viewer and viewer.is_admin),
-        devices=_device_views(broker),
+        devices=_device_views(broker, viewer),
         leases=leases,
         queue_by_priority=queue_counts,
         notes=_notes(broker),

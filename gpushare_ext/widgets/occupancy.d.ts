@@ -52,6 +52,7 @@ export interface DeviceView {
   utilization_pct: number;
   utilization_history: number[];
   holders: string[];
+  memory_outside_leases_mib?: Record<string, number>;
 }
 
 export type LeaseState =

@@ -31,7 +31,7 @@ export const MEMORY_SLICES = 8;
  *   profiles: MigProfile[], instances: MigInstance[], simulated: boolean}} DeviceInfo
  * @typedef {{info: DeviceInfo, drained: boolean, memory_used_mib: number,
  *   memory_leased_mib: number, utilization_pct: number, utilization_history: number[],
- *   holders: string[]}} DeviceView
+ *   holders: string[], memory_outside_leases_mib?: Record<string, number>}} DeviceView
  * @typedef {"queued"|"running"|"paused"|"evicted"|"released"|"refused"|"revoked"} LeaseState
  * @typedef {{lease_id: string, user: string, own: boolean, priority: number,
  *   state: LeaseState, device_index: number|null, mig_uuid: string|null,

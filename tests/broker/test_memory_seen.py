@@ -4,10 +4,18 @@ memory a new lease cannot have."""
 
 from __future__ import annotations
 
+import json
+import os
+import pwd
+
+from broker_wire import wait_for
 from scheduler_helpers import GIB, HIGH, LOW, Hub, of_type, only
 
 from gpushare_ext.broker import core
-from gpushare_ext.protocol import LeaseState, PreemptionLevel
+from gpushare_ext.broker.inventory import fixture_path
+from gpushare_ext.client import BrokerClient
+from gpushare_ext.protocol import Granted, LeaseState, PreemptionLevel, Queued
+from gpushare_ext.status_view import status_text
 
 
 def _seen(hub: Hub, used: dict[int, int]) -> list[core.Action]:
@@ -77,3 +85,29 @@ def test_an_eviction_frees_what_was_seen_of_its_process_at_once():
 
     actions = hub.applied("L1", PreemptionLevel.EVICT)  # before the next NVML reading
     assert only(actions, core.Grant).lease_id == "H1"
+
+
+def test_a_real_broker_shows_and_counts_memory_held_outside_leases(start_broker, tmp_path):
+    # The simulated H200 with two processes NVML would show: this test's own process
+    # (60 GiB, of which its lease will cover 40) and a program of no session (50 GiB).
+    document = json.loads(fixture_path("h200").read_text())
+    document["processes_outside_leases"] = [
+        {"device": 0, "pid": os.getpid(), "used_mib": 60 * 1024},
+        {"device": 0, "pid": 999_999, "used_mib": 50 * 1024},
+    ]
+    inventory = tmp_path / "h200-busy.json"
+    inventory.write_text(json.dumps(document))
+    running = start_broker(simulate=str(inventory))
+    with BrokerClient(running.socket) as first, BrokerClient(running.socket) as second:
+        assert isinstance(first.request_lease(priority=150, memory_bytes=40 * GIB), Granted)
+        me = pwd.getpwuid(os.getuid()).pw_name
+        seen = wait_for(
+            lambda: first.status().devices[0].memory_outside_leases_mib or None, timeout=10
+        )
+        assert seen == {me: 20 * 1024, "other processes": 50 * 1024}
+
+        # 40 GiB leased + 20 + 50 outside leases: 60 GiB more would not fit in 140.
+        assert isinstance(second.request_lease(priority=150, memory_bytes=60 * GIB), Queued)
+
+        text = status_text(first.status(), width=200)
+        assert "other processes 50.0 GiB" in text and f"{me} 20.0 GiB" in text, text
