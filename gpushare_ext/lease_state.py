@@ -22,7 +22,6 @@ __all__ = [
     "ACTIVE",
     "CONTROL_BLOCK_CODES",
     "ENDED",
-    "HELD",
     "MOVES",
     "STOPPED",
     "IllegalMove",
@@ -64,7 +63,6 @@ MOVES: dict[LeaseState, frozenset[LeaseState]] = {
 ENDED = frozenset(state for state, onward in MOVES.items() if not onward)
 ACTIVE = frozenset(MOVES) - ENDED  # the broker still keeps it
 STOPPED = frozenset({LeaseState.PAUSED, LeaseState.EVICTED})  # preempted, holds its place
-HELD = frozenset({LeaseState.RUNNING}) | STOPPED  # granted and not ended
 
 # The control block's state word.  0 means no lease at all (an idle session); the launch
 # shim (runtime/native/launch_interpose.c) holds launches on 3 and 4.

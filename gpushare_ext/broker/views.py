@@ -88,9 +88,12 @@ def _outside_leases(broker: Broker, key: str, viewer: Connection | None) -> dict
     """Memory held on slot ``key`` beyond the leases, in MiB per user as ``viewer`` may
     see them; processes of no session are "other processes"."""
     scheduler = broker.scheduler
+    outside = scheduler.unleased_by_pid(key)
+    if not outside:  # the usual case: no walk over every session for each snapshot
+        return {}
     identities = {record.identity.pid: record.identity for record in scheduler.sessions.values()}
     per_user: dict[str, int] = {}
-    for pid, extra in scheduler.unleased_by_pid(key).items():
+    for pid, extra in outside.items():
         identity = identities.get(pid)
         who = OTHER_PROCESSES if identity is None else display_user(broker, identity, viewer)
         per_user[who] = per_user.get(who, 0) + extra // MIB
