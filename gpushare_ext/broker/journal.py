@@ -93,6 +93,7 @@ _LEASE_COLUMNS = (
 # What a busy host keeps at most, whatever the retention time says.
 MAX_ENDED_LEASES = 20_000
 MAX_HISTORY_ROWS = 20_000
+LEASE_NUMBER_BLOCK = 64  # lease numbers reserved per commit (a crash skips the rest)
 
 
 class JournalError(DaemonError, RuntimeError):
@@ -171,6 +172,8 @@ class Journal:
         except sqlite3.DatabaseError as exc:
             raise JournalError(f"cannot use the journal {self.path}: {exc}") from None
         self._checkpointer: WalCheckpointer | None = None
+        self._next_lease = 0  # the next number of the block reserved; none yet
+        self._reserved_until = 0
 
     def _migrate(self) -> None:
         """Journals of version 1 kept running leases in ``leases``: carry the open ones over."""
@@ -225,6 +228,8 @@ class Journal:
             self._checkpointer.stop()
             self._checkpointer = None
         with contextlib.suppress(sqlite3.Error):
+            if self._next_lease < self._reserved_until:
+                self.set_meta("next_lease", str(self._next_lease))
             self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         self._db.close()
 
@@ -242,8 +247,18 @@ class Journal:
         )
 
     def next_lease_number(self) -> int:
-        value = int(self.meta("next_lease", "1") or 1)
-        self.set_meta("next_lease", str(value + 1))
+        """A lease number never handed out before, even across a crash.
+
+        Numbers are reserved ``LEASE_NUMBER_BLOCK`` at a time (one commit per block,
+        not one per request: a busy host asks for a thousand a second); ``close``
+        writes back the exact next one, so only a crash skips the rest of a block."""
+        if self._next_lease >= self._reserved_until:
+            start = max(self._next_lease, int(self.meta("next_lease", "1") or 1))
+            self._reserved_until = start + LEASE_NUMBER_BLOCK
+            self.set_meta("next_lease", str(self._reserved_until))
+            self._next_lease = start
+        value = self._next_lease
+        self._next_lease += 1
         return value
 
     # ---- leases

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -15,7 +16,7 @@ from dataclasses import replace
 from broker_wire import start_holder, status_of, wait_for
 from support import launch_broker, run_as
 
-from gpushare_ext.broker.journal import Journal, JournaledLease
+from gpushare_ext.broker.journal import LEASE_NUMBER_BLOCK, Journal, JournaledLease
 from gpushare_ext.client import BrokerClient
 from gpushare_ext.protocol import Granted, Preempt
 
@@ -40,6 +41,26 @@ def test_the_journal_is_sqlite_in_wal_mode(tmp_path):
         other.close()
     finally:
         journal.close()
+
+
+def test_lease_numbers_are_never_handed_out_twice_even_when_the_broker_dies(tmp_path):
+    path = tmp_path / "state" / "journal.sqlite"
+    crashed = Journal(path)  # never closed: as after kill -9
+    before = [crashed.next_lease_number() for _ in range(LEASE_NUMBER_BLOCK + 3)]
+    after_crash = Journal(path)
+    try:
+        later = [after_crash.next_lease_number() for _ in range(3)]
+        assert min(later) > max(before)
+        assert later == [
+            LEASE_NUMBER_BLOCK * 2 + 1,
+            LEASE_NUMBER_BLOCK * 2 + 2,
+            LEASE_NUMBER_BLOCK * 2 + 3,
+        ]
+    finally:
+        after_crash.close()
+        crashed._db.close()
+    with contextlib.closing(Journal(path)) as reopened:  # closed cleanly: no gap
+        assert reopened.next_lease_number() == max(later) + 1
 
 
 def test_the_journal_remembers_leases_actuations_and_numbers_across_reopening(tmp_path):
