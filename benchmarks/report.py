@@ -237,6 +237,30 @@ def _checkpoint_section(doc: dict) -> list[str]:
     return [*lines, ""]
 
 
+def _parking_section(doc: dict) -> list[str]:
+    result = doc["results"]
+    restores = result.get("restores", [])
+    identical = all(r.get("bit_identical") for r in restores) and bool(restores)
+    lines = [
+        f"**Parking idle notebooks** ({_where(doc)}): {result['notebooks']} idle notebooks "
+        f"holding {result['idle_gib']} GiB of CuPy arrays each, a high request of "
+        f"{result['ask_gib']} GiB that fits only once both are parked",
+        "",
+        "| parked | park (to the grant) | out | restore (next plain cell) | back | arrays after |",
+        "|---:|---:|---:|---:|---:|---|",
+        f"| {_fmt(result.get('parked_gib'), 1)} GiB in {len(result.get('parked', []))} sessions "
+        f"| {_fmt(result.get('park_s'), 1)} s | {_fmt(result.get('park_gib_per_s'))} GiB/s "
+        f"| {', '.join(_fmt(r.get('restore_line_s'), 1) + ' s' for r in restores)} "
+        f"| {_fmt(result.get('restore_gib_per_s'))} GiB/s "
+        f"| {'bit-identical' if identical else '**changed**'} |",
+        "",
+        f"The request was granted and {result.get('granted_allocation_gib')} GiB allocated "
+        "with no out-of-memory error.",
+        "",
+    ]
+    return lines
+
+
 def _kernels_section(doc: dict) -> list[str]:
     lines = [
         f"**Preemptible kernels** ({_where(doc)})",
@@ -486,6 +510,7 @@ def build_report(folders: list[Path], readme: Path | None = None) -> int:
         "interposer": "interposer.json",
         "third_party": "third_party.json",
         "preemptible": "preemptible.json",
+        "parking": "parking.json",
     }
     for folder in folders:
         for key, name in names.items():
@@ -524,6 +549,8 @@ def build_report(folders: list[Path], readme: Path | None = None) -> int:
         sections += _kernels_section(documents["kernels"])
     if "checkpoint" in documents:
         sections += _checkpoint_section(documents["checkpoint"])
+    if "parking" in documents:
+        sections += _parking_section(documents["parking"])
     if "interposer" in documents:
         sections += _interposer_section(documents["interposer"])
     if "third_party" in documents:

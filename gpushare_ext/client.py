@@ -36,6 +36,7 @@ from gpushare_ext.protocol import (
     AdminAction,
     BrokerMessage,
     Capabilities,
+    CellActivity,
     ClientMessage,
     Error,
     ErrorCode,
@@ -43,6 +44,7 @@ from gpushare_ext.protocol import (
     Granted,
     Heartbeat,
     Hello,
+    Ok,
     ProtocolError,
     Queued,
     Refused,
@@ -50,6 +52,7 @@ from gpushare_ext.protocol import (
     Release,
     Released,
     RequestLease,
+    Restore,
     SliceWish,
     Snapshot,
     StateUpdate,
@@ -340,6 +343,18 @@ class BrokerClient:
 
     def heartbeat(self) -> None:
         self._call(Heartbeat())
+
+    def cell_activity(self, running: bool) -> None:
+        """Tell the broker a cell started or ended; it does not answer (a cell must not
+        wait for the broker to start)."""
+        message = CellActivity(running=running)
+        message.seq = next(self._seq)
+        self._send(message)
+
+    def restore(self, lease_id: str, *, cancel: bool = False) -> None:
+        """Ask for this session's parked memory back (``cancel``: stop waiting for it)."""
+        reply = self._call(Restore(lease_id=lease_id, cancel=cancel))
+        expect(reply, Ok, self.socket_path)
 
     def status(self) -> Snapshot:
         reply = self._call(StatusRequest())

@@ -176,6 +176,23 @@ class Heartbeat(ClientMessage, tag="heartbeat"):
     pass
 
 
+class CellActivity(ClientMessage, tag="cell_activity"):
+    """A cell of this session started (``running``) or ended, marked or not: a session
+    with a cell running is never parked, and idle time counts from the last one's end.
+    The broker does not answer it."""
+
+    running: bool
+
+
+class Restore(ClientMessage, tag="restore"):
+    """Give this session's parked memory back (before its next cell), or, ``cancel``,
+    stop waiting for it.  Answered with ``ok``; the restore itself ends with ``resume``
+    (or ``revoked`` if it failed), and ``queued`` notices while it waits."""
+
+    lease_id: LeaseId
+    cancel: bool = False
+
+
 class StatusRequest(ClientMessage, tag="status"):
     pass
 
@@ -222,6 +239,8 @@ ClientMessageUnion = (
     | Unwatch
     | RegisterYieldFlag
     | Admin
+    | CellActivity
+    | Restore
 )
 
 # ---------------------------------------------------------------- broker -> client
@@ -289,6 +308,16 @@ class Resume(BrokerMessage, tag="resume"):
     lease_id: str
     paused_s: float
     note: str = ""  # set when the pause never took effect (e.g. the lock is unsupported)
+
+
+class Parked(BrokerMessage, tag="parked"):
+    """The session was idle and its GPU memory was checkpointed to host memory; it is
+    restored (``restore``) before the session's next GPU work."""
+
+    lease_id: str  # the park, named in ``restore``
+    memory_bytes: int
+    device_index: int
+    reason: str
 
 
 class Revoked(BrokerMessage, tag="revoked"):
@@ -383,6 +412,7 @@ BrokerMessageUnion = (
     | Preempt
     | Resume
     | Revoked
+    | Parked
     | Released
     | Refused
     | Ok

@@ -1,7 +1,8 @@
-"""Units both sides of the socket speak: sizes in bytes, priority bands.
+"""Units both sides of the socket speak: sizes in bytes, durations, priority bands.
 
 What it is for: reading and writing sizes the way people write them ("8GiB", "512 MB",
-1024) and telling which class a priority number falls in.  Broker, runtime, magics and
+1024) and durations ("30s", "15m", "none"), and telling which class a priority number
+falls in.  Broker, runtime, magics and
 status views all use these, so they live on the ground floor.
 
 What it must not do: import anything from gpushare_ext (it is below everything) or know
@@ -12,12 +13,25 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["GIB", "KIB", "MIB", "PIB", "format_size", "parse_size", "priority_band"]
+__all__ = [
+    "GIB",
+    "KIB",
+    "MIB",
+    "PIB",
+    "format_duration",
+    "format_size",
+    "parse_duration",
+    "parse_size",
+    "priority_band",
+]
 
 KIB = 1024
 MIB = 1024**2
 GIB = 1024**3
 PIB = 1024**5
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|sec|m|min|h)?\s*$", re.IGNORECASE)
+_DURATION_UNITS = {"ms": 0.001, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600}
+NO_DURATION = ("none", "never", "off", "0", "inf", "forever")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]i?B?|B)?\s*$", re.IGNORECASE)
 # A bare letter and "Xi"/"XiB" are binary, "XB" is decimal, the way people write them.
 _UNITS = {"": 1, "B": 1} | {
@@ -57,3 +71,26 @@ def format_size(num_bytes: int) -> str:
 def priority_band(value: float) -> int:
     """The class of a priority number: 0 low, 1 normal, 2 high.  Preemption crosses bands only."""
     return int(min(max(value, 0), 299) // 100)
+
+
+def parse_duration(text: str) -> float | None:
+    """Seconds in ``text`` ("30s", "5m", "1.5h", "250ms", a bare number of seconds); None
+    for "none", "never", "off" or "0" (no limit); ValueError with a readable reason."""
+    if text.strip().lower() in NO_DURATION:
+        return None
+    match = _DURATION.match(text)
+    if not match:
+        raise ValueError(f"{text!r} is not a duration (examples: 30s, 5m, 1h, none)")
+    number, unit = match.groups()
+    return float(number) * _DURATION_UNITS[(unit or "s").lower()]
+
+
+def format_duration(seconds: float) -> str:
+    """A duration the way a person says it: "0.4 s", "12 s", "16 min", "2.5 h"."""
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"

@@ -117,6 +117,11 @@ class SimulatedProcessControl:
     def restore(self, pid: int, device_index: int) -> None:
         self._mark(pid, "checkpoint", False)
 
+    def checkpointed(self) -> frozenset[int]:
+        """The processes whose memory a (simulated) checkpoint holds on the host now."""
+        with self._lock:
+            return frozenset(pid for pid, steps in self.applied.items() if "checkpoint" in steps)
+
     def close(self) -> None:
         return None
 

@@ -41,6 +41,16 @@ from dataclasses import dataclass, field
 from gpushare_ext.broker.errors import DaemonError
 from gpushare_ext.broker.inventory import DeviceInfo
 from gpushare_ext.broker.lease_index import SPATIAL_LIMIT, LeaseIndex, SlotLoad, exact_share
+from gpushare_ext.broker.parking import (
+    HostMemory,
+    IdleSession,
+    ParkPlan,
+    host_room,
+    idle_reason,
+    park_order,
+    parked_for_reason,
+    plan_parks,
+)
 from gpushare_ext.broker.policy import (
     Policy,
     VictimTraits,
@@ -52,6 +62,7 @@ from gpushare_ext.broker.policy import (
 )
 from gpushare_ext.lease_state import ACTIVE, check_move
 from gpushare_ext.protocol import (
+    PRIORITY_CLASSES,
     Capabilities,
     ErrorCode,
     LeaseState,
@@ -205,6 +216,36 @@ class DeviceMemorySeen:
 
 
 @dataclass(frozen=True, kw_only=True)
+class HostMemorySeen:
+    """The host's memory (``/proc/meminfo``): what parking may still move there."""
+
+    now: float
+    available_bytes: int
+    total_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionActivity:
+    """A session's cell started (``running``) or ended: a running cell is never parked,
+    and idle time counts from the end of the last one."""
+
+    now: float
+    session_id: str
+    running: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestoreAsked:
+    """A parked session wants its memory back before its next cell (or, ``cancel``, no
+    longer waits for it)."""
+
+    now: float
+    session_id: str
+    lease_id: str
+    cancel: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
 class DeviceDrained:
     now: float
     device_index: int
@@ -233,6 +274,9 @@ Event = (
     | PreemptionFailed
     | MemoryObserved
     | DeviceMemorySeen
+    | HostMemorySeen
+    | SessionActivity
+    | RestoreAsked
     | DeviceDrained
     | PolicyChanged
     | Tick
@@ -270,6 +314,7 @@ class Preempt:
     level: PreemptionLevel
     for_lease: str
     reason: str
+    parks_bytes: int = 0  # > 0: this parks an idle session holding that much
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -280,6 +325,7 @@ class ResumeLease:
     device_index: int
     undo_level: PreemptionLevel  # the highest level applied, to undo
     paused_s: float
+    restores_park: bool = False  # the memory of a parked session comes back
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -367,6 +413,8 @@ class Lease:
     last_queue_notice: tuple | None = None
     paused_for: str = ""  # the lease it was paused for (shown to the paused session)
     detached: bool = False  # restored after a restart, its process not yet reconnected
+    parks_session: bool = False  # the memory of an idle session, checkpointed to the host
+    restore_wanted: bool = False  # a park whose session asked for its memory back
 
     def running_priority(self) -> float:
         return min(299.0, self.base_priority + self.aging_bonus)
@@ -390,6 +438,11 @@ class SessionRecord:
     notebook: str
     leases: set[str] = field(default_factory=set)
     detached: bool = False  # the placeholder of a process that has not reconnected yet
+    idle_since: float = 0.0  # when its last cell or lease ended
+    cell_running: bool = False  # a cell runs now (with or without a lease): never parked
+    last_priority: int = PRIORITY_CLASSES["normal"]  # its last lease's, for park order
+    unparkable: str = ""  # why it is never parked (its checkpoint failed once)
+    parks: int = 0  # parks so far, for the park leases' ids
 
 
 # ------------------------------------------------------------------ the machine
@@ -421,6 +474,9 @@ class Scheduler:
         # placement counts what no lease declares, so memory idle notebooks keep is not
         # granted a second time.
         self._seen: dict[str, dict[int, int]] = {}
+        self.host: HostMemory | None = None
+        self._session_of_pid: dict[int, str] = {}  # the sessions' processes, for parking
+        self._park_refusals: dict[str, str] = {}  # per slot, this pass: why none was parked
 
     # ---- public
 
@@ -473,14 +529,17 @@ class Scheduler:
                 ErrorCode.OUT_OF_ORDER, f"session {event.session_id} is already open"
             )
         self.sessions[event.session_id] = SessionRecord(
-            identity=event.identity, notebook=event.notebook
+            identity=event.identity, notebook=event.notebook, idle_since=now
         )
+        self._session_of_pid[event.identity.pid] = event.session_id
         return []
 
     def _on_SessionClosed(self, event: SessionClosed, now: float) -> list[Action]:
         record = self.sessions.pop(event.session_id, None)
         if record is None:
             raise SchedulerError(ErrorCode.OUT_OF_ORDER, f"no session {event.session_id}")
+        if self._session_of_pid.get(record.identity.pid) == event.session_id:
+            del self._session_of_pid[record.identity.pid]
         actions: list[Action] = []
         for lease_id in sorted(record.leases):
             lease = self.leases.get(lease_id)
@@ -526,7 +585,8 @@ class Scheduler:
                 f"{format_size(memory)} asked, but your memory quota is "
                 f"{format_size(limits.memory_quota)} per lease",
             )
-        if len(self._index.by_uid.get(identity.uid, ())) >= limits.max_leases:
+        held = self._index.by_uid.get(identity.uid, {})
+        if sum(not other.parks_session for other in held.values()) >= limits.max_leases:
             return refuse(
                 ErrorCode.POLICY,
                 f"you already hold or wait for {limits.max_leases} lease(s), the most your "
@@ -564,6 +624,7 @@ class Scheduler:
         self.leases[lease.lease_id] = lease
         self._index.add(lease)
         record.leases.add(lease.lease_id)
+        record.last_priority = priority
         return []
 
     def _on_LeaseRestored(self, event: LeaseRestored, now: float) -> list[Action]:
@@ -731,6 +792,14 @@ class Scheduler:
         if lease is None or lease.state not in ACTIVE_STATES or lease.pending_level != event.level:
             return []
         lease.pending_level = None
+        if lease.parks_session:
+            # It stays on the GPU, unlocked, and is never tried again: a process the
+            # checkpoint refused once (MIG, IPC or UVM memory) will refuse again.
+            record = self.sessions.get(lease.session_id)
+            if record is not None:
+                record.unparkable = f"could not be parked: {event.reason}"
+            self._index.victim_done(lease.lease_id, give_up=True)
+            return [self._end(lease, LeaseState.RELEASED, now, f"not parked: {event.reason}")]
         if event.level == PreemptionLevel.EVICT:
             lease.evictable = False
             lease.reason = f"cannot be evicted: {event.reason}"
@@ -818,6 +887,31 @@ class Scheduler:
                 beyond[pid] = used - declared
         return beyond
 
+    def _on_HostMemorySeen(self, event: HostMemorySeen, now: float) -> list[Action]:
+        self.host = HostMemory(
+            available_bytes=max(0, event.available_bytes), total_bytes=max(0, event.total_bytes)
+        )
+        return []
+
+    def _on_SessionActivity(self, event: SessionActivity, now: float) -> list[Action]:
+        record = self._session(event.session_id)
+        record.cell_running = event.running
+        if not event.running:
+            record.idle_since = now
+        return []
+
+    def _on_RestoreAsked(self, event: RestoreAsked, now: float) -> list[Action]:
+        lease = self.leases.get(event.lease_id)
+        if lease is None or not lease.parks_session or lease.session_id != event.session_id:
+            raise SchedulerError(
+                ErrorCode.UNKNOWN_LEASE, f"this session has no parked memory {event.lease_id}"
+            )
+        lease.restore_wanted = not event.cancel
+        lease.last_queue_notice = None  # a waiting restore is told where it stands anew
+        if lease.restore_wanted:
+            lease.state_since = now
+        return []
+
     def _on_DeviceDrained(self, event: DeviceDrained, now: float) -> list[Action]:
         if event.device_index not in self.devices:
             raise SchedulerError(ErrorCode.INVALID, f"there is no device {event.device_index}")
@@ -832,7 +926,34 @@ class Scheduler:
         return []
 
     def _on_Tick(self, event: Tick, now: float) -> list[Action]:
-        return []
+        """Park the sessions idle longer than their ``park_idle_after``."""
+        actions: list[Action] = []
+        for key in self._seen:
+            idle = [
+                session
+                for session in self._idle_sessions(key, None)
+                if self._idle_too_long(session, now)
+            ]
+            if not idle:
+                continue
+            room = self._host_room()
+            for session in sorted(idle, key=park_order):
+                if session.held_bytes > room:
+                    continue  # the host cannot take it now; a later tick tries again
+                room -= session.held_bytes
+                after = self._park_after(session)
+                assert after is not None
+                reason = idle_reason(now - session.idle_since, after)
+                actions.append(self._park(session, key, reason, "", now))
+        return actions
+
+    def _park_after(self, session: IdleSession) -> float | None:
+        identity = self.sessions[session.session_id].identity
+        return self.policy.limits_for(identity.user, identity.groups).park_idle_after
+
+    def _idle_too_long(self, session: IdleSession, now: float) -> bool:
+        after = self._park_after(session)
+        return after is not None and now - session.idle_since >= after
 
     # ---- helpers
 
@@ -844,6 +965,101 @@ class Scheduler:
             instrumented_only=lease.capabilities.instrumented_only,
             lockable=lease.lockable,
             evictable=lease.evictable,
+        )
+
+    def _idle_sessions(self, key: str, asking: Lease | None) -> list[IdleSession]:
+        """The sessions that may be parked to free memory on slot ``key`` (see
+        :mod:`~gpushare_ext.broker.parking`): known, idle, never refused by the checkpoint,
+        on a whole GPU and not MPS clients."""
+        if self.slots[key].mig_uuid is not None or self.policy.mps:
+            return []
+        idle: list[IdleSession] = []
+        for pid, held in self.unleased_by_pid(key, asking).items():
+            session_id = self._session_of_pid.get(pid)
+            record = self.sessions.get(session_id) if session_id else None
+            if record is None or session_id is None or record.leases or record.detached:
+                continue
+            if record.cell_running or record.unparkable:
+                continue
+            if asking is not None and asking.identity.pid == pid:
+                continue
+            idle.append(
+                IdleSession(
+                    session_id=session_id,
+                    pid=pid,
+                    user=record.identity.user,
+                    held_bytes=held,
+                    last_priority=record.last_priority,
+                    idle_since=record.idle_since,
+                )
+            )
+        return idle
+
+    def _host_room(self) -> int:
+        """Host memory parks may still take: parked and evicted memory (and what is on
+        its way there) count against ``park_host_limit``."""
+        if self.host is None:
+            return 0
+        on_host = sum(
+            lease.memory_bytes
+            for lease in self.leases.values()
+            if lease.state == LeaseState.EVICTED or lease.pending_level == PreemptionLevel.EVICT
+        )
+        limit = self.policy.park_host_limit.of(self.host.total_bytes)
+        return host_room(self.host, limit, on_host)
+
+    def _parks_for(self, lease: Lease, key: str, band: int, need: int) -> ParkPlan | None:
+        if not self.policy.park_when_memory_needed:
+            return None
+        idle = self._idle_sessions(key, lease)
+        if not idle:
+            return None
+        plan = plan_parks(idle, need, band, self._host_room())
+        if plan.refusal:
+            self._park_refusals[key] = plan.refusal
+        return plan
+
+    def _park(
+        self, session: IdleSession, key: str, reason: str, for_lease: str, now: float
+    ) -> Preempt:
+        """Make the park lease of an idle session and evict it (lock, then checkpoint)."""
+        record = self.sessions[session.session_id]
+        record.parks += 1
+        self._arrivals += 1
+        lease = Lease(
+            lease_id=f"{session.session_id}-P{record.parks}",
+            session_id=session.session_id,
+            identity=record.identity,
+            base_priority=session.last_priority,
+            memory_bytes=session.held_bytes,
+            sm_share=1.0,
+            slice=SliceWish.AUTO,
+            device_wish=str(self.slots[key].device_index),
+            capabilities=Capabilities(lockable=True),
+            label="parked idle session",
+            arrival=self._arrivals,
+            requested_at=now,
+            state_since=now,
+            parks_session=True,
+        )
+        self.leases[lease.lease_id] = lease
+        self._index.add(lease)
+        record.leases.add(lease.lease_id)
+        lease.granted_at = now
+        self._index.move(lease, LeaseState.RUNNING, key)
+        self._index.move(lease, LeaseState.PAUSED)
+        lease.pending_level = PreemptionLevel.EVICT
+        lease.reason = reason
+        lease.paused_for = for_lease
+        return Preempt(
+            session_id=lease.session_id,
+            lease_id=lease.lease_id,
+            pid=lease.identity.pid,
+            device_index=self.slots[key].device_index,
+            level=PreemptionLevel.EVICT,
+            for_lease=for_lease,
+            reason=reason,
+            parks_bytes=lease.memory_bytes,
         )
 
     def _session(self, session_id: str) -> SessionRecord:
@@ -933,7 +1149,7 @@ class Scheduler:
         lease.reason = reason
         lease.applied_level = None
         lease.pending_level = None
-        if lease.granted_at is not None:
+        if lease.granted_at is not None and not lease.parks_session:
             previous = self._hold_ema.get(lease.identity.uid, held)
             self._hold_ema[lease.identity.uid] = 0.7 * previous + 0.3 * held
         del self.leases[lease.lease_id]
@@ -943,6 +1159,7 @@ class Scheduler:
         record = self.sessions.get(lease.session_id)
         if record is not None:
             record.leases.discard(lease.lease_id)
+            record.idle_since = now
         self._index.victim_done(lease.lease_id)
         return LeaseEnded(
             session_id=lease.session_id,
@@ -1021,10 +1238,16 @@ class Scheduler:
             return None
         # Memory: evict lower-band leases (paused ones first) until the request fits.
         own = lease.memory_bytes if lease.state == LeaseState.PAUSED else 0
-        # Memory no lease declares is not freed by evicting leases (parking does that).
+        # Memory no lease declares is freed by parking idle sessions, not by evictions.
         need = (
             load.held + self.unleased_memory(key, lease) - own + lease.memory_bytes
         ) - slot.memory_bytes
+        to_park: list[IdleSession] = []
+        if need > 0:  # idle sessions first, before any lease is evicted
+            parks = self._parks_for(lease, key, band, need)
+            if parks is not None:
+                to_park = list(parks.chosen)
+                need -= parks.freed_bytes
         to_evict: list[Lease] = []
         if need > 0:
             if not self.policy.evict_when_memory_needed:
@@ -1033,7 +1256,7 @@ class Scheduler:
             if evicted is None:
                 return None
             to_evict = evicted
-        return to_pause, to_evict
+        return to_pause, to_evict, to_park
 
     def _victims_to_pause(
         self, lease: Lease, load: SlotLoad, band: int, now: float
@@ -1097,6 +1320,7 @@ class Scheduler:
         # only grows as the pass goes down the queue.
         ahead = 0
         self._pass_holders.clear()
+        self._park_refusals.clear()
         for lease in self.queue():
             actions.extend(self._serve(lease, reserved, waited_for, ahead, now))
             if lease.state == LeaseState.QUEUED:
@@ -1111,6 +1335,8 @@ class Scheduler:
             return []
         if lease.held_by_watchdog or lease.detached:
             return []
+        if lease.parks_session and not lease.restore_wanted:
+            return []  # parked memory comes back when its session asks, not before
         if lease.pending_level is not None:
             reserved.add(lease.slot)  # type: ignore[arg-type]
             return []
@@ -1135,18 +1361,18 @@ class Scheduler:
         for key in open_slots:
             plan = self._preemption_plan(lease, key, now)
             if plan is not None:
-                to_pause, to_evict = plan
+                to_pause, to_evict, to_park = plan
                 cost = (
-                    len(to_evict),
-                    sum(v.memory_bytes for v in to_evict),
+                    len(to_evict) + len(to_park),
+                    sum(v.memory_bytes for v in to_evict) + sum(p.held_bytes for p in to_park),
                     len(to_pause),
                     self._slot_preference(lease, key),
                 )
-                plans.append((cost, key, to_pause, to_evict))
+                plans.append((cost, key, plan))
         if plans:
-            _, key, to_pause, to_evict = min(plans, key=lambda p: p[0])
+            _, key, (to_pause, to_evict, to_park) = min(plans, key=lambda p: p[0])
             reserved.add(key)
-            return self._preempt_for(lease, key, to_pause, to_evict, now, ahead)
+            return self._preempt_for(lease, key, to_pause, to_evict, to_park, now, ahead)
         waited_for.update(candidates)
         return self._queue_notice(lease, candidates or wanted, now, ahead)
 
@@ -1205,6 +1431,7 @@ class Scheduler:
                 device_index=slot.device_index,
                 undo_level=undo,
                 paused_s=waited,
+                restores_park=lease.parks_session,
             )
         ]
 
@@ -1214,12 +1441,17 @@ class Scheduler:
         key: str,
         to_pause: list[Lease],
         to_evict: list[Lease],
+        to_park: list[IdleSession],
         now: float,
         ahead: int,
     ) -> list[Action]:
         actions: list[Action] = []
         slot = self.slots[key]
         who = f"{describe_priority(lease.base_priority)} lease {lease.lease_id}"
+        parks = [
+            self._park(idle, key, parked_for_reason(who), lease.lease_id, now) for idle in to_park
+        ]
+        actions.extend(parks)
         for victim in to_pause:
             traits = self._traits(victim)
             level = stopping_level(traits)
@@ -1253,10 +1485,15 @@ class Scheduler:
                         reason=victim.reason,
                     )
                 )
-        if to_evict:
-            self._index.await_evictions(lease, frozenset(v.lease_id for v in to_evict))
+        if to_evict or parks:
+            victims = {v.lease_id for v in to_evict} | {park.lease_id for park in parks}
+            self._index.await_evictions(lease, frozenset(victims))
             lease.target_slot = key
-            lease.reason = "freeing memory: waiting for lower-priority sessions to be evicted"
+            lease.reason = (
+                "freeing memory: waiting for lower-priority sessions to be evicted"
+                if to_evict
+                else "freeing memory: parking idle sessions (their memory goes to the host)"
+            )
             actions.extend(self._queue_notice(lease, [key], now, ahead, force_reason=lease.reason))
             return actions
         actions.extend(self._start(lease, key, now))
@@ -1285,7 +1522,7 @@ class Scheduler:
     ) -> list[Action]:
         """Tell a queued lease where it stands (``ahead``: queued leases ranked higher),
         unless nothing changed since it was last told."""
-        if lease.state != LeaseState.QUEUED:
+        if lease.state != LeaseState.QUEUED and not lease.parks_session:
             return []
         holders = self._holders(candidates)
         reason = force_reason
@@ -1297,9 +1534,13 @@ class Scheduler:
                 self.slots[k].memory_bytes - extra < lease.memory_bytes
                 for k, extra in zip(candidates, unleased, strict=True)
             ):
+                refusal = next(
+                    (self._park_refusals[k] for k in candidates if k in self._park_refusals), ""
+                )
                 reason = (
                     f"{format_size(min(unleased))} of the GPU is held outside any lease (idle "
                     "notebooks or other processes); waiting for it to be freed"
+                    + (f" ({refusal})" if refusal else "")
                 )
             elif holders.top is not None:
                 reason = f"the GPU is held by {priority_class(holders.top)}-priority work"

@@ -30,6 +30,7 @@ from gpushare_ext.broker.views import display_user
 from gpushare_ext.protocol import (
     Granted,
     LeaseState,
+    Parked,
     Preempt,
     PreemptionLevel,
     Queued,
@@ -38,6 +39,7 @@ from gpushare_ext.protocol import (
     Resume,
     Revoked,
 )
+from gpushare_ext.units import format_size
 
 if TYPE_CHECKING:
     from gpushare_ext.broker.server import Broker
@@ -191,8 +193,9 @@ class Effects:
     def notify_queued(self, action: core.NotifyQueued, reply: Reply) -> None:
         broker = self.broker
         lease = broker.scheduler.lease_of(action.lease_id)
-        if lease is not None and action.lease_id not in self._journaled:
+        if lease is not None and action.lease_id not in self._journaled and not lease.parks_session:
             # A request is journaled once, when it first waits, so a restart keeps it.
+            # (A park is not a request: a restart restores it through its actuation.)
             broker.journal.lease_recorded(journal_record(lease))
             self._journaled.add(action.lease_id)
         conn = self._conn(action.session_id)
@@ -251,7 +254,23 @@ class Effects:
                 reason=lease.reason,
             )
         broker.metrics.observe_preemption(int(action.level))
-        if conn is not None:
+        if action.parks_bytes:
+            broker.journal.note(
+                "parked",
+                action.lease_id,
+                {"pid": action.pid, "bytes": action.parks_bytes, "reason": action.reason},
+            )
+            if conn is not None:
+                broker.send(
+                    conn,
+                    Parked(
+                        lease_id=action.lease_id,
+                        memory_bytes=action.parks_bytes,
+                        device_index=action.device_index,
+                        reason=action.reason,
+                    ),
+                )
+        elif conn is not None:
             for_lease = broker.scheduler.lease_of(action.for_lease) if action.for_lease else None
             for_user = display_user(broker, for_lease.identity, conn) if for_lease else "the broker"
             broker.send(
@@ -364,9 +383,11 @@ class Effects:
         log.warning(
             "preemption of %s at level %s failed: %s", action.lease_id, int(action.level), exc
         )
-        if not (action.level == PreemptionLevel.EVICT and broker.ladder.is_locked(target.pid)):
+        keeps_lock = action.level == PreemptionLevel.EVICT and not action.parks_bytes
+        if not (keeps_lock and broker.ladder.is_locked(target.pid)):
             # Whatever was applied (the gate) is undone: it keeps running, time-sliced.
-            # (A failed eviction keeps the lock: it stays paused, its memory on the device.)
+            # (A failed eviction keeps the lock: it stays paused, its memory on the device;
+            # a failed park is undone whole: the idle session must be able to run again.)
             with contextlib.suppress(ActuatorError):
                 await broker.ladder.undo(target, None)
             broker.journal.actuations_undone(
@@ -391,6 +412,30 @@ class Effects:
                 ),
             )
 
+    def _restore_failed(self, target: Target, resume: core.ResumeLease, exc: ActuatorError) -> None:
+        """A parked session could not be restored: say so, with what was lost, and end
+        the park (the checkpoint API cannot restore a process twice)."""
+        broker = self.broker
+        lease = broker.scheduler.lease_of(resume.lease_id)
+        lost = format_size(lease.memory_bytes) if lease else "its parked memory"
+        reason = (
+            f"restore failed ({exc}): the {lost} of GPU memory this notebook held is lost; "
+            "restart the kernel"
+        )
+        broker.journal.note(
+            "restore failed", resume.lease_id, {"pid": target.pid, "error": str(exc)}
+        )
+        broker.journal.actuations_undone(resume.lease_id)
+        conn = self._conn(resume.session_id)
+        if conn is not None:
+            broker.send(conn, Revoked(lease_id=resume.lease_id, reason=reason))
+        if lease is not None:
+            broker.dispatch(
+                core.LeaseReleased(
+                    now=time.time(), session_id=resume.session_id, lease_id=resume.lease_id
+                )
+            )
+
     async def _undo_preemption(
         self,
         target: Target,
@@ -403,6 +448,9 @@ class Effects:
             await broker.ladder.undo(target, level)
         except ActuatorError as exc:
             log.error("could not undo level %s for %s: %s", level, target.lease_id, exc)
+            if resume is not None and resume.restores_park:
+                self._restore_failed(target, resume, exc)
+                return
             broker.notes[target.lease_id] = f"resume failed: {exc}"
             if pid_alive(target.pid):
                 return  # it may still be locked: the journal keeps it for the next start

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Protocol
@@ -87,6 +88,8 @@ class InventoryBackend(Protocol):
     def devices(self) -> list[DeviceInfo]: ...
 
     def readings(self) -> list[DeviceReading]: ...
+
+    def host_memory(self) -> HostMemoryReading | None: ...
 
     def close(self) -> None: ...
 
@@ -210,6 +213,42 @@ def _processes_outside_leases(document: dict, path: Path) -> dict[int, tuple[Pro
     return {device: tuple(processes) for device, processes in found.items()}
 
 
+@dataclass(frozen=True)
+class HostMemoryReading:
+    available_bytes: int
+    total_bytes: int
+
+
+def read_host_memory(meminfo: Path = Path("/proc/meminfo")) -> HostMemoryReading | None:
+    """The host's available and total memory (``MemAvailable``, ``MemTotal``); None
+    where the file cannot be read."""
+    values: dict[str, int] = {}
+    try:
+        for line in meminfo.read_text().splitlines():
+            name, _, rest = line.partition(":")
+            if name in ("MemAvailable", "MemTotal"):
+                values[name] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    if len(values) != 2:
+        return None
+    return HostMemoryReading(available_bytes=values["MemAvailable"], total_bytes=values["MemTotal"])
+
+
+def _host_memory(document: dict, path: Path) -> HostMemoryReading | None:
+    """A simulated document's ``host_memory`` (``{"total_mib": ..., "available_mib": ...}``)."""
+    entry = document.get("host_memory")
+    if entry is None:
+        return None
+    try:
+        total, available = int(entry["total_mib"]), int(entry["available_mib"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InventoryError(
+            f"{path}: host_memory needs total_mib and available_mib (integers): {entry!r}"
+        ) from exc
+    return HostMemoryReading(available_bytes=available * MIB, total_bytes=total * MIB)
+
+
 class SimulatedInventory:
     """Devices described by a JSON file; readings derived from the leases the broker reports.
 
@@ -219,7 +258,10 @@ class SimulatedInventory:
     lease runs on the device.  A document may also list processes that hold memory
     outside any lease (``"processes_outside_leases": [{"device": 0, "pid": 4242,
     "used_mib": 61440}]``): they are added to every reading, as NVML would show an idle
-    notebook or a program the broker does not know.
+    notebook or a program the broker does not know, except while the broker's simulated
+    checkpoint holds that process (:meth:`set_checkpointed`): a parked notebook's memory
+    is on the host.  ``host_memory`` (``{"total_mib": ..., "available_mib": ...}``) stands
+    for the host's own memory where a test needs a host larger than the machine.
     """
 
     kind = "simulated"
@@ -242,6 +284,8 @@ class SimulatedInventory:
         self.description = f"simulated inventory from {path.name} (no GPU is used)"
         self._usage: dict[int, tuple[int, int, tuple[ProcessUsage, ...]]] = {}
         self._outside = _processes_outside_leases(document, path)
+        self._host = _host_memory(document, path)
+        self._checkpointed: frozenset[int] = frozenset()
 
     def devices(self) -> list[DeviceInfo]:
         return list(self._devices)
@@ -251,11 +295,22 @@ class SimulatedInventory:
     ) -> None:
         self._usage[index] = (memory_used_mib, 100 if busy else 0, processes)
 
+    def set_checkpointed(self, pids: frozenset[int]) -> None:
+        """Processes whose device memory the simulated checkpoint moved to the host."""
+        self._checkpointed = pids
+
+    def host_memory(self) -> HostMemoryReading | None:
+        return self._host or read_host_memory()
+
     def readings(self) -> list[DeviceReading]:
         out = []
         for device in self._devices:
             used, util, procs = self._usage.get(device.index, (0, 0, ()))
-            outside = self._outside.get(device.index, ())
+            outside = tuple(
+                process
+                for process in self._outside.get(device.index, ())
+                if process.pid not in self._checkpointed
+            )
             used += sum(process.used_mib for process in outside)
             procs = (*procs, *outside)
             out.append(
@@ -420,6 +475,9 @@ class NvmlInventory:
                 )
             )
         return out
+
+    def host_memory(self) -> HostMemoryReading | None:
+        return read_host_memory()
 
     def close(self) -> None:
         with contextlib.suppress(self._nvml.NVMLError):

@@ -21,6 +21,7 @@ The policy file (``/etc/gpushare/broker.toml`` in system mode) looks like::
     max_leases = 4                 # leases one user may hold or wait for at once
     aging_per_minute = 10          # priority points a waiting request gains per minute
     slice = "auto"                 # auto | mig | shared | exclusive
+    park_idle_after = "off"        # e.g. "15m": park a session idle that long
 
     [groups.students]
     max_priority = "normal"
@@ -40,7 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from gpushare_ext.broker import schema
-from gpushare_ext.broker.schema import PolicyError
+from gpushare_ext.broker.schema import HostShare, PolicyError
 from gpushare_ext.protocol import PRIORITY_CLASSES, PreemptionLevel, SliceWish
 from gpushare_ext.units import GIB, format_size, parse_size, priority_band
 
@@ -53,6 +54,7 @@ else:  # pragma: no cover
 # config.py read values through; they are re-exported here, where callers import them.
 __all__ = [
     "GIB",
+    "HostShare",
     "Limits",
     "Policy",
     "PolicyError",
@@ -68,6 +70,9 @@ __all__ = [
 ]
 
 
+HALF_THE_HOST = HostShare(percent=50.0)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Limits:
     """The limits that apply to one user after defaults, groups and user sections merge.
@@ -81,6 +86,7 @@ class Limits:
     max_leases: int = 8
     aging_per_minute: float = 10.0
     slice: SliceWish = SliceWish.AUTO
+    park_idle_after: float | None = None  # seconds; None: never parked for being idle
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,6 +100,8 @@ class Policy:
     groups: dict[str, dict] = field(default_factory=dict)
     users: dict[str, dict] = field(default_factory=dict)
     evict_when_memory_needed: bool = True
+    park_when_memory_needed: bool = True  # idle sessions are checkpointed for a request
+    park_host_limit: HostShare = HALF_THE_HOST  # host memory parks may take
     mps: bool = False  # an MPS daemon serves the GPUs: shares become MPS limits
 
     def limits_for(self, user: str, groups: tuple[str, ...]) -> Limits:

@@ -34,6 +34,7 @@ from gpushare_ext.protocol import (
     PROTOCOL_VERSION,
     Admin,
     AdminAction,
+    CellActivity,
     ClientMessageUnion,
     ErrorCode,
     Heartbeat,
@@ -43,6 +44,7 @@ from gpushare_ext.protocol import (
     RegisterYieldFlag,
     Release,
     RequestLease,
+    Restore,
     StateUpdate,
     StatusReply,
     StatusRequest,
@@ -71,6 +73,8 @@ class Requests:
             Unwatch: self.unwatch,
             RegisterYieldFlag: self.register_yield_flag,
             Admin: self.admin,
+            CellActivity: self.cell_activity,
+            Restore: self.restore,
         }
 
     def handle(self, conn: Connection, message: ClientMessageUnion) -> None:
@@ -201,6 +205,31 @@ class Requests:
                 by_admin=lease.identity.uid != conn.uid,
             ),
             Reply(to=release.seq, conn=conn),
+        )
+
+    def cell_activity(self, conn: Connection, message: CellActivity) -> None:
+        if conn.session_id is None:
+            raise ProtocolError(ErrorCode.OUT_OF_ORDER, "only a notebook session has cells")
+        self.broker.dispatch(
+            core.SessionActivity(
+                now=time.time(), session_id=conn.session_id, running=message.running
+            )
+        )
+
+    def restore(self, conn: Connection, message: Restore) -> None:
+        # The core checks that the park is this session's (another's is "unknown").
+        # Its answers (queued notices, the resume) are notices, not the reply: ok is.
+        self.broker.dispatch(
+            core.RestoreAsked(
+                now=time.time(),
+                session_id=conn.session_id or "",
+                lease_id=message.lease_id,
+                cancel=message.cancel,
+            )
+        )
+        self.broker.send(
+            conn,
+            Ok(reply_to=message.seq, detail="withdrawn" if message.cancel else "restore asked"),
         )
 
     def heartbeat(self, conn: Connection, message: Heartbeat) -> None:

@@ -29,7 +29,7 @@ from typing import Literal, Protocol
 
 from gpushare_ext.broker.errors import DaemonError
 from gpushare_ext.protocol import SliceWish, priority_value
-from gpushare_ext.units import GIB, KIB, MIB, PIB, parse_size
+from gpushare_ext.units import GIB, KIB, MIB, PIB, parse_duration, parse_size
 
 
 class PolicyError(DaemonError):
@@ -255,6 +255,66 @@ class Size:
 
 
 @dataclass(frozen=True)
+class Duration:
+    """A duration in TOML text ("15m", "2h", "90s") up to ``high_s``, or "off": None."""
+
+    high_s: float
+
+    @property
+    def text(self) -> str:
+        return (
+            f'a duration like "15m", "2h" or "90s" (or seconds) up to {self.high_s / 3600:g} h, '
+            'or "off"'
+        )
+
+    def convert(self, value: object) -> float | None:
+        # None and a number of seconds are what a converted section holds already.
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, str | int | float):
+            raise ValueError(value)
+        seconds = parse_duration(str(value))  # ValueError for what is not a duration
+        if seconds is not None and not 1.0 <= seconds <= self.high_s:
+            raise ValueError(value)
+        return seconds
+
+
+@dataclass(frozen=True)
+class HostShare:
+    """How much host memory something may use: a share of the host ("50%") or a size."""
+
+    percent: float | None = None
+    size: int | None = None
+
+    def of(self, total_bytes: int) -> int:
+        if self.size is not None:
+            return self.size
+        return int(total_bytes * (self.percent or 0.0) / 100.0)
+
+    def __str__(self) -> str:
+        return f"{self.percent:g}%" if self.size is None else _size_text(self.size)
+
+
+@dataclass(frozen=True)
+class HostShareKind:
+    @property
+    def text(self) -> str:
+        return 'a share of the host\'s memory like "50%" (0-95 %) or a size like "64GiB"'
+
+    def convert(self, value: object) -> HostShare:
+        if isinstance(value, HostShare):
+            return value
+        if isinstance(value, str) and value.strip().endswith("%"):
+            percent = float(value.strip()[:-1])  # ValueError for what is not a number
+            if not (math.isfinite(percent) and 0.0 <= percent <= 95.0):
+                raise ValueError(value)
+            return HostShare(percent=percent)
+        if isinstance(value, bool) or not isinstance(value, str | int):
+            raise ValueError(value)
+        return HostShare(size=parse_size(value))
+
+
+@dataclass(frozen=True)
 class Priority:
     @property
     def text(self) -> str:
@@ -383,6 +443,20 @@ BROKER_SETTINGS: dict[str, Setting] = {
             applies="live",
         ),
         Setting(
+            key="park_when_memory_needed",
+            kind=Flag(),
+            default=True,
+            meaning="checkpoint idle sessions to host memory when a request needs their memory",
+            applies="live",
+        ),
+        Setting(
+            key="park_host_limit",
+            kind=HostShareKind(),
+            default=HostShare(percent=50.0),
+            meaning="the most host memory parked and evicted sessions may hold together",
+            applies="live",
+        ),
+        Setting(
             key="mps",
             kind=Flag(),
             default=False,
@@ -428,7 +502,15 @@ BROKER_SETTINGS: dict[str, Setting] = {
 }
 
 # The [broker] keys that make up the policy (Policy's fields) rather than the daemon's.
-POLICY_BROKER_KEYS = ("admin_groups", "admin_users", "sharing", "evict_when_memory_needed", "mps")
+POLICY_BROKER_KEYS = (
+    "admin_groups",
+    "admin_users",
+    "sharing",
+    "evict_when_memory_needed",
+    "park_when_memory_needed",
+    "park_host_limit",
+    "mps",
+)
 
 LIMIT_SETTINGS: dict[str, Setting] = {
     s.key: s
@@ -473,6 +555,13 @@ LIMIT_SETTINGS: dict[str, Setting] = {
             kind=OneOf(tuple(wish.value for wish in SliceWish), SliceWish),
             default=SliceWish.AUTO,
             meaning="the slice a lease gets unless the cell asks for one",
+            applies="live",
+        ),
+        Setting(
+            key="park_idle_after",
+            kind=Duration(7 * 24 * 3600),
+            default=None,
+            meaning="park a session whose GPU memory sat idle this long",
             applies="live",
         ),
     )

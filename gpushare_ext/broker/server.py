@@ -37,6 +37,7 @@ from gpushare_ext.broker import core
 from gpushare_ext.broker.actuators import (
     ActuatorError,
     Ladder,
+    SimulatedProcessControl,
     open_process_control,
     pid_alive,
 )
@@ -275,6 +276,13 @@ class Broker:
             elif reading.processes:  # a simulated document's processes outside leases
                 self._observe_outside_leases(reading, now)
                 counts = None
+        host = self.inventory.host_memory()
+        if host is not None:
+            self.dispatch(
+                core.HostMemorySeen(
+                    now=now, available_bytes=host.available_bytes, total_bytes=host.total_bytes
+                )
+            )
         if self.dispatch(core.Tick(now=now)):
             counts = None  # the tick moved leases: they are counted again below
         if time.monotonic() >= self._next_prune:
@@ -327,6 +335,8 @@ class Broker:
         """The simulated devices show what their leases hold; returns the leases counted."""
         assert isinstance(self.inventory, SimulatedInventory)
         counts = tally(self)
+        if isinstance(self.control, SimulatedProcessControl):  # the twin of a checkpoint
+            self.inventory.set_checkpointed(self.control.checkpointed())
         for device in self.devices:
             self.inventory.set_usage(
                 device.index, counts.leased_mib[device.index], device.index in counts.busy

@@ -1,7 +1,8 @@
 """IPython magics: ``%%gpu`` (run a cell under a lease), ``%gpu`` and ``%gpuconfig``.
 
-Loaded by ``%load_ext gpushare_ext`` or ``c.InteractiveShellApp.extensions``; unloading
-releases every lease the kernel holds and closes the broker connection.
+Loaded by ``%load_ext gpushare_ext`` or ``c.InteractiveShellApp.extensions``, which also
+puts the parked-session restore at the top of every cell (:mod:`runtime.parking`);
+unloading releases every lease the kernel holds and closes the broker connection.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from typing import Any
 
 def load(ipython: Any) -> None:
     from gpushare_ext.magics.gpu import GpuMagics
-    from gpushare_ext.runtime import interpose, preemptible
+    from gpushare_ext.runtime import interpose, parking, preemptible
 
     ipython.register_magics(GpuMagics)
+    # Every cell, marked or not, first restores a parked session (and says it runs).
+    parking.install(ipython)
     # Kernels CuPy compiles from now on are seen as they load, before any %%gpu cell.
     try:
         preemptible.install()
@@ -23,8 +26,10 @@ def load(ipython: Any) -> None:
 
 
 def unload(ipython: Any) -> None:
+    from gpushare_ext.runtime import parking
     from gpushare_ext.runtime.session import reset_session
 
+    parking.uninstall(ipython)
     reset_session()
     magics = ipython.magics_manager.magics
     for kind in ("line", "cell"):

@@ -6,12 +6,11 @@ argument and what would be accepted.
 
 from __future__ import annotations
 
-import re
 import shlex
 
 from gpushare_ext.errors import GpushareError
 from gpushare_ext.protocol import SliceWish, priority_value
-from gpushare_ext.units import parse_size
+from gpushare_ext.units import parse_duration, parse_size
 
 KEYS = {
     "priority": "low | normal | high | 0-299",
@@ -23,22 +22,10 @@ KEYS = {
     "instrumented": "yes if all GPU work of the cell goes through gpushare kernels",
 }
 ALIASES = {"memory": "mem", "prio": "priority", "sm_share": "share", "wait": "timeout"}
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|sec|m|min|h)?\s*$", re.IGNORECASE)
 
 
 class ArgumentError(GpushareError, ValueError):
     """One bad argument; the message is what the user reads."""
-
-
-def parse_duration(text: str) -> float | None:
-    if text.strip().lower() in ("none", "never", "0", "inf", "forever"):
-        return None
-    match = _DURATION.match(text)
-    if not match:
-        raise ValueError(f"{text!r} is not a duration (examples: 30s, 5m, 1h, none)")
-    number, unit = match.groups()
-    factor = {"ms": 0.001, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600}[(unit or "s").lower()]
-    return float(number) * factor
 
 
 def tokenize(line: str) -> list[tuple[str, str]]:

@@ -41,6 +41,7 @@ from gpushare_ext.protocol import (
     Error,
     ErrorCode,
     Granted,
+    Parked,
     Placement,
     Preempt,
     PreemptionLevel,
@@ -58,6 +59,7 @@ from gpushare_ext.protocol import (
 from gpushare_ext.runtime import binding, interpose, memory, preemptible
 from gpushare_ext.runtime.embedded import broker_answers, ensure_embedded_broker
 from gpushare_ext.runtime.errors import SessionError
+from gpushare_ext.runtime.parking import ParkedMemory
 from gpushare_ext.units import format_size, priority_band
 
 OPEN_STATES = ACTIVE  # what a reconnect reclaims: queued, running, paused, evicted
@@ -247,6 +249,7 @@ class GpuSession:
         self.interposer: interpose.Attached | None = None  # holds launches while paused
         self.interposer_note = ""  # why it is not attached, once tried
         self._retired: list = []
+        self.parked: ParkedMemory | None = None  # the broker parked this idle session
 
     # ---- connection
 
@@ -296,6 +299,11 @@ class GpuSession:
         self._open_control_block(client.welcome.control_block)
         for handle in earlier:
             self._settle_reclaim(handle, handle.lease_id in client.welcome.reclaimed)
+        if self.parked is not None:
+            # A broker that starts restores every process its journal held: nothing of
+            # this session is parked any more.
+            self.parked.done.set()
+            self.parked = None
         if client.closed.is_set() and not self._closed:
             self._broker_lost(client.close_reason)  # lost before its listener counted
         return client
@@ -400,8 +408,15 @@ class GpuSession:
             if token is self._client_token and not self._closed:
                 self._broker_lost(message.message)
             return
+        if isinstance(message, Parked):
+            self.parked = ParkedMemory.from_notice(message)
+            return
         lease_id = getattr(message, "lease_id", None)
         if not lease_id:
+            return
+        park = self.parked
+        if park is not None and lease_id == park.lease_id:
+            self._park_notice(park, message)
             return
         with self._lock:
             handle = self.leases.get(lease_id)
@@ -410,6 +425,37 @@ class GpuSession:
                     self._early.setdefault(lease_id, []).append(message)
                 return
         self._apply_notice(handle, message)
+
+    def _park_notice(self, park: ParkedMemory, message: BrokerMessage) -> None:
+        """How the restore of this session's parked memory goes."""
+        if isinstance(message, Queued):
+            park.queued = message
+        elif isinstance(message, Resume):
+            park.done.set()
+        elif isinstance(message, Revoked) and not park.asked:
+            # An admin cancelled the park: the broker restored it on the way out.
+            self.forget_park(park)
+            park.done.set()
+        elif isinstance(message, Revoked):
+            park.failed = message.reason
+            park.done.set()
+        elif isinstance(message, Released):
+            # Ended without a restore: the park failed (nothing was moved), or an admin
+            # cancelled it (which restores it).  Either way the memory is on the GPU.
+            park.done.set()
+        park.changed.set()
+
+    def forget_park(self, park: ParkedMemory) -> None:
+        if self.parked is park:
+            self.parked = None
+
+    def cell_activity(self, running: bool) -> None:
+        """Tell the broker a cell started or ended (a cell never waits for it)."""
+        client = self.client
+        if client is None or client.closed.is_set():
+            return
+        with contextlib.suppress(BrokerError, BrokerUnavailable):
+            client.cell_activity(running)
 
     def _broker_lost(self, why: str) -> None:
         """The connection is gone (the broker stopped or crashed): nobody may hold us now.
@@ -834,6 +880,11 @@ def current_session() -> GpuSession:
         if _session is None:
             _session = GpuSession()
         return _session
+
+
+def existing_session() -> GpuSession | None:
+    """The session if one was made (a %%gpu cell ran), without making one."""
+    return _session
 
 
 def reset_session() -> None:

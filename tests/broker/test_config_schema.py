@@ -15,7 +15,7 @@ import pytest
 
 from gpushare_ext.broker import schema
 from gpushare_ext.broker.config import BrokerConfig, load_config, parse_config, restart_needed
-from gpushare_ext.broker.policy import GIB, Limits, Policy, PolicyError, parse_policy
+from gpushare_ext.broker.policy import GIB, HostShare, Limits, Policy, PolicyError, parse_policy
 from gpushare_ext.protocol import SliceWish
 
 REPO = Path(__file__).resolve().parents[2]
@@ -256,6 +256,8 @@ admin_groups = ["gpuadmin"]
 admin_users = ["hubadmin"]
 sharing = "exclusive"
 evict_when_memory_needed = false
+park_when_memory_needed = false
+park_host_limit = "80%"
 mps = true
 """
     config = parse_config(text, "broker.toml")
@@ -267,7 +269,8 @@ mps = true
         journal_keep_hours=0.1, socket_group=group, node_name="gpu-node-7", devices=[1, 0],
         policy=Policy(
             sharing="exclusive", admin_groups=("gpuadmin",), admin_users=("hubadmin",),
-            evict_when_memory_needed=False, mps=True,
+            evict_when_memory_needed=False, park_when_memory_needed=False,
+            park_host_limit=HostShare(percent=80.0), mps=True,
         ),
         given=frozenset(schema.BROKER_SETTINGS),
     )  # fmt: skip
@@ -342,6 +345,8 @@ OTHER_VALUES = {
     "admin_users": '["hubadmin"]',
     "sharing": '"exclusive"',
     "evict_when_memory_needed": "false",
+    "park_when_memory_needed": "false",
+    "park_host_limit": '"64GiB"',
     "mps": "true",
     "max_connections_per_uid": "8",
     "max_requests_per_second": "50",

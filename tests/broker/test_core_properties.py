@@ -118,6 +118,11 @@ ops = st.one_of(
         st.lists(st.tuples(st.integers(0, 50), st.sampled_from([0, 1, 8, 30, 60])), max_size=3),
         st.sampled_from([0, 0, 2, 20, 70]),
     ),
+    # The host's memory (parking needs room there), a plain cell starting or ending in a
+    # session (never parked while it runs), and a parked session asking for its memory.
+    st.tuples(st.just("host"), gaps, st.sampled_from([0, 50, 900])),
+    st.tuples(st.just("activity"), gaps, st.integers(0, 50), st.booleans()),
+    st.tuples(st.just("restore"), gaps, st.integers(0, 50), st.booleans()),
 )
 openings = st.lists(
     st.tuples(st.just("open"), st.just(0.0), st.integers(0, len(USERS) - 1)), min_size=2, max_size=5
@@ -130,17 +135,22 @@ scripts = st.builds(
 # ------------------------------------------------------------------ the invariants
 
 
-def _declared_on(scheduler: core.Scheduler, key: str) -> int:
+def _declared_on(scheduler: core.Scheduler, key: str, *, grants_only: bool = False) -> int:
     return sum(
         lease.memory_bytes
         for lease in scheduler.leases.values()
-        if lease.slot == key and lease.state in (LeaseState.RUNNING, LeaseState.PAUSED)
+        if lease.slot == key
+        and lease.state in (LeaseState.RUNNING, LeaseState.PAUSED)
+        and not (grants_only and lease.parks_session)
     )
 
 
 def check_capacity(scheduler: core.Scheduler) -> None:
+    """Granted memory never exceeds a slot.  A park lease is left out: it declares what
+    NVML saw an idle session hold (memory on the GPU already, not a grant), and leases
+    declare quotas, not use, so the two together may pass the slot's size."""
     for key, slot in scheduler.slots.items():
-        held = _declared_on(scheduler, key)
+        held = _declared_on(scheduler, key, grants_only=True)
         assert held <= slot.memory_bytes, f"slot {key} over capacity: {held} > {slot.memory_bytes}"
 
 
@@ -186,7 +196,10 @@ def check_no_needless_wait(scheduler: core.Scheduler) -> None:
             band = priority_band(scheduler._effective(lease, now))
             for victim_id in lease.awaiting_memory_from:
                 victim = scheduler.leases[victim_id]
-                assert priority_band(victim.running_priority()) < band
+                if victim.parks_session:  # an idle session of its band or lower
+                    assert priority_band(victim.running_priority()) <= band
+                else:
+                    assert priority_band(victim.running_priority()) < band
                 assert victim.pending_level == PreemptionLevel.EVICT
             continue
         key = scheduler._queue_key(lease, now)
@@ -348,9 +361,22 @@ def play(script, policy: Policy) -> Run:
             }
             used[99_999] = op[3] * GIB  # not a session of the broker's
             run.feed(core.DeviceMemorySeen(now=now, device_index=0, used_by_pid=tuple(used.items())))  # fmt: skip
+        elif kind == "host":
+            run.feed(core.HostMemorySeen(now=now, available_bytes=op[2] * GIB, total_bytes=1024 * GIB))  # fmt: skip
+        elif kind == "activity" and run.sessions:
+            session = run.sessions[op[2] % len(run.sessions)]
+            run.feed(core.SessionActivity(now=now, session_id=session, running=op[3]))
+        elif kind == "restore" and _parks(run):
+            park = _parks(run)[op[2] % len(_parks(run))]
+            run.feed(core.RestoreAsked(now=now, session_id=park.session_id, lease_id=park.lease_id,
+                                       cancel=op[3]))  # fmt: skip
         else:
             run.feed(core.Tick(now=now))
     return run
+
+
+def _parks(run: Run) -> list[core.Lease]:
+    return [lease for lease in run.active() if lease.parks_session]
 
 
 def finish(run: Run) -> None:
@@ -359,7 +385,13 @@ def finish(run: Run) -> None:
         run.feed(core.DeviceDrained(now=run.now, device_index=index, drained=False))
     # The idle notebooks and the unknown process let their memory go.
     run.feed(core.DeviceMemorySeen(now=run.now, device_index=0, used_by_pid=()))
+    for session in run.sessions:  # no cell runs any more: idle sessions may be parked
+        run.feed(core.SessionActivity(now=run.now, session_id=session, running=False))
     for _ in range(2_000):
+        for park in _parks(run):  # every parked session comes back for its next cell
+            if park.state == LeaseState.EVICTED and not park.restore_wanted:
+                run.feed(core.RestoreAsked(now=run.now, session_id=park.session_id,
+                                           lease_id=park.lease_id))  # fmt: skip
         while run.pending:
             lease_id, level = run.pending.pop(0)
             run.feed(core.PreemptionApplied(now=run.now, lease_id=lease_id, level=level))
@@ -408,6 +440,10 @@ def test_capacity_and_priority_hold_after_every_event(script, policy):
     for kind in (core.Grant, core.Preempt, core.ResumeLease, core.NotifyQueued, core.Refuse):
         if any(isinstance(a, kind) for a in actions):
             event(f"has {kind.__name__}")
+    if any(isinstance(a, core.Preempt) and a.parks_bytes for a in actions):
+        event("parks an idle session")
+    if any(isinstance(a, core.ResumeLease) and a.restores_park for a in actions):
+        event("restores a parked session")
 
 
 @PROPERTY_SETTINGS

@@ -1,0 +1,198 @@
+"""A parked notebook: restored before its next cell, whatever the cell is.
+
+When the broker parks an idle session (its GPU memory checkpointed to host memory, the
+process locked), every CUDA call of that process would block inside the driver.  So
+the extension runs :func:`before_cell` at the top of *every* cell, marked ``%%gpu`` or
+not (an AST transformer puts the call there: a ``pre_run_cell`` hook cannot stop a
+cell, an exception raised at the cell's first line does):
+
+* it tells the broker a cell started (a session with a cell running is never parked;
+  ``post_run_cell`` says when it ended);
+* if the session is parked, it asks for the memory back and shows one live line,
+  ``gpushare: restoring 12.0 GiB parked 16 min ago ... 1.4 s``, then runs the cell.  If
+  the memory is not free the restore waits in the broker's queue, and the line says
+  where it stands; interrupting the kernel withdraws the restore, keeps the session
+  parked and does not run the cell.  A restore that fails says what was lost.
+
+Cells made only of ``%gpu`` line magics (status, release, ...) do not restore: they
+never touch the GPU, and a parked notebook may want to look at the queue.
+
+It must not talk to the broker but through the session's client, and must not import
+the magics (they import it).
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gpushare_ext.protocol import Parked, Queued
+from gpushare_ext.runtime.errors import SessionError
+from gpushare_ext.units import format_duration, format_size
+
+if TYPE_CHECKING:
+    from gpushare_ext.runtime.session import CellOutput, GpuSession
+
+
+class RestoreFailed(SessionError):
+    """The parked memory could not be brought back; the message says what was lost."""
+
+
+@dataclass(eq=False)
+class ParkedMemory:
+    """This session's memory as the broker parked it, and how its restore goes."""
+
+    lease_id: str
+    memory_bytes: int
+    device_index: int
+    reason: str
+    since: float = field(default_factory=time.time)
+    queued: Queued | None = None
+    asked: bool = False  # its restore was asked for (a revoke then means it failed)
+    failed: str = ""
+    done: threading.Event = field(default_factory=threading.Event)
+    changed: threading.Event = field(default_factory=threading.Event)
+
+    @classmethod
+    def from_notice(cls, notice: Parked) -> ParkedMemory:
+        return cls(
+            lease_id=notice.lease_id,
+            memory_bytes=notice.memory_bytes,
+            device_index=notice.device_index,
+            reason=notice.reason,
+        )
+
+    def describe(self, now: float | None = None) -> str:
+        ago = format_duration((now or time.time()) - self.since)
+        return f"{format_size(self.memory_bytes)} parked {ago} ago"
+
+
+def restoring_line(park: ParkedMemory, what: str, waited_s: float) -> str:
+    if park.queued is not None:
+        return (
+            f"gpushare: restoring {what}: waiting for the memory ({park.queued.reason}) -- "
+            f"{waited_s:.0f} s (interrupt the kernel to leave it parked)"
+        )
+    return f"gpushare: restoring {what} ... {waited_s:.1f} s"
+
+
+def restore(session: GpuSession, park: ParkedMemory, output: CellOutput) -> None:
+    """Bring ``park`` back, showing one live line; raises KeyboardInterrupt (withdrawn,
+    still parked) or :class:`RestoreFailed`."""
+    from gpushare_ext.client import BrokerError, BrokerUnavailable
+
+    what = park.describe()
+    key = f"gpushare-restore-{uuid.uuid4().hex[:8]}"
+    started = time.monotonic()
+    output.show(key, f"gpushare: restoring {what} ...")
+    park.asked = True
+    try:
+        session.connect().restore(park.lease_id)
+    except (BrokerError, BrokerUnavailable) as exc:
+        # The broker that parked it is gone: its successor restored every process its
+        # journal held (nothing is parked any more), or there is no broker at all.
+        session.forget_park(park)
+        output.show(key, f"gpushare: {what}: {exc}; running the cell")
+        return
+    last_shown = -1.0
+    try:
+        while not park.done.is_set():
+            waited = time.monotonic() - started
+            if waited - last_shown >= 1.0 or park.changed.is_set():
+                output.show(key, restoring_line(park, what, waited))
+                last_shown = waited
+            park.changed.clear()
+            park.done.wait(0.1)  # short waits keep Ctrl-C responsive
+    except KeyboardInterrupt:
+        with contextlib.suppress(BrokerError, BrokerUnavailable):
+            session.connect().restore(park.lease_id, cancel=True)
+        park.queued = None
+        park.asked = False
+        output.show(
+            key, f"gpushare: restore of {what} withdrawn; it stays parked and the cell did not run"
+        )
+        raise
+    session.forget_park(park)
+    if park.failed:
+        output.show(key, f"gpushare: {park.failed}")
+        raise RestoreFailed(f"gpushare: {park.failed}")
+    output.show(key, f"gpushare: restored {what} in {time.monotonic() - started:.1f} s")
+    with contextlib.suppress(BrokerError, BrokerUnavailable):
+        session.connect().release(park.lease_id)
+
+
+# ------------------------------------------------------------------ the cell hooks
+
+
+def _only_gpu_line_magics(tree: ast.Module) -> bool:
+    """A cell of ``%gpu ...`` lines alone (IPython turns each into run_line_magic)."""
+    if not tree.body:
+        return False
+    for statement in tree.body:
+        call = statement.value if isinstance(statement, ast.Expr) else None
+        if not (
+            isinstance(call, ast.Call)
+            and isinstance(call.func, ast.Attribute)
+            and call.func.attr == "run_line_magic"
+            and call.args
+            and isinstance(call.args[0], ast.Constant)
+            and call.args[0].value in ("gpu", "gpuconfig")
+        ):
+            return False
+    return True
+
+
+class RestoreBeforeCell(ast.NodeTransformer):
+    """Puts ``before_cell()`` first in every cell (IPython's ``ast_transformers``)."""
+
+    def visit_Module(self, node: ast.Module) -> ast.Module:
+        if _only_gpu_line_magics(node):
+            return node
+        call = ast.parse(
+            "__import__('gpushare_ext.runtime.parking', fromlist=['before_cell']).before_cell()"
+        ).body[0]
+        node.body.insert(0, call)
+        return ast.fix_missing_locations(node)
+
+
+def before_cell() -> None:
+    """Run at the top of every cell: say a cell started; restore a parked session."""
+    from gpushare_ext.runtime.session import CellOutput, existing_session
+
+    session = existing_session()
+    if session is None:
+        return  # no %%gpu cell yet: the broker does not know this notebook
+    session.cell_activity(running=True)
+    park = session.parked
+    if park is not None:
+        restore(session, park, CellOutput())
+
+
+def after_cell(result: Any = None) -> None:
+    """IPython's ``post_run_cell``: the cell ended (idle time counts from here)."""
+    from gpushare_ext.runtime.session import existing_session
+
+    session = existing_session()
+    if session is not None:
+        session.cell_activity(running=False)
+
+
+def install(ipython: Any) -> None:
+    if not any(isinstance(t, RestoreBeforeCell) for t in ipython.ast_transformers):
+        ipython.ast_transformers.append(RestoreBeforeCell())
+    with contextlib.suppress(ValueError):
+        ipython.events.unregister("post_run_cell", after_cell)
+    ipython.events.register("post_run_cell", after_cell)
+
+
+def uninstall(ipython: Any) -> None:
+    ipython.ast_transformers[:] = [
+        t for t in ipython.ast_transformers if not isinstance(t, RestoreBeforeCell)
+    ]
+    with contextlib.suppress(ValueError):
+        ipython.events.unregister("post_run_cell", after_cell)

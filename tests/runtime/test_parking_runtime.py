@@ -1,0 +1,138 @@
+"""Parking with a real broker and real notebook kernels, on the simulated H200 (no GPU:
+the simulated inventory shows the idle notebook's memory as NVML would, and its
+checkpoint is the simulated actuators' twin, which hides that memory while it holds it).
+
+An idle notebook holding 100 GiB is parked when a high-priority request needs the
+memory; its next cell, a plain one, restores it first (one live line) and runs; a
+restore that has to wait says so and can be interrupted, leaving the session parked.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+from runtime_helpers import BrokerProcess, NotebookKernel, short_tempdir, wait_for
+
+from gpushare_ext.broker.inventory import fixture_path
+from gpushare_ext.client import BrokerClient, BrokerError
+from gpushare_ext.protocol import Granted, Queued
+
+pytestmark = pytest.mark.timeout(240)
+
+GIB_MIB = 1024
+
+
+def _inventory_with(pid: int, gib: int) -> str:
+    document = json.loads(fixture_path("h200").read_text())
+    document["processes_outside_leases"] = [{"device": 0, "pid": pid, "used_mib": gib * GIB_MIB}]
+    # The host of a busy hub (the test machine may be smaller than what is parked).
+    document["host_memory"] = {"total_mib": 1024 * GIB_MIB, "available_mib": 900 * GIB_MIB}
+    path = short_tempdir("gps-park-") / "h200-idle.json"
+    path.write_text(json.dumps(document))
+    return str(path)
+
+
+def _idle_memory_seen(broker: BrokerProcess) -> None:
+    wait_for(
+        lambda: any(d.memory_outside_leases_mib for d in broker.status().devices),
+        "the broker to read the idle notebook's memory",
+        10,
+    )
+
+
+def _parks(broker: BrokerProcess) -> list:
+    return [lease for lease in broker.leases() if lease.label == "parked idle session"]
+
+
+def test_an_idle_notebook_is_parked_for_a_request_and_its_next_plain_cell_restores_it():
+    kernel = NotebookKernel("idle-notebook")
+    broker: BrokerProcess | None = None
+    try:
+        kernel.ready()
+        broker = BrokerProcess(short_tempdir(), simulate=_inventory_with(kernel.pid, 100)).start()
+        kernel.run(f"import os; os.environ['GPUSHARE_SOCKET'] = {str(broker.socket)!r}").ok()
+        kernel.run("%load_ext gpushare_ext").ok()
+        kernel.run("%%gpu mem=1GiB\nanswer = 41").ok()  # its session, idle after the cell
+        _idle_memory_seen(broker)
+
+        granted = threading.Event()
+        with BrokerClient(
+            broker.socket,
+            client="bench",
+            listener=lambda m: granted.set() if isinstance(m, Granted) else None,
+        ) as other:
+            reply = other.request_lease(priority=250, memory_bytes=80 << 30, label="big")
+            assert isinstance(reply, Queued)
+            assert "parking idle sessions" in reply.reason
+            assert granted.wait(15), broker.log_tail()
+            [park] = _parks(broker)
+            assert park.pid == kernel.pid and park.state == "evicted"
+
+            # A plain cell: restored first, but the high lease holds 80 GiB: it waits,
+            # visibly, and an interrupt withdraws it and leaves the notebook parked.
+            waiting = kernel.submit("print(answer + 1)")
+            waiting.wait_shown("waiting for the memory", timeout=20)
+            kernel.interrupt()
+            waiting.wait()
+            assert "did not run" in waiting.shown_text(), waiting.describe()
+            assert "42" not in waiting.final_text()
+            assert _parks(broker) and _parks(broker)[0].state == "evicted"
+
+            other.release(reply.lease_id)
+
+        cell = kernel.run("print(answer + 1)").ok()
+        shown = cell.shown_text()
+        assert "gpushare: restoring 100 GiB parked" in shown, cell.describe()
+        assert "gpushare: restored 100 GiB parked" in shown
+        assert cell.final_text().strip().endswith("42")
+        wait_for(lambda: not _parks(broker), "the park lease to be released", 10)
+        kernel.run("%%gpu mem=1GiB\nprint(answer)").ok()  # no restore, no park left
+    finally:
+        kernel.shutdown()
+        if broker is not None:
+            broker.stop()
+
+
+def test_only_the_parked_session_may_restore_it(start_broker_for_parking):
+    broker, kernel, park_id = start_broker_for_parking
+    with BrokerClient(broker.socket, client="bench") as stranger:
+        with pytest.raises(BrokerError, match="no parked memory"):
+            stranger.restore(park_id)
+    assert _parks(broker)[0].state == "evicted"
+
+
+@pytest.fixture
+def start_broker_for_parking():
+    """A notebook parked for a high request that is then released."""
+    kernel = NotebookKernel("parked-notebook")
+    broker: BrokerProcess | None = None
+    try:
+        kernel.ready()
+        broker = BrokerProcess(short_tempdir(), simulate=_inventory_with(kernel.pid, 100)).start()
+        kernel.run(f"import os; os.environ['GPUSHARE_SOCKET'] = {str(broker.socket)!r}").ok()
+        kernel.run("%load_ext gpushare_ext").ok()
+        kernel.run("%%gpu mem=1GiB\nx = 1").ok()
+        _idle_memory_seen(broker)
+        with BrokerClient(broker.socket, client="bench") as other:
+            reply = other.request_lease(priority=250, memory_bytes=80 << 30)
+            wait_for(lambda: _parks(broker) and _parks(broker)[0].state == "evicted", "a park", 15)
+            other.release(reply.lease_id)
+        yield broker, kernel, _parks(broker)[0].lease_id
+    finally:
+        kernel.shutdown()
+        if broker is not None:
+            broker.stop()
+
+
+def test_a_notebook_that_exits_while_parked_ends_its_park_and_nobody_else_notices(
+    start_broker_for_parking,
+):
+    broker, kernel, park_id = start_broker_for_parking
+    with BrokerClient(broker.socket, client="bench") as other:
+        kernel.kill()
+        wait_for(lambda: not _parks(broker), "the park of the dead notebook to end", 15)
+        reply = other.request_lease(priority=150, memory_bytes=8 << 30)
+        assert isinstance(reply, Granted)  # the broker serves on, its memory is free
+        other.release(reply.lease_id)
