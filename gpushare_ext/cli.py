@@ -123,6 +123,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="device index (drain/undrain), lease id (cancel) or TOML file (set-policy)",
     )
 
+    park = sub.add_parser(
+        "park",
+        help="park an idle notebook now: its GPU memory goes to host memory until its next cell",
+        description="Checkpoints the GPU memory of an idle notebook (yours; anyone's for "
+        "admins) to host memory, so others can use the GPU; the notebook restores it by "
+        "itself before its next cell.",
+    )
+    _add_socket(park)
+    park.add_argument("pid", help="the notebook kernel's process id (gpushare status shows it)")
+
     demo = sub.add_parser(
         "demo",
         help="two notebook sessions contend for one GPU on an embedded broker",
@@ -202,6 +212,8 @@ def run_command(argv: list[str] | None = None) -> int:
             return _cmd_status(args)
         if args.command == "admin":
             return _cmd_admin(args)
+        if args.command == "park":
+            return _cmd_park(args)
         if args.command == "demo":
             from gpushare_ext.demo import run_demo
 
@@ -338,6 +350,19 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(snapshot_to_builtins(snapshot), indent=2))
     else:
         render_status(snapshot)
+    return 0
+
+
+def _cmd_park(args: argparse.Namespace) -> int:
+    from gpushare_ext.client import BrokerClient, BrokerError
+
+    if not (args.pid.isascii() and args.pid.isdecimal()) or int(args.pid) < 1:
+        return _fail(f"park needs a process id, e.g. gpushare park 4242 (not {args.pid!r})", 2)
+    try:
+        with BrokerClient(args.socket, client="cli") as client:
+            print(client.park(int(args.pid)))
+    except BrokerError as exc:
+        return _fail(str(exc))
     return 0
 
 

@@ -45,6 +45,7 @@ from gpushare_ext.protocol import (
     Heartbeat,
     Hello,
     Ok,
+    Park,
     ProtocolError,
     Queued,
     Refused,
@@ -350,6 +351,12 @@ class BrokerClient:
         message = CellActivity(running=running)
         message.seq = next(self._seq)
         self._send(message)
+
+    def park(self, pid: int) -> str:
+        """Park the idle notebook of ``pid`` now; the broker's one-line answer."""
+        reply = self._call(Park(pid=pid))
+        expect(reply, Ok, self.socket_path)
+        return reply.detail  # type: ignore[attr-defined]
 
     def restore(self, lease_id: str, *, cancel: bool = False) -> None:
         """Ask for this session's parked memory back (``cancel``: stop waiting for it)."""

@@ -184,6 +184,13 @@ class CellActivity(ClientMessage, tag="cell_activity"):
     running: bool
 
 
+class Park(ClientMessage, tag="park"):
+    """Park the idle notebook of process ``pid`` now (your own; anyone's for admins).
+    Answered with ``ok`` naming what goes to the host, or an error saying why not."""
+
+    pid: Annotated[int, msgspec.Meta(ge=1)]
+
+
 class Restore(ClientMessage, tag="restore"):
     """Give this session's parked memory back (before its next cell), or, ``cancel``,
     stop waiting for it.  Answered with ``ok``; the restore itself ends with ``resume``
@@ -241,6 +248,7 @@ ClientMessageUnion = (
     | Admin
     | CellActivity
     | Restore
+    | Park
 )
 
 # ---------------------------------------------------------------- broker -> client
@@ -308,6 +316,10 @@ class Resume(BrokerMessage, tag="resume"):
     lease_id: str
     paused_s: float
     note: str = ""  # set when the pause never took effect (e.g. the lock is unsupported)
+
+
+# The label of the lease that holds a parked session's memory (status, widget, panel).
+PARKED_LABEL = "parked idle session"
 
 
 class Parked(BrokerMessage, tag="parked"):

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from gpushare_ext.protocol import LeaseState, Snapshot, describe_priority
+from gpushare_ext.protocol import PARKED_LABEL, LeaseState, Snapshot, describe_priority
 from gpushare_ext.units import format_size
 
 _STATE_STYLE = {
@@ -36,7 +36,12 @@ def _outside_leases(per_user: dict[str, int]) -> str:
     return ", ".join(f"{who} {format_size(mib << 20)}" for who, mib in biggest)
 
 
-def build_tables(snapshot: Snapshot) -> list[Table]:
+# Below this many columns the reasons leave the leases table and follow it, one line
+# each: a table column that narrow wraps a sentence one word a line.
+WIDE_COLUMNS = 110
+
+
+def build_tables(snapshot: Snapshot, width: int = WIDE_COLUMNS) -> list[Table]:
     head = Table(
         title=f"gpushare on {snapshot.node} ({snapshot.mode} broker, {snapshot.inventory})",
         show_header=True,
@@ -93,26 +98,24 @@ def build_tables(snapshot: Snapshot) -> list[Table]:
                     f"{inst.start}+{inst.size}",
                 )
             tables.append(instances)
+    tables.append(_lease_table(snapshot, wide=width >= WIDE_COLUMNS))
+    return tables
+
+
+def _lease_table(snapshot: Snapshot, *, wide: bool) -> Table:
     leases = Table(title="leases and queue")
-    for column in (
-        "lease",
-        "user",
-        "priority",
-        "state",
-        "where",
-        "memory",
-        "SMs",
-        "for",
-        "why / label",
-    ):
-        leases.add_column(column)
+    columns = ["lease", "user", "priority", "state", "where", "memory", "SMs", "for"]
+    for column in columns + (["why / label"] if wide else []):
+        leases.add_column(column, no_wrap=column != "why / label")
     for lease in snapshot.leases:
         where = "-" if lease.device_index is None else f"GPU {lease.device_index}"
         if lease.mig_uuid:
             where += f" {lease.mig_uuid[:14]}…"
-        state = lease.state.value + (f" #{lease.position}" if lease.position else "")
+        parked = lease.label == PARKED_LABEL and lease.state == LeaseState.EVICTED
+        state = "parked" if parked else lease.state.value
+        state += f" #{lease.position}" if lease.position else ""
         user = Text(lease.user + (" (you)" if lease.own else ""), style="bold" if lease.own else "")
-        leases.add_row(
+        row = [
             lease.lease_id,
             user,
             describe_priority(lease.priority),
@@ -121,18 +124,29 @@ def build_tables(snapshot: Snapshot) -> list[Table]:
             format_size(lease.memory_bytes),
             "all" if lease.sm_share >= 1.0 else f"{lease.sm_share:.0%}",
             f"{lease.since_s:.1f}s",
-            lease.reason or lease.label,
-        )
+        ]
+        leases.add_row(*row, *([lease.reason or lease.label] if wide else []))
     if not snapshot.leases:
-        leases.add_row("-", "-", "-", "idle", "-", "-", "-", "-", "no leases")
-    tables.append(leases)
-    return tables
+        leases.add_row("-", "-", "-", "idle", "-", "-", "-", "-", *(["no leases"] if wide else []))
+    return leases
+
+
+def reasons_below(snapshot: Snapshot) -> list[str]:
+    """Each lease's reason or label on a line of its own, for a narrow terminal."""
+    return [
+        f"{lease.lease_id}: {lease.reason or lease.label}"
+        for lease in snapshot.leases
+        if lease.reason or lease.label
+    ]
 
 
 def render_status(snapshot: Snapshot, console: Console | None = None) -> None:
     console = console or Console()
-    for table in build_tables(snapshot):
+    for table in build_tables(snapshot, console.width):
         console.print(table)
+    if console.width < WIDE_COLUMNS:
+        for line in reasons_below(snapshot):
+            console.print(line, highlight=False)
     for note in snapshot.notes:
         console.print(f"[dim]note: {note}[/dim]")
 

@@ -118,9 +118,10 @@ def start_broker() -> Iterator[Callable[..., RunningBroker]]:
 
 
 @pytest.fixture
-def running_broker(start_broker) -> RunningBroker:
-    """A user-mode broker on the simulated H200."""
-    return start_broker()
+def running_broker(start_broker, request) -> RunningBroker:
+    """A user-mode broker on the simulated H200 (a test may parametrize it indirectly
+    with ``start_broker``'s arguments, e.g. another inventory)."""
+    return start_broker(**getattr(request, "param", {}))
 
 
 @pytest.fixture

@@ -62,6 +62,7 @@ from gpushare_ext.broker.policy import (
 )
 from gpushare_ext.lease_state import ACTIVE, check_move
 from gpushare_ext.protocol import (
+    PARKED_LABEL,
     PRIORITY_CLASSES,
     Capabilities,
     ErrorCode,
@@ -207,21 +208,14 @@ class MemoryObserved:
 
 @dataclass(frozen=True, kw_only=True)
 class DeviceMemorySeen:
-    """What each process holds on a whole GPU (MIG off), as NVML reads it: leased or
-    not, idle notebooks and processes the broker does not know included."""
+    """What each process holds on a whole GPU (MIG off), or with ``mig_uuid`` on that MIG
+    instance, as NVML reads it: leased or not, idle notebooks and processes the broker
+    does not know included."""
 
     now: float
     device_index: int
     used_by_pid: tuple[tuple[int, int], ...]  # (pid, bytes)
-
-
-@dataclass(frozen=True, kw_only=True)
-class HostMemorySeen:
-    """The host's memory (``/proc/meminfo``): what parking may still move there."""
-
-    now: float
-    available_bytes: int
-    total_bytes: int
+    mig_uuid: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -246,6 +240,16 @@ class RestoreAsked:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ParkAsked:
+    """Someone asks to park the idle notebook of ``pid`` now (the server checked that
+    they may: its owner or an admin); ``by`` names them in the park's reason."""
+
+    now: float
+    pid: int
+    by: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class DeviceDrained:
     now: float
     device_index: int
@@ -260,7 +264,11 @@ class PolicyChanged:
 
 @dataclass(frozen=True, kw_only=True)
 class Tick:
+    """Once a second; with the host's memory as read then (``/proc/meminfo``), which is
+    what parking may still move there (None: not read, the last reading stands)."""
+
     now: float
+    host: HostMemory | None = None
 
 
 Event = (
@@ -274,9 +282,9 @@ Event = (
     | PreemptionFailed
     | MemoryObserved
     | DeviceMemorySeen
-    | HostMemorySeen
     | SessionActivity
     | RestoreAsked
+    | ParkAsked
     | DeviceDrained
     | PolicyChanged
     | Tick
@@ -475,7 +483,9 @@ class Scheduler:
         # granted a second time.
         self._seen: dict[str, dict[int, int]] = {}
         self.host: HostMemory | None = None
+        self._on_host_at_reading = 0  # parked and evicted bytes when the host was read
         self._session_of_pid: dict[int, str] = {}  # the sessions' processes, for parking
+        self._parks_of_uid: dict[int, int] = {}  # park leases per user: not counted as leases
         self._park_refusals: dict[str, str] = {}  # per slot, this pass: why none was parked
 
     # ---- public
@@ -585,8 +595,10 @@ class Scheduler:
                 f"{format_size(memory)} asked, but your memory quota is "
                 f"{format_size(limits.memory_quota)} per lease",
             )
-        held = self._index.by_uid.get(identity.uid, {})
-        if sum(not other.parks_session for other in held.values()) >= limits.max_leases:
+        held = len(self._index.by_uid.get(identity.uid, ())) - self._parks_of_uid.get(
+            identity.uid, 0
+        )
+        if held >= limits.max_leases:
             return refuse(
                 ErrorCode.POLICY,
                 f"you already hold or wait for {limits.max_leases} lease(s), the most your "
@@ -859,7 +871,9 @@ class Scheduler:
 
     def _on_DeviceMemorySeen(self, event: DeviceMemorySeen, now: float) -> list[Action]:
         key = str(event.device_index)
-        if key in self.slots:  # a whole GPU; MIG instances are not read per process
+        if event.mig_uuid is not None:
+            key = f"{event.device_index}/{event.mig_uuid}"
+        if key in self.slots:  # a reading of a slot this broker has (not a stale layout)
             self._seen[key] = {pid: used for pid, used in event.used_by_pid if used > 0}
         return []
 
@@ -887,12 +901,6 @@ class Scheduler:
                 beyond[pid] = used - declared
         return beyond
 
-    def _on_HostMemorySeen(self, event: HostMemorySeen, now: float) -> list[Action]:
-        self.host = HostMemory(
-            available_bytes=max(0, event.available_bytes), total_bytes=max(0, event.total_bytes)
-        )
-        return []
-
     def _on_SessionActivity(self, event: SessionActivity, now: float) -> list[Action]:
         record = self._session(event.session_id)
         record.cell_running = event.running
@@ -912,6 +920,51 @@ class Scheduler:
             lease.state_since = now
         return []
 
+    def session_of_pid(self, pid: int) -> SessionRecord | None:
+        session_id = self._session_of_pid.get(pid)
+        return self.sessions.get(session_id) if session_id else None
+
+    def _on_ParkAsked(self, event: ParkAsked, now: float) -> list[Action]:
+        record = self.session_of_pid(event.pid)
+        if record is None:
+            raise SchedulerError(
+                ErrorCode.INVALID, f"process {event.pid} is not a notebook session of this broker"
+            )
+        why = self._why_not_parkable(record)
+        if why:
+            raise SchedulerError(ErrorCode.INVALID, f"the notebook of pid {event.pid} {why}")
+        for key in self._seen:
+            idle = [s for s in self._idle_sessions(key, None) if s.pid == event.pid]
+            if not idle:
+                continue
+            room = self._host_room()
+            if idle[0].held_bytes > room:
+                raise SchedulerError(
+                    ErrorCode.INVALID,
+                    f"the notebook of pid {event.pid} holds {format_size(idle[0].held_bytes)}, "
+                    f"but the host has room for {format_size(room)} of parked memory "
+                    "(park_host_limit)",
+                )
+            return [self._park(idle[0], key, f"parked by {event.by}", "", now)]
+        raise SchedulerError(
+            ErrorCode.INVALID,
+            f"the notebook of pid {event.pid} holds no GPU memory outside its leases on a whole "
+            "GPU (nothing to park)",
+        )
+
+    def _why_not_parkable(self, record: SessionRecord) -> str:
+        if any(self.leases[lid].parks_session for lid in record.leases if lid in self.leases):
+            return "is parked already"
+        if record.leases:
+            return "holds a lease (release it, or wait for its cell to end)"
+        if record.cell_running:
+            return "has a cell running; park it once the cell ends"
+        if record.unparkable:
+            return record.unparkable
+        if self.policy.mps:
+            return "is an MPS client (mps = true): the checkpoint lock does not work for it"
+        return ""
+
     def _on_DeviceDrained(self, event: DeviceDrained, now: float) -> list[Action]:
         if event.device_index not in self.devices:
             raise SchedulerError(ErrorCode.INVALID, f"there is no device {event.device_index}")
@@ -926,7 +979,11 @@ class Scheduler:
         return []
 
     def _on_Tick(self, event: Tick, now: float) -> list[Action]:
-        """Park the sessions idle longer than their ``park_idle_after``."""
+        """Take the host's memory reading; park the sessions idle longer than their
+        ``park_idle_after``."""
+        if event.host is not None:
+            self.host = event.host
+            self._on_host_at_reading = self._on_host()
         actions: list[Action] = []
         for key in self._seen:
             idle = [
@@ -1000,13 +1057,18 @@ class Scheduler:
         its way there) count against ``park_host_limit``."""
         if self.host is None:
             return 0
-        on_host = sum(
+        on_host = self._on_host()
+        limit = self.policy.park_host_limit.of(self.host.total_bytes)
+        since = max(0, on_host - self._on_host_at_reading)  # not in the reading's figure yet
+        return host_room(self.host, limit, on_host, since)
+
+    def _on_host(self) -> int:
+        """Bytes parked and evicted sessions hold on the host, or are on their way there."""
+        return sum(
             lease.memory_bytes
             for lease in self.leases.values()
             if lease.state == LeaseState.EVICTED or lease.pending_level == PreemptionLevel.EVICT
         )
-        limit = self.policy.park_host_limit.of(self.host.total_bytes)
-        return host_room(self.host, limit, on_host)
 
     def _parks_for(self, lease: Lease, key: str, band: int, need: int) -> ParkPlan | None:
         if not self.policy.park_when_memory_needed:
@@ -1036,7 +1098,7 @@ class Scheduler:
             slice=SliceWish.AUTO,
             device_wish=str(self.slots[key].device_index),
             capabilities=Capabilities(lockable=True),
-            label="parked idle session",
+            label=PARKED_LABEL,
             arrival=self._arrivals,
             requested_at=now,
             state_since=now,
@@ -1045,6 +1107,8 @@ class Scheduler:
         self.leases[lease.lease_id] = lease
         self._index.add(lease)
         record.leases.add(lease.lease_id)
+        uid = lease.identity.uid
+        self._parks_of_uid[uid] = self._parks_of_uid.get(uid, 0) + 1
         lease.granted_at = now
         self._index.move(lease, LeaseState.RUNNING, key)
         self._index.move(lease, LeaseState.PAUSED)
@@ -1153,6 +1217,12 @@ class Scheduler:
             previous = self._hold_ema.get(lease.identity.uid, held)
             self._hold_ema[lease.identity.uid] = 0.7 * previous + 0.3 * held
         del self.leases[lease.lease_id]
+        if lease.parks_session:
+            left = self._parks_of_uid.get(lease.identity.uid, 1) - 1
+            if left:
+                self._parks_of_uid[lease.identity.uid] = left
+            else:
+                self._parks_of_uid.pop(lease.identity.uid, None)
         self.ended[lease.lease_id] = lease
         if len(self.ended) > 512:
             self.ended.pop(next(iter(self.ended)))

@@ -204,12 +204,15 @@ def _processes_outside_leases(document: dict, path: Path) -> dict[int, tuple[Pro
     for entry in document.get("processes_outside_leases", []):
         try:
             device, pid, used = int(entry["device"]), int(entry["pid"]), int(entry["used_mib"])
+            mig_uuid = entry.get("mig_uuid")
+            if mig_uuid is not None and not isinstance(mig_uuid, str):
+                raise TypeError(mig_uuid)
         except (KeyError, TypeError, ValueError) as exc:
             raise InventoryError(
                 f"{path}: processes_outside_leases entries need device, pid and used_mib "
-                f"(integers): {entry!r}"
+                f"(integers), and may name a mig_uuid (text): {entry!r}"
             ) from exc
-        found.setdefault(device, []).append(ProcessUsage(pid=pid, used_mib=used))
+        found.setdefault(device, []).append(ProcessUsage(pid=pid, used_mib=used, mig_uuid=mig_uuid))
     return {device: tuple(processes) for device, processes in found.items()}
 
 
@@ -462,19 +465,41 @@ class NvmlInventory:
         for device, handle in zip(self._devices, self._handles, strict=True):
             memory = self._call(nv.nvmlDeviceGetMemoryInfo, handle, default=None)
             util = self._call(nv.nvmlDeviceGetUtilizationRates, handle, default=None)
-            procs = self._call(nv.nvmlDeviceGetComputeRunningProcesses, handle, default=[]) or []
+            if device.mig_enabled:
+                processes = self._mig_processes(handle)
+            else:
+                procs = self._call(nv.nvmlDeviceGetComputeRunningProcesses, handle, default=[])
+                processes = tuple(
+                    ProcessUsage(pid=int(p.pid), used_mib=int((p.usedGpuMemory or 0) // MIB))
+                    for p in procs or []
+                )
             out.append(
                 DeviceReading(
                     index=device.index,
                     memory_used_mib=int(memory.used // MIB) if memory else 0,
                     utilization_pct=int(util.gpu) if util else 0,
-                    processes=tuple(
-                        ProcessUsage(pid=int(p.pid), used_mib=int((p.usedGpuMemory or 0) // MIB))
-                        for p in procs
-                    ),
+                    processes=processes,
                 )
             )
         return out
+
+    def _mig_processes(self, handle: object) -> tuple[ProcessUsage, ...]:
+        """Per MIG instance, its processes (NVML answers per instance through the MIG
+        device's own handle; the whole GPU's handle gives only an aggregate, and only to
+        privileged callers)."""
+        nv = self._nvml
+        count = self._call(nv.nvmlDeviceGetMaxMigDeviceCount, handle, default=0) or 0
+        found: list[ProcessUsage] = []
+        for index in range(count):
+            mig = self._call(nv.nvmlDeviceGetMigDeviceHandleByIndex, handle, index, default=None)
+            if mig is None:
+                continue  # no instance at that index
+            uuid = self._call(nv.nvmlDeviceGetUUID, mig, default=None)
+            procs = self._call(nv.nvmlDeviceGetComputeRunningProcesses, mig, default=[]) or []
+            for p in procs:
+                used = int((p.usedGpuMemory or 0) // MIB)
+                found.append(ProcessUsage(pid=int(p.pid), used_mib=used, mig_uuid=uuid))
+        return tuple(found)
 
     def host_memory(self) -> HostMemoryReading | None:
         return read_host_memory()

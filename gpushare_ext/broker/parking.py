@@ -53,13 +53,16 @@ def park_order(session: IdleSession) -> tuple:
     return (session.last_priority, session.idle_since, -session.held_bytes, session.session_id)
 
 
-def host_room(host: HostMemory | None, limit_bytes: int, on_host_bytes: int) -> int:
+def host_room(
+    host: HostMemory | None, limit_bytes: int, on_host_bytes: int, since_reading_bytes: int = 0
+) -> int:
     """Bytes the host may still take for parks: under the limit (minus what parked and
-    evicted sessions hold there already) and leaving :data:`HOST_MARGIN` available."""
+    evicted sessions hold there already) and leaving :data:`HOST_MARGIN` available, the
+    reading less what went to the host after it (``since_reading_bytes``)."""
     if host is None:
         return 0
     under_limit = limit_bytes - on_host_bytes
-    available = host.available_bytes - HOST_MARGIN
+    available = host.available_bytes - since_reading_bytes - HOST_MARGIN
     return max(0, min(under_limit, available))
 
 

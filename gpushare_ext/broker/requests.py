@@ -26,7 +26,7 @@ from gpushare_ext.broker import core, schema
 from gpushare_ext.broker.config import BrokerConfig, load_config, parse_config, restart_needed
 from gpushare_ext.broker.effects import Reply
 from gpushare_ext.broker.peers import Connection, claimed_pid_matches
-from gpushare_ext.broker.policy import PolicyError
+from gpushare_ext.broker.policy import PolicyError, format_size
 from gpushare_ext.broker.recovery import placeholder_session
 from gpushare_ext.broker.views import snapshot
 from gpushare_ext.control_block import ControlBlock
@@ -40,6 +40,7 @@ from gpushare_ext.protocol import (
     Heartbeat,
     Hello,
     Ok,
+    Park,
     ProtocolError,
     RegisterYieldFlag,
     Release,
@@ -75,6 +76,7 @@ class Requests:
             Admin: self.admin,
             CellActivity: self.cell_activity,
             Restore: self.restore,
+            Park: self.park,
         }
 
     def handle(self, conn: Connection, message: ClientMessageUnion) -> None:
@@ -230,6 +232,25 @@ class Requests:
         self.broker.send(
             conn,
             Ok(reply_to=message.seq, detail="withdrawn" if message.cancel else "restore asked"),
+        )
+
+    def park(self, conn: Connection, message: Park) -> None:
+        broker = self.broker
+        record = broker.scheduler.session_of_pid(message.pid)
+        if record is not None and record.identity.uid != conn.uid and not conn.is_admin:
+            raise ProtocolError(
+                ErrorCode.PERMISSION,
+                f"pid {message.pid} is another user's notebook; only an admin may park it",
+            )
+        actions = broker.dispatch(core.ParkAsked(now=time.time(), pid=message.pid, by=conn.user))
+        parked = next(a for a in actions if isinstance(a, core.Preempt) and a.parks_bytes)
+        broker.send(
+            conn,
+            Ok(
+                reply_to=message.seq,
+                detail=f"parking pid {message.pid}: {format_size(parked.parks_bytes)} to the "
+                f"host (lease {parked.lease_id})",
+            ),
         )
 
     def heartbeat(self, conn: Connection, message: Heartbeat) -> None:

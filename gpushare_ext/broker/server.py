@@ -46,6 +46,7 @@ from gpushare_ext.broker.effects import NO_REPLY, Effects, Reply
 from gpushare_ext.broker.inventory import MIB, InventoryBackend, SimulatedInventory
 from gpushare_ext.broker.journal import Journal
 from gpushare_ext.broker.metrics import BrokerMetrics, read_token_file
+from gpushare_ext.broker.parking import HostMemory
 from gpushare_ext.broker.peers import (
     Connection,
     TokenBucket,
@@ -276,14 +277,13 @@ class Broker:
             elif reading.processes:  # a simulated document's processes outside leases
                 self._observe_outside_leases(reading, now)
                 counts = None
-        host = self.inventory.host_memory()
-        if host is not None:
-            self.dispatch(
-                core.HostMemorySeen(
-                    now=now, available_bytes=host.available_bytes, total_bytes=host.total_bytes
-                )
-            )
-        if self.dispatch(core.Tick(now=now)):
+        reading = self.inventory.host_memory()
+        host = (
+            HostMemory(available_bytes=reading.available_bytes, total_bytes=reading.total_bytes)
+            if reading is not None
+            else None
+        )
+        if self.dispatch(core.Tick(now=now, host=host)):
             counts = None  # the tick moved leases: they are counted again below
         if time.monotonic() >= self._next_prune:
             self._next_prune = time.monotonic() + PRUNE_EVERY_S
@@ -305,15 +305,23 @@ class Broker:
         self._observe_outside_leases(reading, now)
 
     def _observe_outside_leases(self, reading: DeviceReading, now: float) -> None:
-        """What every process holds on a whole GPU, leased or not, for placement."""
-        whole_gpu = tuple(
-            (process.pid, process.used_mib * MIB)
-            for process in reading.processes
-            if process.mig_uuid is None
-        )
-        self.dispatch(
-            core.DeviceMemorySeen(now=now, device_index=reading.index, used_by_pid=whole_gpu)
-        )
+        """What every process holds on a whole GPU, or on each MIG instance, leased or
+        not, for placement: one reading per slot (an instance with none is empty)."""
+        device = next((d for d in self.devices if d.index == reading.index), None)
+        slots: dict[str | None, list[tuple[int, int]]] = {}
+        if device is not None and device.mig_enabled:
+            slots = {instance.uuid: [] for instance in device.instances}
+        else:
+            slots = {None: []}
+        for process in reading.processes:
+            if process.mig_uuid in slots:
+                slots[process.mig_uuid].append((process.pid, process.used_mib * MIB))
+        for mig_uuid, used in slots.items():
+            self.dispatch(
+                core.DeviceMemorySeen(
+                    now=now, device_index=reading.index, used_by_pid=tuple(used), mig_uuid=mig_uuid
+                )
+            )
 
     def _reap_detached(self, now: float) -> None:
         """Restored leases end when their process dies or the grace period is over."""

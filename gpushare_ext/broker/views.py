@@ -22,6 +22,7 @@ from gpushare_ext.broker import core
 from gpushare_ext.broker.inventory import MIB
 from gpushare_ext.broker.metrics import DeviceMemory
 from gpushare_ext.broker.peers import Connection
+from gpushare_ext.devices import DeviceInfo
 from gpushare_ext.protocol import DeviceView, LeaseState, LeaseView, Snapshot, priority_class
 
 if TYPE_CHECKING:
@@ -100,6 +101,20 @@ def _outside_leases(broker: Broker, key: str, viewer: Connection | None) -> dict
     return {who: mib for who, mib in per_user.items() if mib > 0}
 
 
+def _outside_leases_of_device(
+    broker: Broker, device: DeviceInfo, viewer: Connection | None
+) -> dict[str, int]:
+    """:func:`_outside_leases` of a whole GPU, or summed over its MIG instances."""
+    keys = [slot.key for slot in broker.scheduler.slots_of_device(device.index)]
+    if len(keys) == 1:
+        return _outside_leases(broker, keys[0], viewer)
+    total: dict[str, int] = {}
+    for key in keys:
+        for who, mib in _outside_leases(broker, key, viewer).items():
+            total[who] = total.get(who, 0) + mib
+    return total
+
+
 def _device_views(broker: Broker, viewer: Connection | None) -> list[DeviceView]:
     scheduler = broker.scheduler
     views = []
@@ -123,7 +138,7 @@ def _device_views(broker: Broker, viewer: Connection | None) -> list[DeviceView]
                 utilization_pct=reading.utilization_pct if reading else 0,
                 utilization_history=list(broker.history.get(device.index, ())),
                 holders=holders,
-                memory_outside_leases_mib=_outside_leases(broker, str(device.index), viewer),
+                memory_outside_leases_mib=_outside_leases_of_device(broker, device, viewer),
             )
         )
     return views

@@ -89,15 +89,24 @@ def restore(session: GpuSession, park: ParkedMemory, output: CellOutput) -> None
     what = park.describe()
     key = f"gpushare-restore-{uuid.uuid4().hex[:8]}"
     started = time.monotonic()
+    try:
+        client = session.connect()
+    except BrokerUnavailable as exc:
+        session.forget_park(park)
+        output.show(key, f"gpushare: could not restore {what}: {exc}; running the cell")
+        return
+    if session.parked is not park:
+        # The connection was new: a broker that starts restores every process its
+        # journal held before it serves anyone, so nothing is parked any more.
+        output.show(key, f"gpushare: {what} was restored when the broker started again")
+        return
     output.show(key, f"gpushare: restoring {what} ...")
     park.asked = True
     try:
-        session.connect().restore(park.lease_id)
+        client.restore(park.lease_id)
     except (BrokerError, BrokerUnavailable) as exc:
-        # The broker that parked it is gone: its successor restored every process its
-        # journal held (nothing is parked any more), or there is no broker at all.
         session.forget_park(park)
-        output.show(key, f"gpushare: {what}: {exc}; running the cell")
+        output.show(key, f"gpushare: could not restore {what}: {exc}; running the cell")
         return
     last_shown = -1.0
     try:

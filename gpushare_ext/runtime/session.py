@@ -159,6 +159,7 @@ class LeaseHandle:
     bound: bool = False  # the process is bound to the placement (after a grant)
     placement: Placement | None = None
     queued: Queued | None = None
+    queued_at: float = 0.0  # monotonic time of the last queue notice (its estimate's start)
     refusal: str = ""
     revoked: str = ""
     paused_since: float | None = None
@@ -181,6 +182,25 @@ class LeaseHandle:
         return True
 
 
+def estimate_text(handle: LeaseHandle, waited_s: float, now: float | None = None) -> str:
+    """The broker's estimate counted down since it came, and said against the cell's
+    timeout when the wait would outlast it ("" without an estimate)."""
+    queued = handle.queued
+    if queued is None or not queued.estimate_s:
+        return ""
+    since = (time.monotonic() if now is None else now) - handle.queued_at
+    left = max(0.0, queued.estimate_s - since)
+    if left < 1.0:
+        return ", any moment now"
+    timeout = handle.options.timeout_s
+    if timeout is not None and left > timeout - waited_s:
+        return (
+            f", about {left:.0f} s left, more than the {max(0.0, timeout - waited_s):.0f} s "
+            "before the timeout"
+        )
+    return f", about {left:.0f} s left"
+
+
 def queue_line(handle: LeaseHandle, waited_s: float) -> str:
     queued = handle.queued
     if queued is None:
@@ -191,7 +211,7 @@ def queue_line(handle: LeaseHandle, waited_s: float) -> str:
         if queued.holder_priority is not None
         else ""
     )
-    estimate = f", about {queued.estimate_s:.0f} s left" if queued.estimate_s else ""
+    estimate = estimate_text(handle, waited_s)
     return (
         f"queued: position {queued.position}, waiting for {holder}{priority}{estimate} -- "
         f"{waited_s:.0f} s ({queued.reason}; interrupt the kernel to withdraw)"
@@ -505,6 +525,7 @@ class GpuSession:
             self._say_grant_notice(handle, message)
         elif isinstance(message, Queued):
             handle.queued = message
+            handle.queued_at = time.monotonic()
             handle.note(f"queued at position {message.position}")
         elif isinstance(message, Refused):
             handle.refusal = message.message
@@ -621,6 +642,7 @@ class GpuSession:
                 handle.move(LeaseState.RUNNING)
             else:
                 handle.queued = reply
+                handle.queued_at = time.monotonic()
             with self._lock:
                 # A reconnect between the answer and here did not know this lease, so
                 # the new broker may have let it go: ask again rather than wait for ever.

@@ -50,6 +50,8 @@ const MIB = 1024 * 1024;
 /** @type {Record<string, number>} */
 const PRIORITY_CLASSES = { low: 50, normal: 150, high: 250 };
 const ACTIVE_STATES = new Set(["running", "paused", "evicted"]);
+/** The label the broker gives the lease that holds a parked notebook's memory. */
+const PARKED_LABEL = "parked idle session";
 
 /**
  * Create an element with a class, text and children.
@@ -108,9 +110,16 @@ export function formatDuration(seconds) {
  * @returns {string}
  */
 export function formatMiB(mib) {
-  return mib >= 1024
-    ? `${(mib / 1024).toFixed(mib >= 10240 ? 0 : 1)} GiB`
-    : `${mib} MiB`;
+  // As the CLI rounds (units.format_size): one decimal below 100, none from there.
+  /** @type {Array<[string, number]>} */
+  const units = [["TiB", 1024 * 1024], ["GiB", 1024]];
+  for (const [unit, size] of units) {
+    if (mib >= size) {
+      const value = mib / size;
+      return `${value.toFixed(value >= 100 ? 0 : 1)} ${unit}`;
+    }
+  }
+  return `${mib >= 100 ? Math.round(mib) : mib.toFixed(1)} MiB`;
 }
 
 /**
@@ -398,7 +407,11 @@ function slot(start, size, cls, text) {
 }
 
 /**
- * Memory of the device, one segment per lease (own name, others as the broker names them).
+ * Memory of the device: one segment per lease holding memory there (own name, others as
+ * the broker names them), then, hatched, what each user's processes hold outside any
+ * lease (idle notebooks; "other processes" for programs the broker does not know).
+ * Parked and evicted leases hold their memory on the host: they are named in the legend,
+ * not drawn on the device.
  * @param {DeviceView} d
  * @param {LeaseView[]} leases
  * @returns {HTMLElement}
@@ -407,29 +420,47 @@ function renderMemory(d, leases) {
   const total = Math.max(1, d.info.memory_total_mib);
   const bar = h("div", "gpushare-membar");
   const legend = h("ul", "gpushare-legend");
+  /**
+   * @param {string} cls
+   * @param {number} mib
+   * @param {string} title
+   */
+  const segment = (cls, mib, title) => {
+    const seg = h("div", cls);
+    seg.style.width = `${Math.min(100, (100 * mib) / total)}%`;
+    seg.title = title;
+    bar.appendChild(seg);
+  };
   for (const l of leases) {
     const mib = Math.round(l.memory_bytes / MIB);
-    const width = Math.min(100, (100 * mib) / total);
-    const cls = `gpushare-memseg ${l.own ? "gpushare-memseg-own" : "gpushare-memseg-other"}`;
-    const seg = h("div", `${cls} gpushare-state-${l.state}`);
-    seg.style.width = `${width}%`;
-    seg.title = `${l.user}: ${formatMiB(mib)} (${l.state})`;
-    bar.appendChild(seg);
+    const parked = l.label === PARKED_LABEL;
+    const where = l.state === "evicted" ? (parked ? "parked on the host" : "evicted to the host") : l.state;
+    if (l.state !== "evicted") {
+      const cls = `gpushare-memseg ${l.own ? "gpushare-memseg-own" : "gpushare-memseg-other"}`;
+      segment(`${cls} gpushare-state-${l.state}`, mib, `${l.user}: ${formatMiB(mib)} (${where})`);
+    }
     legend.appendChild(
-      h(
-        "li",
-        l.own ? "gpushare-legend-own" : "",
-        `${l.user} ${formatMiB(mib)} ${l.state}`,
-      ),
+      h("li", l.own ? "gpushare-legend-own" : "", `${l.user} ${formatMiB(mib)} ${where}`),
     );
   }
-  const caption = `memory: ${formatMiB(d.memory_leased_mib)} leased, ${formatMiB(
+  const outside = Object.entries(d.memory_outside_leases_mib || {}).sort(
+    (a, b) => b[1] - a[1] || a[0].localeCompare(b[0]),
+  );
+  let outsideMiB = 0;
+  for (const [who, mib] of outside) {
+    outsideMiB += mib;
+    const text = `${who} ${formatMiB(mib)} idle, outside any lease`;
+    segment("gpushare-memseg gpushare-memseg-idle", mib, text);
+    legend.appendChild(h("li", "gpushare-legend-idle", text));
+  }
+  const held = outsideMiB ? `, ${formatMiB(outsideMiB)} outside leases` : "";
+  const caption = `memory: ${formatMiB(d.memory_leased_mib)} leased${held}, ${formatMiB(
     d.memory_used_mib,
   )} in use of ${formatMiB(d.info.memory_total_mib)}`;
   return h("div", "gpushare-memory", undefined, [
     h("div", "gpushare-caption", caption),
     bar,
-    leases.length ? legend : null,
+    legend.childElementCount ? legend : null,
   ]);
 }
 

@@ -22,6 +22,7 @@ import threading
 from pathlib import Path
 
 import anywidget
+import msgspec
 import traitlets
 
 from gpushare_ext.protocol import Error, Snapshot, StateUpdate, snapshot_to_builtins
@@ -91,6 +92,30 @@ class OccupancyWidget(anywidget.AnyWidget):
         """Stop following and close the widget (its view disappears from the notebook)."""
         self.stop()
         super().close()
+
+    def _repr_mimebundle_(self, **kwargs: object) -> tuple[dict, dict]:
+        """The live view, and for a frontend without widgets (a saved notebook, a
+        terminal, nbconvert) the text table of ``gpushare status`` in place of a repr."""
+        bundle = super()._repr_mimebundle_(**kwargs) or {}
+        data, metadata = bundle if isinstance(bundle, tuple) else (bundle, {})
+        return {**data, "text/plain": self.as_text()}, metadata
+
+    def as_text(self) -> str:
+        """What the widget shows, as ``gpushare status`` prints it."""
+        from gpushare_ext.status_view import status_text
+
+        if self.error:
+            return f"gpushare: {self.error}"
+        snapshot = self.snapshot
+        if not snapshot:  # just made: its thread has not heard from the broker yet
+            from gpushare_ext.client import BrokerClient, BrokerError
+
+            try:
+                with BrokerClient(self.socket_path, client="widget", connect_timeout=3) as client:
+                    return status_text(client.status())
+            except BrokerError as exc:
+                return f"gpushare: {exc.message}"
+        return status_text(msgspec.convert(snapshot, Snapshot))
 
     def show(self, snapshot: Snapshot) -> None:
         """Draw ``snapshot`` now (what the follower thread does for every update)."""

@@ -30,6 +30,7 @@ from scheduler_helpers import GIB, LOW, NORMAL, fingerprint, h200_document
 
 from gpushare_ext.broker import core
 from gpushare_ext.broker.inventory import parse_inventory
+from gpushare_ext.broker.parking import HostMemory
 from gpushare_ext.broker.policy import Limits, Policy
 from gpushare_ext.protocol import Capabilities, LeaseState, PreemptionLevel, RequestLease, SliceWish
 from gpushare_ext.units import priority_band
@@ -362,7 +363,8 @@ def play(script, policy: Policy) -> Run:
             used[99_999] = op[3] * GIB  # not a session of the broker's
             run.feed(core.DeviceMemorySeen(now=now, device_index=0, used_by_pid=tuple(used.items())))  # fmt: skip
         elif kind == "host":
-            run.feed(core.HostMemorySeen(now=now, available_bytes=op[2] * GIB, total_bytes=1024 * GIB))  # fmt: skip
+            host = HostMemory(available_bytes=op[2] * GIB, total_bytes=1024 * GIB)
+            run.feed(core.Tick(now=now, host=host))
         elif kind == "activity" and run.sessions:
             session = run.sessions[op[2] % len(run.sessions)]
             run.feed(core.SessionActivity(now=now, session_id=session, running=op[3]))

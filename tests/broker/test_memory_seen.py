@@ -111,3 +111,43 @@ def test_a_real_broker_shows_and_counts_memory_held_outside_leases(start_broker,
 
         text = status_text(first.status(), width=200)
         assert "other processes 50.0 GiB" in text and f"{me} 20.0 GiB" in text, text
+
+
+def test_memory_seen_on_a_mig_instance_is_counted_on_that_instance_only():
+    from scheduler_helpers import mig_devices
+
+    hub = Hub(devices=mig_devices())  # 3g.71gb, 2g.35gb and 1g.18gb instances
+    slots = {slot.mig_profile: slot for slot in hub.scheduler.slots.values()}
+    big = slots["3g.71gb"]
+    ada = hub.open("ada")
+    hub.handle(
+        core.DeviceMemorySeen(
+            now=hub.now, device_index=0, used_by_pid=((99_999, 60 * GIB),), mig_uuid=big.mig_uuid
+        )
+    )
+    assert hub.scheduler.unleased_memory(big.key) == 60 * GIB
+    assert hub.scheduler.unleased_memory(slots["2g.35gb"].key) == 0
+
+    # 40 GiB fits only the 3g instance by size, and 60 of its 69.8 GiB are held.
+    queued = only(hub.request(ada, "A1", memory=40 * GIB), core.NotifyQueued)
+    assert "60.0 GiB of the GPU is held outside any lease" in queued.reason
+    # 20 GiB goes to the 2g instance, where nothing is held.
+    grant = only(hub.request(ada, "A2", memory=20 * GIB), core.Grant)
+    assert grant.placement.mig_uuid == slots["2g.35gb"].mig_uuid
+
+
+def test_a_real_broker_counts_memory_held_on_a_mig_instance(start_broker, tmp_path):
+    document = json.loads(fixture_path("h200-mig-mixed").read_text())
+    running = start_broker(simulate="h200-mig-mixed")
+    with BrokerClient(running.socket, client="cli") as looker:
+        instance = looker.status().devices[0].info.instances[0]
+    running.stop()
+    document["processes_outside_leases"] = [
+        {"device": 0, "pid": 999_999, "used_mib": 10 * 1024, "mig_uuid": instance.uuid}
+    ]
+    inventory = tmp_path / "mig-busy.json"
+    inventory.write_text(json.dumps(document))
+    running = start_broker(simulate=str(inventory))
+    with BrokerClient(running.socket, client="cli") as looker:
+        wait_for(lambda: looker.status().devices[0].memory_outside_leases_mib)
+        assert looker.status().devices[0].memory_outside_leases_mib == {"other processes": 10240}

@@ -11,18 +11,17 @@ from scheduler_helpers import GIB, HIGH, LOW, NORMAL, Hub, h200_devices, mig_dev
 from test_core_properties import PROPERTY_SETTINGS, Run
 
 from gpushare_ext.broker import core
-from gpushare_ext.broker.parking import HOST_MARGIN, IdleSession, plan_parks
+from gpushare_ext.broker.parking import HOST_MARGIN, HostMemory, IdleSession, plan_parks
 from gpushare_ext.broker.policy import HostShare, Limits, Policy, parse_policy
 from gpushare_ext.broker.schema import PolicyError
 from gpushare_ext.protocol import LeaseState, PreemptionLevel, RequestLease
 
-BIG_HOST = core.HostMemorySeen(now=0.0, available_bytes=900 * GIB, total_bytes=1024 * GIB)
+BIG_HOST = HostMemory(available_bytes=900 * GIB, total_bytes=1024 * GIB)
 
 
-def _hub(policy: Policy | None = None, host: core.HostMemorySeen = BIG_HOST, **kw) -> Hub:
+def _hub(policy: Policy | None = None, host: HostMemory = BIG_HOST, **kw) -> Hub:
     hub = Hub(policy=policy, **kw)
-    hub.handle(core.HostMemorySeen(now=hub.now, available_bytes=host.available_bytes,
-                                   total_bytes=host.total_bytes))  # fmt: skip
+    hub.handle(core.Tick(now=hub.now, host=host))
     return hub
 
 
@@ -105,7 +104,7 @@ def test_a_session_with_a_cell_running_or_a_lease_is_never_parked():
 
 
 def test_the_host_memory_limit_skips_a_session_too_big_and_says_so():
-    host = core.HostMemorySeen(now=0.0, available_bytes=100 * GIB, total_bytes=128 * GIB)
+    host = HostMemory(available_bytes=100 * GIB, total_bytes=128 * GIB)
     hub = _hub(Policy(park_host_limit=HostShare(percent=50.0)), host)  # room: 64 GiB
     ada = _idle_with(hub, "ada", priority=LOW)
     bo = hub.open("bo")
@@ -124,7 +123,7 @@ def test_the_host_memory_limit_skips_a_session_too_big_and_says_so():
 
 
 def test_without_a_reading_of_the_host_nothing_is_parked():
-    hub = Hub()  # no HostMemorySeen yet
+    hub = Hub()  # no tick has read the host's memory yet
     ada = _idle_with(hub, "ada", priority=LOW)
     bo = hub.open("bo")
     _seen(hub, {hub.pid_of(ada): 100 * GIB})
@@ -302,8 +301,8 @@ def test_parking_never_grants_beyond_what_nvml_says_is_free_plus_what_it_freed(
             h200_devices(), parse_policy(f'[defaults]\npark_idle_after = "{idle_after}"')
         )
     )
-    run.feed(core.HostMemorySeen(now=run.now, available_bytes=available_gib * GIB,
-                                 total_bytes=1024 * GIB))  # fmt: skip
+    host = HostMemory(available_bytes=available_gib * GIB, total_bytes=1024 * GIB)
+    run.feed(core.Tick(now=run.now, host=host))
     used: dict[int, int] = {}
     for index, (priority, gib) in enumerate(notebooks):
         session, pid = f"N{index}", 60_000 + index
@@ -372,3 +371,40 @@ def test_parking_never_grants_beyond_what_nvml_says_is_free_plus_what_it_freed(
         event("parks an idle session")
     if any(isinstance(a, core.ResumeLease) and a.restores_park for a in actions):
         event("restores a parked session")
+
+
+def test_a_notebook_may_be_parked_on_request_and_each_refusal_says_why():
+    hub = _hub()
+    ada = _idle_with(hub, "ada", priority=LOW)
+    bo = hub.open("bo")
+    hub.request(bo, "B1", memory=10 * GIB)
+    _seen(hub, {hub.pid_of(ada): 40 * GIB})
+
+    def ask(pid: int) -> list[core.Action]:
+        return hub.handle(core.ParkAsked(now=hub.now, pid=pid, by="admin"))
+
+    with pytest.raises(core.SchedulerError, match="not a notebook session of this broker"):
+        ask(99_999)
+    with pytest.raises(core.SchedulerError, match="holds a lease"):
+        ask(hub.pid_of(bo))
+    hub.handle(core.SessionActivity(now=hub.now, session_id=ada, running=True))
+    with pytest.raises(core.SchedulerError, match="has a cell running"):
+        ask(hub.pid_of(ada))
+    hub.handle(core.SessionActivity(now=hub.now, session_id=ada, running=False))
+
+    [park] = _parks(ask(hub.pid_of(ada)))
+    assert park.reason == "parked by admin" and park.parks_bytes == 40 * GIB
+    with pytest.raises(core.SchedulerError, match="is parked already"):
+        ask(hub.pid_of(ada))
+
+
+def test_a_park_on_request_respects_the_host_budget_and_needs_memory_to_park():
+    host = HostMemory(available_bytes=30 * GIB, total_bytes=64 * GIB)
+    hub = _hub(host=host)
+    ada = _idle_with(hub, "ada")
+    cy = _idle_with(hub, "cy")
+    _seen(hub, {hub.pid_of(ada): 40 * GIB})
+    with pytest.raises(core.SchedulerError, match=r"host has room for 26\.0 GiB"):
+        hub.handle(core.ParkAsked(now=hub.now, pid=hub.pid_of(ada), by="ada"))
+    with pytest.raises(core.SchedulerError, match="holds no GPU memory outside its leases"):
+        hub.handle(core.ParkAsked(now=hub.now, pid=hub.pid_of(cy), by="cy"))

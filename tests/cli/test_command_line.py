@@ -124,3 +124,19 @@ def test_output_into_a_closed_pipe_ends_quietly_with_the_sigpipe_status(argv):
 
     assert result.stderr == ""
     assert result.returncode == 141
+
+
+def test_status_at_80_columns_keeps_every_line_within_them_and_reasons_whole(broker):
+    from gpushare_ext.client import BrokerClient
+    from gpushare_ext.protocol import PRIORITY_CLASSES
+
+    with BrokerClient(broker, client="bench") as holder, BrokerClient(broker) as waiter:
+        holder.request_lease(priority=PRIORITY_CLASSES["high"], memory_bytes=120 << 30)
+        queued = waiter.request_lease(priority=PRIORITY_CLASSES["low"], memory_bytes=60 << 30)
+        env = {**os.environ, "COLUMNS": "80", "GPUSHARE_SOCKET": str(broker)}
+        shown = subprocess.run(
+            [sys.executable, "-m", "gpushare_ext.cli", "status"],
+            capture_output=True, text=True, env=env, timeout=30, check=True,
+        ).stdout  # fmt: skip
+    assert max(len(line) for line in shown.splitlines()) <= 80, shown
+    assert f"{queued.lease_id}: {queued.reason}" in shown  # on one line, after the table

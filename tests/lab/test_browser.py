@@ -232,6 +232,37 @@ def test_panel_shows_the_h200_and_follows_the_queue_live(page, sessions):
     assert sessions().status().devices[0].drained
 
 
+def _inventory_with_this_process_idle(gib: int) -> str:
+    """The simulated H200 where this test process (one of its sessions) holds ``gib``
+    GiB outside any lease, as NVML would show an idle notebook."""
+    document = json.loads((REPO / "gpushare_ext" / "fixtures" / "h200.json").read_text())
+    document["processes_outside_leases"] = [
+        {"device": 0, "pid": os.getpid(), "used_mib": gib * 1024}
+    ]
+    path = OUTPUT / "h200-idle-notebook.json"
+    OUTPUT.mkdir(exist_ok=True)
+    path.write_text(json.dumps(document))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "running_broker", [{"simulate": _inventory_with_this_process_idle(20)}], indirect=True
+)
+def test_panel_draws_memory_held_outside_any_lease_per_user(page, sessions):
+    from playwright.sync_api import expect
+
+    sessions()  # the broker knows this process: its memory is named as the user's
+    page.locator('.jp-SideBar .lm-TabBar-tab[data-id="gpushare-panel"]').click()
+    panel = page.locator("#gpushare-panel")
+    expect(panel.locator(".gpushare-memseg-idle")).to_have_count(1, timeout=10_000)
+    idle = panel.locator(".gpushare-legend-idle")
+    expect(idle).to_have_count(1)
+    expect(idle.first).to_contain_text("20.0 GiB idle, outside any lease")
+    expect(panel.locator(".gpushare-memory .gpushare-caption")).to_contain_text(
+        "20.0 GiB outside leases"
+    )
+
+
 def test_panel_says_clearly_when_no_broker_is_reachable(page, running_broker):
     from playwright.sync_api import expect
 

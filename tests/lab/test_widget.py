@@ -96,3 +96,16 @@ def test_widget_without_following_draws_a_given_snapshot(sessions):
     assert not view.following
     assert view.snapshot["devices"][0]["info"]["name"] == "NVIDIA H200"
     view.close()
+
+
+def test_a_frontend_without_widgets_gets_the_status_table_as_text(broker, sessions):
+    view = widget(broker)
+    try:
+        first = view._repr_mimebundle_()[0]["text/plain"]  # before the first update, too
+        assert "gpushare on" in first and "NVIDIA H200" in first
+        assert eventually(lambda: bool(view.snapshot))
+        sessions().request_lease(priority=PRIORITY_CLASSES["normal"], label="text-fallback")
+        assert eventually(lambda: "text-fallback" in view._repr_mimebundle_()[0]["text/plain"])
+        assert "application/vnd.jupyter.widget-view+json" in view._repr_mimebundle_()[0]
+    finally:
+        view.close()

@@ -10,6 +10,7 @@ restore that has to wait says so and can be interrupted, leaving the session par
 from __future__ import annotations
 
 import json
+import signal
 import threading
 
 import pytest
@@ -96,10 +97,12 @@ def test_an_idle_notebook_is_parked_for_a_request_and_its_next_plain_cell_restor
 
 
 def test_only_the_parked_session_may_restore_it(start_broker_for_parking):
-    broker, kernel, park_id = start_broker_for_parking
-    with BrokerClient(broker.socket, client="bench") as stranger:
-        with pytest.raises(BrokerError, match="no parked memory"):
-            stranger.restore(park_id)
+    broker, _kernel, park_id = start_broker_for_parking
+    with (
+        BrokerClient(broker.socket, client="bench") as stranger,
+        pytest.raises(BrokerError, match="no parked memory"),
+    ):
+        stranger.restore(park_id)
     assert _parks(broker)[0].state == "evicted"
 
 
@@ -129,10 +132,64 @@ def start_broker_for_parking():
 def test_a_notebook_that_exits_while_parked_ends_its_park_and_nobody_else_notices(
     start_broker_for_parking,
 ):
-    broker, kernel, park_id = start_broker_for_parking
+    broker, kernel, _park_id = start_broker_for_parking
     with BrokerClient(broker.socket, client="bench") as other:
         kernel.kill()
         wait_for(lambda: not _parks(broker), "the park of the dead notebook to end", 15)
         reply = other.request_lease(priority=150, memory_bytes=8 << 30)
         assert isinstance(reply, Granted)  # the broker serves on, its memory is free
         other.release(reply.lease_id)
+
+
+def test_a_broker_killed_while_a_notebook_is_parked_restores_it_when_it_starts_again(
+    start_broker_for_parking,
+):
+    broker, kernel, _park_id = start_broker_for_parking
+    assert broker.stop(signal.SIGKILL) == -signal.SIGKILL
+    broker.start()  # the same journal: the park's actuator step is undone before serving
+    wait_for(lambda: "recovery: undoing level 4" in broker.output(), "the park to be undone", 20)
+    assert not _parks(broker)
+    cell = kernel.run("print('after the restart', x)").ok()
+    assert cell.final_text().strip().endswith("after the restart 1")
+    assert "restoring" not in cell.shown_text()  # nothing is parked any more
+    assert "was restored when the broker started again" in cell.shown_text()
+
+
+def test_gpushare_park_parks_your_idle_notebook_and_refuses_with_one_line():
+    import subprocess
+    import sys
+
+    kernel = NotebookKernel("to-park")
+    broker: BrokerProcess | None = None
+    try:
+        kernel.ready()
+        broker = BrokerProcess(short_tempdir(), simulate=_inventory_with(kernel.pid, 100)).start()
+        kernel.run(f"import os; os.environ['GPUSHARE_SOCKET'] = {str(broker.socket)!r}").ok()
+        kernel.run("%load_ext gpushare_ext").ok()
+        kernel.run("%%gpu mem=1GiB\nx = 2").ok()
+        _idle_memory_seen(broker)
+
+        def park(*args: str) -> subprocess.CompletedProcess:
+            command = [sys.executable, "-m", "gpushare_ext.cli", "park", "--socket"]
+            return subprocess.run(
+                [*command, str(broker.socket), *args], capture_output=True, text=True, timeout=30
+            )
+
+        done = park(str(kernel.pid))
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith(f"parking pid {kernel.pid}: 100 GiB to the host")
+        wait_for(lambda: _parks(broker) and _parks(broker)[0].state == "evicted", "the park", 10)
+        again = park(str(kernel.pid))
+        assert again.returncode == 1
+        assert again.stderr.strip().endswith(f"the notebook of pid {kernel.pid} is parked already")
+        assert "Traceback" not in again.stderr
+        bad = park("nope")
+        assert bad.returncode == 2 and "park needs a process id" in bad.stderr
+
+        cell = kernel.run("print(x * 21)").ok()
+        assert "gpushare: restored 100 GiB parked" in cell.shown_text()
+        assert cell.final_text().strip().endswith("42")
+    finally:
+        kernel.shutdown()
+        if broker is not None:
+            broker.stop()

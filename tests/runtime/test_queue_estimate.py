@@ -1,0 +1,43 @@
+"""The queue line's estimate counts down between the broker's notices, and says so when
+the wait would outlast the cell's timeout (it never promises a grant the timeout denies)."""
+
+from __future__ import annotations
+
+from gpushare_ext.protocol import Queued
+from gpushare_ext.runtime.session import LeaseHandle, LeaseOptions, estimate_text, queue_line
+
+
+def _waiting(estimate_s: float | None, timeout_s: float | None = None) -> LeaseHandle:
+    handle = LeaseHandle(lease_id="L7", options=LeaseOptions(timeout_s=timeout_s), output=None)
+    handle.queued = Queued(
+        lease_id="L7", position=1, waiting_for="user-3f2a", holder_priority=250,
+        estimate_s=estimate_s, reason="the GPU is held by high-priority work",
+    )  # fmt: skip
+    handle.queued_at = 100.0
+    return handle
+
+
+def test_the_estimate_counts_down_from_the_notice_that_gave_it():
+    handle = _waiting(40.0)
+    assert estimate_text(handle, waited_s=0.0, now=100.0) == ", about 40 s left"
+    assert estimate_text(handle, waited_s=15.0, now=115.0) == ", about 25 s left"
+    assert estimate_text(handle, waited_s=45.0, now=145.0) == ", any moment now"
+
+
+def test_an_estimate_past_the_timeout_says_so():
+    handle = _waiting(40.0, timeout_s=30.0)
+    assert estimate_text(handle, waited_s=10.0, now=110.0) == (
+        ", about 30 s left, more than the 20 s before the timeout"
+    )
+    assert estimate_text(handle, waited_s=0.0, now=100.0) == (
+        ", about 40 s left, more than the 30 s before the timeout"
+    )
+    short = _waiting(10.0, timeout_s=30.0)
+    assert estimate_text(short, waited_s=0.0, now=100.0) == ", about 10 s left"
+
+
+def test_no_estimate_no_words_and_the_line_still_reads_whole():
+    handle = _waiting(None)
+    assert estimate_text(handle, waited_s=3.0, now=103.0) == ""
+    line = queue_line(handle, 3.0)
+    assert line.startswith("queued: position 1, waiting for user-3f2a (priority high) -- 3 s")
