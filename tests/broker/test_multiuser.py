@@ -137,3 +137,34 @@ def test_control_blocks_belong_to_their_user_with_mode_0600(two_users, system_br
     assert os.stat(system_broker.socket).st_mode & 0o777 == 0o666
     a.send("done")
     a.recv()
+
+
+def _idle_session(channel, socket_path) -> None:
+    """User A: a notebook session that ran a cell and now sits idle."""
+    with BrokerClient(socket_path, notebook="idle.ipynb") as client:
+        lease = client.request_lease(priority=150, label="%%gpu done")
+        client.release(lease.lease_id)
+        channel.send(os.getpid())
+        channel.recv()
+
+
+def _park(socket_path, pid: int) -> str:
+    with BrokerClient(socket_path, client="cli") as client:
+        try:
+            return client.park(pid)
+        except BrokerError as exc:
+            return f"{exc.code.value}: {exc.message}"
+
+
+def test_a_user_cannot_park_another_users_notebook(two_users, system_broker, forked_users):
+    user_a, user_b = two_users
+    a = forked_users(user_a, _idle_session, system_broker.socket)
+    pid = a.recv()
+
+    refused = run_as(user_b, _park, system_broker.socket, pid)
+
+    assert refused == (
+        f"{ErrorCode.PERMISSION.value}: pid {pid} is another user's notebook; "
+        "only an admin may park it"
+    )
+    a.send("done")
