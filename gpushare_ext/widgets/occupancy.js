@@ -119,6 +119,7 @@ export function formatMiB(mib) {
       return `${value.toFixed(value >= 100 ? 0 : 1)} ${unit}`;
     }
   }
+  if (mib <= 0) return "0 B";
   return `${mib >= 100 ? Math.round(mib) : mib.toFixed(1)} MiB`;
 }
 
@@ -160,19 +161,23 @@ export function renderMessage(root, text, kind = "info") {
 export function renderSnapshot(root, snapshot, options = {}) {
   const admin = snapshot.is_admin && typeof options.onAdmin === "function";
   root.classList.add("gpushare-view");
+  // The queue comes before the devices: in a narrow side panel it is what people look
+  // for, and a GPU's profiles would push it out of sight.
   const parts = [
     renderHeader(snapshot),
     renderOwnSessions(snapshot),
+    renderQueue(snapshot, admin ? options : {}),
     ...snapshot.devices.map((d) =>
       renderDevice(d, snapshot, admin ? options : {}),
     ),
-    renderQueue(snapshot, admin ? options : {}),
   ];
   if (snapshot.is_admin && !admin && options.adminHint) {
     parts.push(h("div", "gpushare-note", options.adminHint));
   }
+  // The header names the inventory already: a note saying it again is left out.
   for (const note of snapshot.notes || [])
-    parts.push(h("div", "gpushare-note", note));
+    if (note !== snapshot.inventory_description)
+      parts.push(h("div", "gpushare-note", note));
   root.replaceChildren(...parts.filter((p) => p !== null));
 }
 
@@ -327,14 +332,18 @@ function renderLayout(info, leases) {
         ),
       ]);
     });
-    return h("div", "gpushare-layout gpushare-mig-off", undefined, [
-      whole,
+    // Folded: seven rows of what the GPU could become are reference, not state.
+    const folded = h("details", "gpushare-profiles-fold", undefined, [
       h(
-        "div",
+        "summary",
         "gpushare-section-title",
         `Could be cut into (${profiles.length} MIG profiles)`,
       ),
       h("ul", "gpushare-profiles", undefined, list),
+    ]);
+    return h("div", "gpushare-layout gpushare-mig-off", undefined, [
+      whole,
+      folded,
     ]);
   }
   const used = new Set();
@@ -546,28 +555,25 @@ function renderQueue(s, options) {
   );
   if (!queued.length)
     return h("div", "gpushare-section gpushare-queue", undefined, [title]);
+  const columns = ["#", "who", "priority", "waiting"];
   const head = h(
     "tr",
     undefined,
     undefined,
-    ["#", "who", "priority", "waiting", "for"].map((t) =>
-      h("th", undefined, t),
-    ),
+    columns.map((t) => h("th", undefined, t)),
   );
   if (options.onAdmin) head.appendChild(h("th", undefined, ""));
-  const rows = queued.map((l) => {
-    const row = h(
-      "tr",
-      `gpushare-queue-row${l.own ? " gpushare-queue-own" : ""}`,
-      undefined,
-      [
-        h("td", undefined, String(l.position ?? "")),
-        h("td", undefined, l.user),
-        h("td", undefined, describePriority(l.priority)),
-        h("td", undefined, formatDuration(l.since_s)),
-        h("td", undefined, l.reason || l.label || ""),
-      ],
-    );
+  const width = columns.length + (options.onAdmin ? 1 : 0);
+  // Each request is two rows: its facts, short enough for a narrow panel, then why it
+  // waits across the whole width (a column that narrow wraps a sentence word by word).
+  const rows = queued.flatMap((l) => {
+    const own = l.own ? " gpushare-queue-own" : "";
+    const row = h("tr", `gpushare-queue-row${own}`, undefined, [
+      h("td", undefined, String(l.position ?? "")),
+      h("td", undefined, l.user),
+      h("td", undefined, describePriority(l.priority)),
+      h("td", undefined, formatDuration(l.since_s)),
+    ]);
     if (options.onAdmin) {
       const onAdmin = options.onAdmin;
       const button = h("button", "gpushare-admin-button", "Cancel");
@@ -575,9 +581,13 @@ function renderQueue(s, options) {
       button.addEventListener("click", () =>
         onAdmin({ action: "cancel", lease_id: l.lease_id }),
       );
-      row.appendChild(h("td", undefined, undefined, [button]));
+      row.appendChild(h("td", "gpushare-queue-action", undefined, [button]));
     }
-    return row;
+    const why = /** @type {HTMLTableCellElement} */ (
+      h("td", undefined, l.reason || l.label || "")
+    );
+    why.colSpan = width;
+    return [row, h("tr", `gpushare-queue-reason${own}`, undefined, [why])];
   });
   return h("div", "gpushare-section gpushare-queue", undefined, [
     title,

@@ -232,6 +232,38 @@ def test_panel_shows_the_h200_and_follows_the_queue_live(page, sessions):
     assert sessions().status().devices[0].drained
 
 
+def test_panel_at_its_default_width_shows_the_queue_first_and_keeps_it_inside(page, sessions):
+    from playwright.sync_api import expect
+
+    page.locator('.jp-SideBar .lm-TabBar-tab[data-id="gpushare-panel"]').click()
+    panel = page.locator("#gpushare-panel")
+    expect(panel.locator(".gpushare-device")).to_have_count(1, timeout=15_000)
+    holder, waiter = sessions(), sessions()
+    holder.request_lease(priority=HIGH, memory_bytes=120 << 30, label="explore")
+    waiter.request_lease(priority=LOW, memory_bytes=60 << 30, label="train")
+    reason = panel.locator(".gpushare-queue-reason td")
+    expect(reason).to_have_count(1, timeout=LIVE_S * 1000)
+    expect(reason.first).to_have_text("the GPU is held by high-priority work")
+
+    edge = panel.bounding_box()
+    cancel = panel.locator(".gpushare-queue-row .gpushare-admin-button").bounding_box()
+    assert edge is not None and cancel is not None
+    assert cancel["x"] + cancel["width"] <= edge["x"] + edge["width"], (cancel, edge)
+    line = 1.4 * reason.first.evaluate("cell => parseFloat(getComputedStyle(cell).fontSize)")
+    height = reason.first.bounding_box()
+    assert height is not None and height["height"] < 3.5 * line, height  # not a word a line
+    # The queue is above the GPU, and the GPU's seven profiles are folded away.
+    queue_y = panel.locator(".gpushare-queue").bounding_box()["y"]
+    assert queue_y < panel.locator(".gpushare-device").bounding_box()["y"]
+    expect(panel.locator(".gpushare-profile").first).to_be_hidden()
+    # The inventory is named once, and the Drain button is styled as JupyterLab's own.
+    assert panel.inner_text().count("simulated inventory from") == 1
+    drain = panel.locator(".gpushare-device-title .gpushare-admin-button")
+    assert drain.evaluate("b => getComputedStyle(b).borderTopStyle") == "solid"
+    OUTPUT.mkdir(exist_ok=True)
+    panel.screenshot(path=str(OUTPUT / "panel-default-width.png"))
+
+
 def _inventory_with_this_process_idle(gib: int) -> str:
     """The simulated H200 where this test process (one of its sessions) holds ``gib``
     GiB outside any lease, as NVML would show an idle notebook."""
