@@ -111,10 +111,13 @@ def measure(notebooks: int, idle_gib: int, ask_gib: int, log_dir: Path) -> dict:
     from gpushare_ext.broker.launch import BrokerProcess
     from gpushare_ext.client import BrokerClient
     from gpushare_ext.protocol import Granted, Queued
+    from gpushare_ext.runtime.interpose import shim_path
 
     broker = BrokerProcess(Path(tempfile.mkdtemp(prefix="gps-park-")), simulate=None)
     broker.start(timeout=60)
-    env = dict(os.environ, GPUSHARE_SOCKET=str(broker.socket))
+    # As the server extension starts kernels: with the launch shim preloaded, which also
+    # tells the broker whether the process may be checkpointed.
+    env = dict(os.environ, GPUSHARE_SOCKET=str(broker.socket), LD_PRELOAD=str(shim_path()))
     kernels = [Notebook(f"notebook-{i}", env).start() for i in range(notebooks)]
     result: dict = {"notebooks": notebooks, "idle_gib": idle_gib, "ask_gib": ask_gib}
     try:

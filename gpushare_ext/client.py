@@ -345,10 +345,10 @@ class BrokerClient:
     def heartbeat(self) -> None:
         self._call(Heartbeat())
 
-    def cell_activity(self, running: bool) -> None:
-        """Tell the broker a cell started or ended; it does not answer (a cell must not
-        wait for the broker to start)."""
-        message = CellActivity(running=running)
+    def cell_activity(self, running: bool, unparkable: str = "") -> None:
+        """Tell the broker a cell started or ended, and why this process must not be
+        parked ("" if it may be); it does not answer (a cell must not wait for it)."""
+        message = CellActivity(running=running, unparkable=unparkable[:256])
         message.seq = next(self._seq)
         self._send(message)
 

@@ -179,9 +179,12 @@ class Heartbeat(ClientMessage, tag="heartbeat"):
 class CellActivity(ClientMessage, tag="cell_activity"):
     """A cell of this session started (``running``) or ended, marked or not: a session
     with a cell running is never parked, and idle time counts from the last one's end.
-    The broker does not answer it."""
+    The broker does not answer it.  ``unparkable`` says why this process must not be
+    parked ("" when it may be): one that opened another process's GPU memory cannot be
+    restored after a checkpoint.  A session is parked only once it has said this."""
 
     running: bool
+    unparkable: ShortText = ""
 
 
 class Park(ClientMessage, tag="park"):

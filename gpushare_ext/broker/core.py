@@ -226,6 +226,7 @@ class SessionActivity:
     now: float
     session_id: str
     running: bool
+    unparkable: str = ""  # why its process must not be checkpointed ("" if it may be)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -450,6 +451,7 @@ class SessionRecord:
     cell_running: bool = False  # a cell runs now (with or without a lease): never parked
     last_priority: int = PRIORITY_CLASSES["normal"]  # its last lease's, for park order
     unparkable: str = ""  # why it is never parked (its checkpoint failed once)
+    checkpoint_unsafe: str | None = None  # what it last said of itself; None: nothing yet
     parks: int = 0  # parks so far, for the park leases' ids
 
 
@@ -904,6 +906,7 @@ class Scheduler:
     def _on_SessionActivity(self, event: SessionActivity, now: float) -> list[Action]:
         record = self._session(event.session_id)
         record.cell_running = event.running
+        record.checkpoint_unsafe = event.unparkable
         if not event.running:
             record.idle_since = now
         return []
@@ -961,6 +964,10 @@ class Scheduler:
             return "has a cell running; park it once the cell ends"
         if record.unparkable:
             return record.unparkable
+        if record.checkpoint_unsafe is None:
+            return "has not said yet whether it can be checkpointed (it runs no cell hooks)"
+        if record.checkpoint_unsafe:
+            return f"cannot be parked: {record.checkpoint_unsafe}"
         if self.policy.mps:
             return "is an MPS client (mps = true): the checkpoint lock does not work for it"
         return ""
@@ -1036,8 +1043,8 @@ class Scheduler:
             record = self.sessions.get(session_id) if session_id else None
             if record is None or session_id is None or record.leases or record.detached:
                 continue
-            if record.cell_running or record.unparkable:
-                continue
+            if record.cell_running or record.unparkable or record.checkpoint_unsafe != "":
+                continue  # (None: it never said whether it can be checkpointed)
             if asking is not None and asking.identity.pid == pid:
                 continue
             idle.append(

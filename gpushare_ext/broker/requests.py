@@ -214,7 +214,10 @@ class Requests:
             raise ProtocolError(ErrorCode.OUT_OF_ORDER, "only a notebook session has cells")
         self.broker.dispatch(
             core.SessionActivity(
-                now=time.time(), session_id=conn.session_id, running=message.running
+                now=time.time(),
+                session_id=conn.session_id,
+                running=message.running,
+                unparkable=message.unparkable,
             )
         )
 

@@ -161,6 +161,7 @@ def native_library() -> ctypes.CDLL:
     library.gps_track_function.restype = ctypes.c_int
     library.gps_function_state.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_float)]
     library.gps_function_state.restype = ctypes.c_int
+    library.gps_ipc_imports.restype = ctypes.c_ulonglong
     _library = library
     return library
 
@@ -301,6 +302,17 @@ def point_at(block_address: int | None) -> None:
         library.gps_set_block(None, None)
     else:
         library.gps_set_block(block_address + GATE_OFFSET, block_address + STATE_OFFSET)
+
+
+def ipc_imports() -> int | None:
+    """How many times this process opened another process's GPU memory (CUDA IPC or a
+    shareable handle), as the preloaded shim counted; None when the shim is not
+    preloaded here (then nobody counted)."""
+    library = _preloaded()
+    if library is None:
+        return None
+    library.gps_ipc_imports.restype = ctypes.c_ulonglong
+    return int(library.gps_ipc_imports())
 
 
 def stats() -> dict[str, int]:

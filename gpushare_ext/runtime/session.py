@@ -470,12 +470,32 @@ class GpuSession:
             self.parked = None
 
     def cell_activity(self, running: bool) -> None:
-        """Tell the broker a cell started or ended (a cell never waits for it)."""
+        """Tell the broker a cell started or ended (a cell never waits for it), and
+        whether this process may be parked."""
         client = self.client
         if client is None or client.closed.is_set():
             return
         with contextlib.suppress(BrokerError, BrokerUnavailable):
-            client.cell_activity(running)
+            client.cell_activity(running, self.why_not_parkable())
+
+    def why_not_parkable(self) -> str:
+        """Why the broker must not checkpoint this process ("" if it may): on the H200 a
+        process that opened another process's GPU memory is checkpointed and then cannot
+        be restored, and only the launch shim sees such imports."""
+        if self.simulated:
+            return ""  # nothing is checkpointed on a simulated GPU
+        imports = interpose.ipc_imports()
+        if imports is None:
+            return (
+                "started without the launch shim, so whether it opened another process's "
+                "GPU memory (which a checkpoint cannot restore) is not known"
+            )
+        if imports:
+            return (
+                f"it opened another process's GPU memory ({imports} CUDA IPC import(s)), "
+                "which a checkpoint cannot restore"
+            )
+        return ""
 
     def _broker_lost(self, why: str) -> None:
         """The connection is gone (the broker stopped or crashed): nobody may hold us now.

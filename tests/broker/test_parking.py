@@ -38,6 +38,8 @@ def _idle_with(hub: Hub, user: str, *, priority: int = NORMAL, lease: str = "") 
     lease_id = lease or f"{user}-cell"
     hub.request(session, lease_id, priority=priority, memory=1 * GIB)
     hub.release(session, lease_id)
+    # The cell ended, and its session said it may be checkpointed.
+    hub.handle(core.SessionActivity(now=hub.now, session_id=session, running=False))
     return session
 
 
@@ -311,6 +313,7 @@ def test_parking_never_grants_beyond_what_nvml_says_is_free_plus_what_it_freed(
         run.feed(core.LeaseRequested(now=run.now, session_id=session, lease_id=f"{session}-cell",
                                      request=RequestLease(priority=priority, memory_bytes=GIB)))  # fmt: skip
         run.feed(core.LeaseReleased(now=run.now, session_id=session, lease_id=f"{session}-cell"))
+        run.feed(core.SessionActivity(now=run.now, session_id=session, running=False))
         run.sessions.append(session)
         run.pids[session] = pid
         used[pid] = gib * GIB
@@ -408,3 +411,25 @@ def test_a_park_on_request_respects_the_host_budget_and_needs_memory_to_park():
         hub.handle(core.ParkAsked(now=hub.now, pid=hub.pid_of(ada), by="ada"))
     with pytest.raises(core.SchedulerError, match="holds no GPU memory outside its leases"):
         hub.handle(core.ParkAsked(now=hub.now, pid=hub.pid_of(cy), by="cy"))
+
+
+def test_a_session_that_says_it_cannot_be_checkpointed_or_never_said_is_not_parked():
+    hub = _hub()
+    ada = _idle_with(hub, "ada", priority=LOW)
+    hub.handle(
+        core.SessionActivity(
+            now=hub.now, session_id=ada, running=False,
+            unparkable="it opened another process's GPU memory (1 CUDA IPC import(s))",
+        )
+    )  # fmt: skip
+    silent = hub.open("cy")  # a client that never runs the cell hooks
+    _seen(hub, {hub.pid_of(ada): 60 * GIB, hub.pid_of(silent): 60 * GIB})
+    bo = hub.open("bo")
+    actions = hub.request(bo, "B1", priority=HIGH, memory=60 * GIB)
+    assert not _parks(actions)
+    with pytest.raises(core.SchedulerError, match="cannot be parked: it opened another process"):
+        hub.handle(core.ParkAsked(now=hub.now, pid=hub.pid_of(ada), by="admin"))
+    with pytest.raises(
+        core.SchedulerError, match="has not said yet whether it can be checkpointed"
+    ):
+        hub.handle(core.ParkAsked(now=hub.now, pid=hub.pid_of(silent), by="admin"))

@@ -76,6 +76,17 @@ CUresult cuModuleLoadData(void **module, const void *image);
 CUresult cuModuleGetFunction(void **function, void *module, const char *name);
 CUresult cuModuleUnload(void *module);
 
+/* CUDA IPC: opening another process's memory hands out a made-up pointer. */
+typedef struct { char reserved[64]; } IpcMemHandle;
+static unsigned long ipc_opens;
+unsigned long fake_ipc_opens(void) { return ipc_opens; }
+CUresult cuIpcOpenMemHandle_v2(void **pdptr, IpcMemHandle handle, unsigned flags) {
+    (void)flags;
+    ipc_opens++;
+    *pdptr = (void *)(intptr_t)(0x1000 + (unsigned char)handle.reserved[0]);
+    return 0;
+}
+
 /* The driver's lookup: cudart fetches every entry point this way. */
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags,
                              void *status) {
@@ -92,6 +103,8 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64
         *pfn = (void *)cuModuleGetFunction;
     } else if (strcmp(symbol, "cuModuleUnload") == 0) {
         *pfn = (void *)cuModuleUnload;
+    } else if (strcmp(symbol, "cuIpcOpenMemHandle") == 0) {
+        *pfn = (void *)cuIpcOpenMemHandle_v2;
     } else {
         *pfn = 0;
         return 500;

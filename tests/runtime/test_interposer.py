@@ -559,3 +559,40 @@ def test_numba_kernels_are_handed_over_from_its_code_library(fake_driver):
     # Numba's flattened array arguments: the data pointers are the buffers.
     assert out["has_twin"] and out["buffers"] == ["11", "4"]
     assert out["state"] == interpose.TRACK_TIMING
+
+
+IPC_SCRIPT = r"""
+import ctypes, json
+from gpushare_ext.runtime import interpose
+
+p = ctypes.c_void_p
+cuda = ctypes.CDLL("libcuda.so.1")
+cuda.fake_ipc_opens.restype = ctypes.c_ulong
+get_proc = cuda.cuGetProcAddress_v2
+get_proc.argtypes = [ctypes.c_char_p, ctypes.POINTER(p), ctypes.c_int, ctypes.c_uint64, p]
+found = p()
+assert get_proc(b"cuIpcOpenMemHandle", ctypes.byref(found), 12080, 0, None) == 0
+
+class Handle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+OPEN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(p), Handle, ctypes.c_uint)
+out = {"before": interpose.ipc_imports()}
+pointer = p()
+handle = Handle(b"\x07" + b"\x00" * 63)
+out["result"] = OPEN(found.value)(ctypes.byref(pointer), handle, 1)
+out["pointer"] = pointer.value
+out["after"] = interpose.ipc_imports()
+out["driver_saw"] = cuda.fake_ipc_opens()
+print(json.dumps(out))
+"""
+
+
+def test_the_shim_counts_memory_opened_from_another_process(fake_driver):
+    # Such a process is checkpointed and then cannot be restored: it must not be parked.
+    seen = run_preloaded(IPC_SCRIPT, fake_driver)
+    assert seen == {"before": 0, "result": 0, "pointer": 0x1007, "after": 1, "driver_saw": 1}
+
+
+def test_without_the_shim_preloaded_nobody_counts_imports():
+    assert interpose.ipc_imports() is None

@@ -44,3 +44,51 @@ def test_two_idle_notebooks_are_parked_for_a_high_request_and_restore_bit_identi
     for restore in result["restores"]:
         assert restore["bit_identical"], result
         assert restore["restored"], result  # its plain cell said it restored first
+
+
+EXPORTER = """
+import sys, cupy
+block = cupy.full((1 << 20,), 7, dtype=cupy.int32)
+print(bytes(cupy.cuda.runtime.ipcGetMemHandle(block.data.ptr)).hex(), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_notebook_that_opened_another_processs_memory_is_never_parked():
+    import os
+    import subprocess
+    import sys
+
+    from benchmarks.parking import Notebook
+    from gpushare_ext.broker.launch import BrokerProcess
+    from gpushare_ext.client import BrokerClient, BrokerError
+    from gpushare_ext.runtime.interpose import shim_path
+
+    broker = BrokerProcess(short_tempdir("gps-ipc-"), simulate=None)
+    broker.start(timeout=60)
+    exporter = subprocess.Popen(
+        [sys.executable, "-c", EXPORTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    env = dict(os.environ, GPUSHARE_SOCKET=str(broker.socket), LD_PRELOAD=str(shim_path()))
+    kernel = Notebook("importer", env).start()
+    try:
+        assert exporter.stdout is not None
+        handle = exporter.stdout.readline().strip()
+        kernel.run("%load_ext gpushare_ext")
+        kernel.run("%%gpu mem=1GiB\nprint('a cell')")
+        pid = int(kernel.run("import os; print(os.getpid())").strip())
+        opened = kernel.run(
+            "import cupy\n"
+            f"ptr = cupy.cuda.runtime.ipcOpenMemHandle(bytes.fromhex('{handle}'))\n"
+            "print('opened')"
+        )
+        assert opened.strip() == "opened"
+        with (
+            BrokerClient(broker.socket, client="cli") as admin,
+            pytest.raises(BrokerError, match="opened another process's GPU memory"),
+        ):
+            admin.park(pid)
+    finally:
+        kernel.stop()
+        exporter.kill()
+        broker.stop()

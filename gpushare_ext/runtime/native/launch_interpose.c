@@ -514,10 +514,60 @@ EX_WRAPPER(0) EX_WRAPPER(1) GRAPH_WRAPPER(0) GRAPH_WRAPPER(1)
 
 static void *wrap_module_call(const char *name, void *real);
 
+/* ---- memory imported from another process: its checkpoint cannot be restored
+ *
+ * On the H200 (driver 580), a process that opened another process's memory through CUDA
+ * IPC is checkpointed without complaint and then fails to restore (INVALID_VALUE; the
+ * process is left unusable).  The broker must not park such a process, so the shim
+ * counts these imports and the session reports them. */
+typedef struct { char reserved[64]; } IpcMemHandle; /* CUipcMemHandle, passed by value */
+typedef CUresult (*IpcOpenFn)(void *, IpcMemHandle, unsigned);
+typedef CUresult (*ImportFn)(void *, void *, int);
+static IpcOpenFn real_ipc_open, real_ipc_open_v2;
+static ImportFn real_import;
+static uint64_t g_ipc_imports;
+
+static CUresult w_ipc_open(void *pdptr, IpcMemHandle handle, unsigned flags) {
+    __atomic_add_fetch(&g_ipc_imports, 1, __ATOMIC_RELAXED);
+    return real_ipc_open ? real_ipc_open(pdptr, handle, flags) : 500;
+}
+
+static CUresult w_ipc_open_v2(void *pdptr, IpcMemHandle handle, unsigned flags) {
+    __atomic_add_fetch(&g_ipc_imports, 1, __ATOMIC_RELAXED);
+    return real_ipc_open_v2 ? real_ipc_open_v2(pdptr, handle, flags) : 500;
+}
+
+static CUresult w_import(void *allocation, void *os_handle, int kind) {
+    __atomic_add_fetch(&g_ipc_imports, 1, __ATOMIC_RELAXED);
+    return real_import ? real_import(allocation, os_handle, kind) : 500;
+}
+
+/* How many times this process opened memory of another process (0 when never). */
+unsigned long long gps_ipc_imports(void) {
+    return __atomic_load_n(&g_ipc_imports, __ATOMIC_RELAXED);
+}
+
+static void *wrap_import(const char *name, void *real) {
+    if (strcmp(name, "cuIpcOpenMemHandle") == 0) {
+        real_ipc_open = (IpcOpenFn)real;
+        return (void *)w_ipc_open;
+    }
+    if (strcmp(name, "cuIpcOpenMemHandle_v2") == 0) {
+        real_ipc_open_v2 = (IpcOpenFn)real;
+        return (void *)w_ipc_open_v2;
+    }
+    if (strcmp(name, "cuMemImportFromShareableHandle") == 0) {
+        real_import = (ImportFn)real;
+        return (void *)w_import;
+    }
+    return NULL;
+}
+
 static int is_wrapper(void *fn) {
     return fn == (void *)w_launch_0 || fn == (void *)w_launch_1 || fn == (void *)w_coop_0
            || fn == (void *)w_coop_1 || fn == (void *)w_ex_0 || fn == (void *)w_ex_1
-           || fn == (void *)w_graph_0 || fn == (void *)w_graph_1
+           || fn == (void *)w_graph_0 || fn == (void *)w_graph_1 || fn == (void *)w_ipc_open
+           || fn == (void *)w_ipc_open_v2 || fn == (void *)w_import
            || wrap_module_call(NULL, fn) != NULL;
 }
 
@@ -544,6 +594,8 @@ static void *wrap(const char *name, void *real, int version) {
     if (strcmp(base, "cuGraphLaunch") == 0) PICK(GraphFn, w_graph);
     void *module_wrapper = wrap_module_call(name, real);
     if (module_wrapper != NULL) return module_wrapper;
+    void *import_wrapper = wrap_import(name, real);
+    if (import_wrapper != NULL) return import_wrapper;
     if (strcmp(name, "cuGetProcAddress_v2") == 0
         || (strcmp(name, "cuGetProcAddress") == 0 && version >= 12000)) {
         if (real != (void *)w_get_proc_v2) real_get_proc_v2 = (GetProcV2Fn)real;
