@@ -22,6 +22,16 @@ c.Spawner.default_url = "/lab"
 # and reconnects instead (and reclaims its leases).
 c.Spawner.environment.update({"GPUSHARE_SOCKET": "/run/gpushare/broker.sock"})
 
+# Users' servers (and `!gpushare status` in a notebook) find this environment's commands
+# first; otherwise they get the PATH of the hub's own process, root's.
+c.Spawner.environment.update(
+    {
+        "PATH": os.pathsep.join(
+            [os.path.join(sys.prefix, "bin"), "/usr/local/bin", "/usr/bin", "/bin"]
+        )
+    }
+)
+
 # The broker identifies users by Unix uid (SO_PEERCRED), so each hub user must be a Unix
 # user: the default LocalProcessSpawner runs each server as the user of the same name.
 # Create missing users on first login, in the group the policy gives students:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -529,15 +530,28 @@ def _cuda_multiprocessor_count(uuid: str) -> int:
     return 0
 
 
+# Device nodes the NVIDIA driver creates: where one exists, this is a GPU host.
+NVIDIA_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0")
+
+
 def open_inventory(spec: str | None) -> tuple[InventoryBackend, str | None]:
     """Open the inventory ``spec`` names: "auto", "nvml", a fixture name or a JSON path.
 
     Returns the backend and, when "auto" fell back to simulation, a sentence saying so.
+    On a host with NVIDIA devices "auto" never simulates: NVML failing there is a broken
+    driver or library, and a broker serving a pretend GPU would hide it.
     """
     if spec in (None, "", "auto"):
         try:
             return NvmlInventory(), None
         except InventoryError as exc:
+            found = [node for node in NVIDIA_DEVICE_NODES if os.path.exists(node)]
+            if found:
+                raise InventoryError(
+                    f"NVML failed on a host with NVIDIA devices ({found[0]}): {exc}; not "
+                    "simulating a GPU here (fix the driver or nvidia-ml-py, or pass "
+                    "--simulate h200 on purpose)"
+                ) from None
             backend = SimulatedInventory("h200")
             return backend, f"no usable GPU ({exc}); simulating one H200 from the shipped readout"
     if spec == "nvml":

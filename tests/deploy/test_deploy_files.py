@@ -61,7 +61,7 @@ def test_the_example_policy_is_accepted_by_the_broker():
     assert student.aging_per_minute == 20
     assert student.slice.value == "shared"
 
-    staff = policy.limits_for("bob", ("staff",))
+    staff = policy.limits_for("bob", ("teachers",))
     assert staff.max_priority == priority_value("high")
     assert staff.memory_quota == 80 * GIB
 
@@ -74,7 +74,7 @@ def test_the_kubernetes_policy_is_the_same_policy_as_the_example():
         k8s_object("ConfigMap", "gpushare-broker-config")["data"]["broker.toml"], "ConfigMap"
     )
     example = parse_config((DEPLOY / "broker.toml").read_text())
-    for groups in ((), ("students",), ("staff",)):
+    for groups in ((), ("students",), ("teachers",)):
         assert in_cluster.policy.limits_for("x", groups) == example.policy.limits_for("x", groups)
 
 
@@ -160,6 +160,24 @@ def test_the_hub_snippet_runs_servers_from_the_hub_environment_pinned_to_the_sys
     assert config.Spawner.cmd == [os.path.join(sys.prefix, "bin", "jupyterhub-singleuser")]
     environment = config.Spawner.environment.get_value({})
     assert environment["GPUSHARE_SOCKET"] == str(SYSTEM_SOCKET)
+    # Users' servers find this environment's commands first (`!gpushare status`).
+    assert environment["PATH"].split(os.pathsep)[0] == os.path.join(sys.prefix, "bin")
+
+
+def test_the_installed_package_carries_the_deploy_files_and_the_guides():
+    """What the hub's load_subconfig and the unit's Documentation= point at is installed
+    (the hub test loads the installed copy; this checks the mapping and the unit)."""
+    import tomllib
+
+    build = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["hatch"]["build"]
+    shared = build["targets"]["wheel"]["shared-data"]
+    assert shared["deploy"] == "share/gpushare/deploy"
+    assert shared["docs"] == "share/doc/gpushare"
+    unit = (DEPLOY / "gpushare-broker.service").read_text()
+    assert "Documentation=file:///opt/gpushare/share/doc/gpushare/deploy.md" in unit
+    assert (REPO / "docs" / "deploy.md").exists()
+    guide = (REPO / "docs" / "deploy.md").read_text()
+    assert 'load_subconfig("/opt/gpushare/share/gpushare/deploy/jupyterhub_config.py")' in guide
 
 
 # ------------------------------------------------------------------ systemd

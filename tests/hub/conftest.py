@@ -29,7 +29,6 @@ from hub_driver import Hub, HubError
 from local_install import (
     INSTALL_POLICY,
     PREFIX,
-    REPO,
     STAFF,
     START_BROKER,
     START_HUB,
@@ -65,7 +64,7 @@ def install(as_root) -> Install:
 def users(as_root) -> tuple[str, str]:
     """Step 5: a student and a staff member, with homes; their leftovers from a last run gone."""
     ensure_user(STUDENT, "students")
-    ensure_user(STAFF, "staff")
+    ensure_user(STAFF, "teachers")
     for name in (STUDENT, STAFF):
         kill_processes_of(name)
         home = Path(os.path.expanduser(f"~{name}"))
@@ -183,8 +182,8 @@ load_subconfig({snippet!r})  # noqa: F821
 c.JupyterHub.bind_url = "http://127.0.0.1:{port}"
 c.JupyterHub.hub_bind_url = "http://127.0.0.1:{hub_port}"
 c.ConfigurableHTTPProxy.api_url = "http://127.0.0.1:{proxy_api_port}"
-c.JupyterHub.authenticator_class = "dummy"
-c.DummyAuthenticator.password = {password!r}
+c.JupyterHub.authenticator_class = "shared-password"
+c.SharedPasswordAuthenticator.user_password = {password!r}
 c.Authenticator.allowed_users = {users!r}
 c.JupyterHub.services = [{{"name": "gpushare-e2e", "api_token": {token!r}}}]
 c.JupyterHub.load_roles = [
@@ -209,14 +208,14 @@ class RunningHub:
 
 @pytest.fixture(scope="module")
 def hub(install, users, system_broker, workdir) -> Iterator[RunningHub]:
-    """Step 9: JupyterHub with deploy/jupyterhub_config.py, DummyAuthenticator, a service token."""
+    """Step 9: JupyterHub with deploy/jupyterhub_config.py, a shared password, a service token."""
     port = free_port()
     token = secrets.token_hex(32)
     password = secrets.token_hex(8)
     config = workdir / "jupyterhub_config.py"
     config.write_text(
         HUB_CONFIG.format(
-            snippet=str(REPO / "deploy" / "jupyterhub_config.py"),
+            snippet=str(PREFIX / "share" / "gpushare" / "deploy" / "jupyterhub_config.py"),
             port=port,
             hub_port=free_port(),
             proxy_api_port=free_port(),

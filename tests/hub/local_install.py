@@ -6,7 +6,7 @@ walkthrough and the end-to-end test cannot drift apart.  Expansion happens only 
 
 The install is slow (a venv with JupyterHub and the package), so it is skipped when the
 prefix already holds an install of exactly this source: a stamp file records a hash of
-``pyproject.toml`` and the package's files.
+``pyproject.toml``, the package's files and ``deploy/``.
 """
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ from pathlib import Path
 
 PREFIX = Path("/opt/gpushare-e2e")  # the world-readable venv the hub and its users run
 STUDENT = "gps-alice"  # group students: at most priority normal, 16 GiB
-STAFF = "gps-bob"  # group staff: may ask for priority high
+STAFF = "gps-bob"  # group teachers: may ask for priority high
 
 REPO = Path(__file__).resolve().parents[2]
 
 #: 1. A world-readable virtual environment built with the system interpreter (the root
 #:    user's own Python may live in a 0700 home that notebook users cannot run).
 CREATE_VENV = "/usr/bin/python3 -m venv $PREFIX"
-#: 2. The package with its notebook extra, and JupyterHub, from the checkout.
-INSTALL_PACKAGES = '$PREFIX/bin/pip install "$REPO[notebook]" jupyterhub'
+#: 2. The package with its JupyterLab extra (the hub opens /lab), and JupyterHub.
+INSTALL_PACKAGES = '$PREFIX/bin/pip install "$REPO[lab]" "jupyterhub>=5.3"'
 #:    pip keeps an installed 0.1.0 unless told: reinstall the package itself on changes.
 REINSTALL_PACKAGE = "$PREFIX/bin/pip install --no-deps --force-reinstall $REPO"
 #: 3. Everyone may read and run it.
@@ -36,7 +36,7 @@ MAKE_READABLE = "chmod -R a+rX $PREFIX"
 #: 4. JupyterHub's proxy, from npm.
 INSTALL_PROXY = "npm install -g configurable-http-proxy"
 #: 5. Unix groups and users (the policy names the groups).
-ADD_GROUPS = "groupadd -f students && groupadd -f staff"
+ADD_GROUPS = "groupadd -f students && groupadd -f teachers && groupadd -f gpuadmin"
 ADD_USER = "useradd -m -G $GROUP $USERNAME"
 #: 6. Every IPython kernel of this prefix loads the extension (ENV_CONFIG_DIRS).
 INSTALL_IPYTHON_CONFIG = (
@@ -91,7 +91,11 @@ def run(command: str, timeout: float = 600, **values: str | Path) -> None:
 def source_hash() -> str:
     """What the installed copy must match: pyproject.toml and every package file."""
     digest = hashlib.sha256()
-    files = [REPO / "pyproject.toml", *sorted((REPO / "gpushare_ext").rglob("*"))]
+    files = [
+        REPO / "pyproject.toml",
+        *sorted((REPO / "gpushare_ext").rglob("*")),
+        *sorted((REPO / "deploy").rglob("*")),  # installed too: the hub loads its config
+    ]
     for path in files:
         if path.is_file() and "__pycache__" not in path.parts:
             digest.update(str(path.relative_to(REPO)).encode())

@@ -35,9 +35,11 @@ from local_install import PREFIX, STAFF, STUDENT
 pytestmark = [pytest.mark.hub, pytest.mark.timeout(420)]
 
 EXTENSION_LOADED = """\
+import shutil
 ip = get_ipython()
 print("gpushare loaded:", "gpushare_ext" in ip.extension_manager.loaded,
-      "| %%gpu defined:", "gpu" in ip.magics_manager.magics["cell"])
+      "| %%gpu defined:", "gpu" in ip.magics_manager.magics["cell"],
+      "| gpushare on PATH:", shutil.which("gpushare"))
 """
 
 # A training loop: low priority, a safe point per step, until the test says stop.
@@ -172,6 +174,7 @@ def test_two_users_share_the_gpu_through_jupyterhub(hub, servers, system_broker,
         for kernel in kernels:
             shown = kernel.run(EXTENSION_LOADED).text
             assert "gpushare loaded: True | %%gpu defined: True" in shown, shown
+            assert f"| gpushare on PATH: {PREFIX}/bin/gpushare" in shown, shown
 
         # 1. The student's low-priority loop holds the GPU.
         loop = training.start(TRAINING_CELL)
