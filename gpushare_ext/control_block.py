@@ -12,6 +12,8 @@ offset word
 12     state: the lease's state, ``lease_state.CONTROL_BLOCK_CODES`` (0: no lease)
 16     generation: bumped on every broker write
 20     preemption level in force (or 0xffffffff)
+24     imports: times the process opened another process's GPU memory, written
+       by the runtime's launch shim, read by the broker before it parks the session
 64     reason text, UTF-8, NUL-padded to 192 bytes
 512    session note, UTF-8, NUL-padded to 256 bytes: written by the *runtime*
        (what its long kernels got), read by the broker for status
@@ -49,6 +51,7 @@ GATE_OFFSET = 8
 STATE_OFFSET = 12
 GENERATION_OFFSET = 16
 LEVEL_OFFSET = 20
+IPC_IMPORTS_OFFSET = 24
 REASON_OFFSET = 64
 REASON_SIZE = 192
 SESSION_NOTE_OFFSET = 512
@@ -166,6 +169,12 @@ class ControlBlock:
     def level(self) -> int | None:
         value = self._read(LEVEL_OFFSET)
         return None if value == NO_LEVEL else value
+
+    @property
+    def ipc_imports(self) -> int:
+        """How many times the session's process opened another process's GPU memory,
+        as its launch shim counted (0 also when no shim counts)."""
+        return self._read(IPC_IMPORTS_OFFSET)
 
     @property
     def reason(self) -> str:

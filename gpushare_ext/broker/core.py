@@ -923,6 +923,9 @@ class Scheduler:
             lease.state_since = now
         return []
 
+    def session_id_of_pid(self, pid: int) -> str | None:
+        return self._session_of_pid.get(pid)
+
     def session_of_pid(self, pid: int) -> SessionRecord | None:
         session_id = self._session_of_pid.get(pid)
         return self.sessions.get(session_id) if session_id else None

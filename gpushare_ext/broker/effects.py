@@ -347,6 +347,17 @@ class Effects:
         self, target: Target, action: core.Preempt, already: PreemptionLevel | None
     ) -> None:
         broker = self.broker
+        block = target.control_block
+        if action.parks_bytes and block is not None and block.ipc_imports:
+            # Its shim counted an import since the session last said it may be parked: a
+            # checkpoint of it could not be restored.  Undone before anything is applied.
+            refusal = ActuatorError(
+                "it opened another process's GPU memory (CUDA IPC), which a checkpoint "
+                "cannot restore",
+                not_supported=True,
+            )
+            await self._preemption_failed(target, action, refusal)
+            return
         try:
             note = await broker.ladder.apply(target, action.level, action.reason, already)
         except ActuatorError as exc:

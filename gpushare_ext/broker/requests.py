@@ -245,6 +245,14 @@ class Requests:
                 ErrorCode.PERMISSION,
                 f"pid {message.pid} is another user's notebook; only an admin may park it",
             )
+        owner = broker.connections.get(broker.scheduler.session_id_of_pid(message.pid) or "")
+        block = owner.control_block if owner is not None else None
+        if block is not None and block.ipc_imports:
+            raise ProtocolError(
+                ErrorCode.INVALID,
+                f"the notebook of pid {message.pid} cannot be parked: it opened another "
+                "process's GPU memory (CUDA IPC), which a checkpoint cannot restore",
+            )
         actions = broker.dispatch(core.ParkAsked(now=time.time(), pid=message.pid, by=conn.user))
         parked = next(a for a in actions if isinstance(a, core.Preempt) and a.parks_bytes)
         broker.send(

@@ -39,6 +39,7 @@ from gpushare_ext.runtime.errors import SessionError
 NATIVE = Path(__file__).with_name("native") / "libgpushare_interpose.so"
 GATE_OFFSET = 8  # the control block's words (control_block.py)
 STATE_OFFSET = 12
+IPC_IMPORTS_OFFSET = 24
 DEFAULT_WINDOW = 2  # until a launch's GPU time is known, and in the fixed mode
 DEFAULT_RECORD_EVERY = 4
 DEFAULT_QUEUE_US = 3000  # GPU work kept queued: drains in ~3 ms, keeps small kernels fed
@@ -302,6 +303,18 @@ def point_at(block_address: int | None) -> None:
         library.gps_set_block(None, None)
     else:
         library.gps_set_block(block_address + GATE_OFFSET, block_address + STATE_OFFSET)
+
+
+def point_imports_at(block_address: int | None) -> None:
+    """Have the preloaded shim keep its count of imports in this control block (the
+    broker reads it just before a park); nothing when the shim is not preloaded."""
+    library = _preloaded()
+    if library is None:
+        return
+    library.gps_set_import_word.argtypes = [ctypes.c_void_p]
+    library.gps_set_import_word(
+        None if block_address is None else block_address + IPC_IMPORTS_OFFSET
+    )
 
 
 def ipc_imports() -> int | None:

@@ -368,6 +368,7 @@ class GpuSession:
         does the note on long kernels the broker shows in status."""
         if self.interposer is not None:
             interpose.point_at(block.address() if block is not None else None)
+        interpose.point_imports_at(block.address() if block is not None else None)
         preemptible.report_to(block.write_session_note if block is not None else None)
 
     def _attach_interposer(self, handle: LeaseHandle) -> None:
@@ -462,6 +463,8 @@ class GpuSession:
         elif isinstance(message, Released):
             # Ended without a restore: the park failed (nothing was moved), or an admin
             # cancelled it (which restores it).  Either way the memory is on the GPU.
+            if not park.asked:
+                self.forget_park(park)
             park.done.set()
         park.changed.set()
 

@@ -577,12 +577,15 @@ class Handle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * 64)]
 
 OPEN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(p), Handle, ctypes.c_uint)
-out = {"before": interpose.ipc_imports()}
+block = (ctypes.c_uint32 * 16)()  # a control block's first words
+interpose.point_imports_at(ctypes.addressof(block))
+out = {"before": interpose.ipc_imports(), "word_before": block[6]}
 pointer = p()
 handle = Handle(b"\x07" + b"\x00" * 63)
 out["result"] = OPEN(found.value)(ctypes.byref(pointer), handle, 1)
 out["pointer"] = pointer.value
 out["after"] = interpose.ipc_imports()
+out["word_after"] = block[6]  # offset 24: where the broker looks before a park
 out["driver_saw"] = cuda.fake_ipc_opens()
 print(json.dumps(out))
 """
@@ -591,7 +594,10 @@ print(json.dumps(out))
 def test_the_shim_counts_memory_opened_from_another_process(fake_driver):
     # Such a process is checkpointed and then cannot be restored: it must not be parked.
     seen = run_preloaded(IPC_SCRIPT, fake_driver)
-    assert seen == {"before": 0, "result": 0, "pointer": 0x1007, "after": 1, "driver_saw": 1}
+    assert seen == {
+        "before": 0, "word_before": 0, "result": 0, "pointer": 0x1007, "after": 1,
+        "word_after": 1, "driver_saw": 1,
+    }  # fmt: skip
 
 
 def test_without_the_shim_preloaded_nobody_counts_imports():

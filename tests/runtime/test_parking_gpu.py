@@ -58,6 +58,7 @@ def test_a_notebook_that_opened_another_processs_memory_is_never_parked():
     import os
     import subprocess
     import sys
+    import time
 
     from benchmarks.parking import Notebook
     from gpushare_ext.broker.launch import BrokerProcess
@@ -77,12 +78,18 @@ def test_a_notebook_that_opened_another_processs_memory_is_never_parked():
         kernel.run("%load_ext gpushare_ext")
         kernel.run("%%gpu mem=1GiB\nprint('a cell')")
         pid = int(kernel.run("import os; print(os.getpid())").strip())
-        opened = kernel.run(
-            "import cupy\n"
-            f"ptr = cupy.cuda.runtime.ipcOpenMemHandle(bytes.fromhex('{handle}'))\n"
-            "print('opened')"
+        # Opened by a thread after the cell ended: only the shim's count in the control
+        # block (which the broker reads before parking) can know of it.
+        started = kernel.run(
+            "import threading, time, cupy\n"
+            "def later():\n"
+            "    time.sleep(1.0)\n"
+            f"    globals()['ptr'] = cupy.cuda.runtime.ipcOpenMemHandle(bytes.fromhex('{handle}'))\n"
+            "threading.Thread(target=later).start()\n"
+            "print('started')"
         )
-        assert opened.strip() == "opened"
+        assert started.strip() == "started"
+        time.sleep(3.0)
         with (
             BrokerClient(broker.socket, client="cli") as admin,
             pytest.raises(BrokerError, match="opened another process's GPU memory"),

@@ -193,3 +193,51 @@ def test_gpushare_park_parks_your_idle_notebook_and_refuses_with_one_line():
         kernel.shutdown()
         if broker is not None:
             broker.stop()
+
+
+def test_an_import_counted_after_the_last_cell_stops_the_park_before_anything_is_applied():
+    from gpushare_ext.control_block import IPC_IMPORTS_OFFSET, ControlBlock
+
+    kernel = NotebookKernel("late-importer")
+    broker: BrokerProcess | None = None
+    try:
+        kernel.ready()
+        broker = BrokerProcess(short_tempdir(), simulate=_inventory_with(kernel.pid, 100)).start()
+        kernel.run(f"import os; os.environ['GPUSHARE_SOCKET'] = {str(broker.socket)!r}").ok()
+        kernel.run("%load_ext gpushare_ext").ok()
+        kernel.run("%%gpu mem=1GiB\nx = 3").ok()
+        path = (
+            kernel.run(
+                "from gpushare_ext.runtime.session import current_session\n"
+                "print(current_session().control_block.path)"
+            )
+            .ok()
+            .final_text()
+            .strip()
+        )
+        _idle_memory_seen(broker)
+        # What the launch shim writes when the idle process opens another's memory.
+        block = ControlBlock.open(path)
+        block._write(IPC_IMPORTS_OFFSET, 1)
+        block.close()
+
+        with BrokerClient(broker.socket, client="bench") as other:
+            with pytest.raises(BrokerError, match="cannot be parked: it opened another process"):
+                other.park(kernel.pid)  # asked by hand, it is refused at once
+            reply = other.request_lease(priority=250, memory_bytes=80 << 30)
+            assert isinstance(reply, Queued)
+            wait_for(
+                lambda: "failed: it opened another process's GPU memory" in broker.output(),
+                "the park to be refused",
+                15,
+            )
+            assert not _parks(broker)  # the session was left alone, unlocked
+            waiting = [v for v in broker.leases() if v.lease_id == reply.lease_id]
+            assert waiting and "held outside any lease" in waiting[0].reason
+        cell = kernel.run("print(x * 14)").ok()
+        assert cell.final_text().strip().endswith("42")
+        assert "restor" not in cell.shown_text()  # it never was parked
+    finally:
+        kernel.shutdown()
+        if broker is not None:
+            broker.stop()

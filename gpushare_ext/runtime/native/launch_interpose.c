@@ -526,19 +526,34 @@ typedef CUresult (*ImportFn)(void *, void *, int);
 static IpcOpenFn real_ipc_open, real_ipc_open_v2;
 static ImportFn real_import;
 static uint64_t g_ipc_imports;
+static volatile uint32_t *volatile g_import_word; /* control block: imports so far */
+
+/* Count an import, and publish the count where the broker reads it before a park. */
+static void count_import(void) {
+    uint64_t n = __atomic_add_fetch(&g_ipc_imports, 1, __ATOMIC_RELAXED);
+    volatile uint32_t *word = g_import_word;
+    uint32_t shown = n > 0xffffffffu ? 0xffffffffu : (uint32_t)n;
+    if (word != NULL) __atomic_store_n(word, shown, __ATOMIC_RELEASE);
+}
+
+/* The control block's word for the count (NULL: none), filled in at once. */
+void gps_set_import_word(volatile uint32_t *word) {
+    g_import_word = word;
+    if (word != NULL) __atomic_store_n(word, (uint32_t)g_ipc_imports, __ATOMIC_RELEASE);
+}
 
 static CUresult w_ipc_open(void *pdptr, IpcMemHandle handle, unsigned flags) {
-    __atomic_add_fetch(&g_ipc_imports, 1, __ATOMIC_RELAXED);
+    count_import();
     return real_ipc_open ? real_ipc_open(pdptr, handle, flags) : 500;
 }
 
 static CUresult w_ipc_open_v2(void *pdptr, IpcMemHandle handle, unsigned flags) {
-    __atomic_add_fetch(&g_ipc_imports, 1, __ATOMIC_RELAXED);
+    count_import();
     return real_ipc_open_v2 ? real_ipc_open_v2(pdptr, handle, flags) : 500;
 }
 
 static CUresult w_import(void *allocation, void *os_handle, int kind) {
-    __atomic_add_fetch(&g_ipc_imports, 1, __ATOMIC_RELAXED);
+    count_import();
     return real_import ? real_import(allocation, os_handle, kind) : 500;
 }
 
