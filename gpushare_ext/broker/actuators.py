@@ -85,13 +85,19 @@ def pid_alive(pid: int) -> bool:
 
 
 class SimulatedProcessControl:
-    """No GPU: levels 1-4 are recorded, not performed.  The gate (level 0) still works."""
+    """No GPU: levels 1-4 are recorded, not performed.  The gate (level 0) still works.
+
+    ``restore_fails`` names processes whose restore fails as the H200's driver fails it
+    for a process that imported another's memory (``CUDA_ERROR_INVALID_VALUE``, the
+    process left locked), so the broker's answer to a lost restore can be shown
+    without a GPU."""
 
     kind = "simulated"
 
-    def __init__(self) -> None:
+    def __init__(self, restore_fails: frozenset[int] = frozenset()) -> None:
         self.applied: dict[int, set[str]] = {}
         self._lock = threading.Lock()
+        self.restore_fails = restore_fails
 
     def _mark(self, pid: int, what: str, on: bool) -> None:
         with self._lock:
@@ -115,6 +121,8 @@ class SimulatedProcessControl:
         self._mark(pid, "checkpoint", True)
 
     def restore(self, pid: int, device_index: int) -> None:
+        if pid in self.restore_fails:
+            raise ActuatorError("cuCheckpointProcessRestore: CUDA_ERROR_INVALID_VALUE")
         self._mark(pid, "checkpoint", False)
 
     def checkpointed(self) -> frozenset[int]:
@@ -397,7 +405,9 @@ class Ladder:
                 self.control.unlock(pid, device_index)
 
 
-def open_process_control(inventory_kind: str, device_indices: list[int]) -> ProcessControl:
+def open_process_control(
+    inventory_kind: str, device_indices: list[int], restore_fails: frozenset[int] = frozenset()
+) -> ProcessControl:
     if inventory_kind == "nvml":
         return CudaProcessControl(device_indices)
-    return SimulatedProcessControl()
+    return SimulatedProcessControl(restore_fails)

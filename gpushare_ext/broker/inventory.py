@@ -265,7 +265,8 @@ class SimulatedInventory:
     notebook or a program the broker does not know, except while the broker's simulated
     checkpoint holds that process (:meth:`set_checkpointed`): a parked notebook's memory
     is on the host.  ``host_memory`` (``{"total_mib": ..., "available_mib": ...}``) stands
-    for the host's own memory where a test needs a host larger than the machine.
+    for the host's own memory where a test needs a host larger than the machine, and
+    ``restore_fails`` (process ids) makes the simulated restore of those fail.
     """
 
     kind = "simulated"
@@ -289,6 +290,10 @@ class SimulatedInventory:
         self._usage: dict[int, tuple[int, int, tuple[ProcessUsage, ...]]] = {}
         self._outside = _processes_outside_leases(document, path)
         self._host = _host_memory(document, path)
+        try:  # the simulated checkpoint's restore fails for these (see SimulatedProcessControl)
+            self.restore_fails = frozenset(int(pid) for pid in document.get("restore_fails", []))
+        except (TypeError, ValueError) as exc:
+            raise InventoryError(f"{path}: restore_fails must list process ids") from exc
         self._checkpointed: frozenset[int] = frozenset()
 
     def devices(self) -> list[DeviceInfo]:

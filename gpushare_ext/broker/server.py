@@ -110,7 +110,11 @@ class Broker:
         self.pid = os.getpid()
         self.scheduler = core.Scheduler(self.devices, config.policy)
         self.metrics = BrokerMetrics()
-        self.control = open_process_control(inventory.kind, [d.index for d in self.devices])
+        self.control = open_process_control(
+            inventory.kind,
+            [d.index for d in self.devices],
+            inventory.restore_fails if isinstance(inventory, SimulatedInventory) else frozenset(),
+        )
         self.ladder = Ladder(self.control, lock_timeout_ms=config.lock_timeout_ms)
         self.journal = Journal(config.journal or paths.journal)
         self.effects = Effects(self)

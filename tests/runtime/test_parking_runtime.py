@@ -25,8 +25,10 @@ pytestmark = pytest.mark.timeout(240)
 GIB_MIB = 1024
 
 
-def _inventory_with(pid: int, gib: int) -> str:
+def _inventory_with(pid: int, gib: int, *, restore_fails: bool = False) -> str:
     document = json.loads(fixture_path("h200").read_text())
+    if restore_fails:  # as the driver fails the restore of a process that imported memory
+        document["restore_fails"] = [pid]
     document["processes_outside_leases"] = [{"device": 0, "pid": pid, "used_mib": gib * GIB_MIB}]
     # The host of a busy hub (the test machine may be smaller than what is parked).
     document["host_memory"] = {"total_mib": 1024 * GIB_MIB, "available_mib": 900 * GIB_MIB}
@@ -237,6 +239,41 @@ def test_an_import_counted_after_the_last_cell_stops_the_park_before_anything_is
         cell = kernel.run("print(x * 14)").ok()
         assert cell.final_text().strip().endswith("42")
         assert "restor" not in cell.shown_text()  # it never was parked
+    finally:
+        kernel.shutdown()
+        if broker is not None:
+            broker.stop()
+
+
+def test_a_failed_restore_says_what_was_lost_and_the_cell_does_not_run():
+    kernel = NotebookKernel("lost")
+    broker: BrokerProcess | None = None
+    try:
+        kernel.ready()
+        inventory = _inventory_with(kernel.pid, 100, restore_fails=True)
+        broker = BrokerProcess(short_tempdir(), simulate=inventory).start()
+        kernel.run(f"import os; os.environ['GPUSHARE_SOCKET'] = {str(broker.socket)!r}").ok()
+        kernel.run("%load_ext gpushare_ext").ok()
+        kernel.run("%%gpu mem=1GiB\nx = 5").ok()
+        _idle_memory_seen(broker)
+        with BrokerClient(broker.socket, client="cli") as admin:
+            admin.park(kernel.pid)
+        wait_for(lambda: _parks(broker) and _parks(broker)[0].state == "evicted", "the park", 10)
+
+        cell = kernel.run("print('ran', x)").wait()
+        error = cell.error
+        assert error is not None and error["ename"] == "RestoreFailed", cell.describe()
+        assert (
+            "restore failed (cuCheckpointProcessRestore: CUDA_ERROR_INVALID_VALUE)"
+            in (error["evalue"])
+        )
+        assert (
+            "the 100 GiB of GPU memory this notebook held is lost; restart the kernel"
+            in (error["evalue"])
+        )
+        assert "ran 5" not in cell.final_text()
+        wait_for(lambda: not _parks(broker), "the failed park to end", 10)
+        assert "could not undo level 4" in broker.output()  # and the journal notes it
     finally:
         kernel.shutdown()
         if broker is not None:
