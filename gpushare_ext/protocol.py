@@ -306,6 +306,7 @@ class Queued(BrokerMessage, tag="queued"):
     holder_priority: int | None = None
     estimate_s: float | None = None
     reason: str = ""
+    notice: str = ""  # what the policy changed in the request (as in ``granted``)
 
 
 class Preempt(BrokerMessage, tag="preempt"):

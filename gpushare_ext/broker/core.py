@@ -312,6 +312,7 @@ class NotifyQueued:
     holder_priority: int | None
     estimate_s: float | None
     reason: str
+    notice: str = ""  # what the policy changed in the request (said while it waits too)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -1645,6 +1646,7 @@ class Scheduler:
                 holder_priority=holder_priority,
                 estimate_s=self._hold_estimate(holders, now),
                 reason=reason,
+                notice=lease.notice,
             )
         ]
 

@@ -217,6 +217,7 @@ class Effects:
                 holder_priority=action.holder_priority,
                 estimate_s=action.estimate_s,
                 reason=action.reason,
+                notice=action.notice,
             ),
         )
 

@@ -160,6 +160,7 @@ class LeaseHandle:
     placement: Placement | None = None
     queued: Queued | None = None
     queued_at: float = 0.0  # monotonic time of the last queue notice (its estimate's start)
+    notice_said: bool = False  # the policy's word on the request was shown
     refusal: str = ""
     revoked: str = ""
     paused_since: float | None = None
@@ -524,14 +525,15 @@ class GpuSession:
         self._start_reconnect()
 
     @staticmethod
-    def _say_grant_notice(handle: LeaseHandle, granted: Granted) -> None:
-        """What the broker said of a grant (a priority the policy lowered): one line, once
-        (a lease is granted once; the line's key keeps it one line all the same)."""
-        if not granted.notice:
+    def _say_grant_notice(handle: LeaseHandle, answer: Granted | Queued) -> None:
+        """What the policy changed in the request (a priority it lowered): one line, once,
+        as soon as the broker says it, whether the request waits first or not."""
+        if not answer.notice or handle.notice_said:
             return
-        handle.note(granted.notice)
+        handle.notice_said = True
+        handle.note(answer.notice)
         if handle.output is not None:
-            handle.output.show(handle.display_key + "-notice", f"gpushare: {granted.notice}")
+            handle.output.show(handle.display_key + "-notice", f"gpushare: {answer.notice}")
 
     @staticmethod
     def _say_revoked(handle: LeaseHandle, text: str) -> None:
@@ -549,6 +551,7 @@ class GpuSession:
         elif isinstance(message, Queued):
             handle.queued = message
             handle.queued_at = time.monotonic()
+            self._say_grant_notice(handle, message)
             handle.note(f"queued at position {message.position}")
         elif isinstance(message, Refused):
             handle.refusal = message.message
@@ -674,8 +677,7 @@ class GpuSession:
                 self.leases[reply.lease_id] = handle
                 early = self._early.pop(reply.lease_id, [])
             break
-        if isinstance(reply, Granted):
-            self._say_grant_notice(handle, reply)
+        self._say_grant_notice(handle, reply)
         for message in early:
             self._apply_notice(handle, message)
         try:

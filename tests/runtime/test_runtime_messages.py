@@ -54,6 +54,7 @@ def test_a_priority_the_policy_lowered_is_one_line_in_the_cell_granted_at_once_o
     held.wait_shown("holding since")
     waiting = waiter.submit("%%gpu priority=high\nprint('ran')")
     waiting.wait_shown("queued: position 1")
+    waiting.wait_shown(notice)  # said while it waits, not only at its grant
     (queued,) = [lease for lease in broker.leases() if lease.state == LeaseState.QUEUED]
     assert queued.priority == PRIORITY_CLASSES["normal"]
     release.touch()
