@@ -21,6 +21,12 @@ normal, high), an amount of device memory, an SM share and a wish (device, MIG o
 * Paused and evicted leases wait in the same queue (pinned to their slot) and resume
   when they are again the best candidate; the aging they earned while paused stays with
   them while they run, so a long-starved lease eventually outranks new arrivals.
+* Memory that processes hold outside any lease (NVML's per-process readings,
+  :class:`DeviceMemorySeen`) counts as taken.  When a request needs memory that idle
+  sessions hold, they are *parked* first (:mod:`~gpushare_ext.broker.parking` says who
+  and whether the host has room): a park lease is made for what each holds and evicted
+  at once, and it comes back only when its session asks (:class:`RestoreAsked`), waiting
+  in the queue like a request if it must.
 
 What placement looks up -- a slot's memory held and its running leases' bands, SM
 shares and exclusive wishes, a user's lease count, a process's leases, the waiters --
