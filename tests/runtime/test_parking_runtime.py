@@ -9,9 +9,11 @@ restore that has to wait says so and can be interrupted, leaving the session par
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import threading
+from collections.abc import Iterator
 
 import pytest
 from runtime_helpers import BrokerProcess, NotebookKernel, short_tempdir, wait_for
@@ -49,17 +51,32 @@ def _parks(broker: BrokerProcess) -> list:
     return [lease for lease in broker.leases() if lease.label == "parked idle session"]
 
 
-def test_an_idle_notebook_is_parked_for_a_request_and_its_next_plain_cell_restores_it():
-    kernel = NotebookKernel("idle-notebook")
+@contextlib.contextmanager
+def idle_notebook(
+    name: str, first_cell: str, *, restore_fails: bool = False
+) -> Iterator[tuple[BrokerProcess, NotebookKernel]]:
+    """A real kernel that ran ``first_cell`` under a lease and now sits idle holding 100
+    GiB, as the broker (on a simulated H200 whose NVML names it) has read; both stopped
+    after."""
+    kernel = NotebookKernel(name)
     broker: BrokerProcess | None = None
     try:
         kernel.ready()
-        broker = BrokerProcess(short_tempdir(), simulate=_inventory_with(kernel.pid, 100)).start()
+        inventory = _inventory_with(kernel.pid, 100, restore_fails=restore_fails)
+        broker = BrokerProcess(short_tempdir(), simulate=inventory).start()
         kernel.run(f"import os; os.environ['GPUSHARE_SOCKET'] = {str(broker.socket)!r}").ok()
         kernel.run("%load_ext gpushare_ext").ok()
-        kernel.run("%%gpu mem=1GiB\nanswer = 41").ok()  # its session, idle after the cell
+        kernel.run(f"%%gpu mem=1GiB\n{first_cell}").ok()  # its session, idle after the cell
         _idle_memory_seen(broker)
+        yield broker, kernel
+    finally:
+        kernel.shutdown()
+        if broker is not None:
+            broker.stop()
 
+
+def test_an_idle_notebook_is_parked_for_a_request_and_its_next_plain_cell_restores_it():
+    with idle_notebook("idle-notebook", "answer = 41") as (broker, kernel):
         granted = threading.Event()
         with BrokerClient(
             broker.socket,
@@ -92,10 +109,6 @@ def test_an_idle_notebook_is_parked_for_a_request_and_its_next_plain_cell_restor
         assert cell.final_text().strip().endswith("42")
         wait_for(lambda: not _parks(broker), "the park lease to be released", 10)
         kernel.run("%%gpu mem=1GiB\nprint(answer)").ok()  # no restore, no park left
-    finally:
-        kernel.shutdown()
-        if broker is not None:
-            broker.stop()
 
 
 def test_only_the_parked_session_may_restore_it(start_broker_for_parking):
@@ -111,24 +124,12 @@ def test_only_the_parked_session_may_restore_it(start_broker_for_parking):
 @pytest.fixture
 def start_broker_for_parking():
     """A notebook parked for a high request that is then released."""
-    kernel = NotebookKernel("parked-notebook")
-    broker: BrokerProcess | None = None
-    try:
-        kernel.ready()
-        broker = BrokerProcess(short_tempdir(), simulate=_inventory_with(kernel.pid, 100)).start()
-        kernel.run(f"import os; os.environ['GPUSHARE_SOCKET'] = {str(broker.socket)!r}").ok()
-        kernel.run("%load_ext gpushare_ext").ok()
-        kernel.run("%%gpu mem=1GiB\nx = 1").ok()
-        _idle_memory_seen(broker)
+    with idle_notebook("parked-notebook", "x = 1") as (broker, kernel):
         with BrokerClient(broker.socket, client="bench") as other:
             reply = other.request_lease(priority=250, memory_bytes=80 << 30)
             wait_for(lambda: _parks(broker) and _parks(broker)[0].state == "evicted", "a park", 15)
             other.release(reply.lease_id)
         yield broker, kernel, _parks(broker)[0].lease_id
-    finally:
-        kernel.shutdown()
-        if broker is not None:
-            broker.stop()
 
 
 def test_a_notebook_that_exits_while_parked_ends_its_park_and_nobody_else_notices(
@@ -161,15 +162,7 @@ def test_gpushare_park_parks_your_idle_notebook_and_refuses_with_one_line():
     import subprocess
     import sys
 
-    kernel = NotebookKernel("to-park")
-    broker: BrokerProcess | None = None
-    try:
-        kernel.ready()
-        broker = BrokerProcess(short_tempdir(), simulate=_inventory_with(kernel.pid, 100)).start()
-        kernel.run(f"import os; os.environ['GPUSHARE_SOCKET'] = {str(broker.socket)!r}").ok()
-        kernel.run("%load_ext gpushare_ext").ok()
-        kernel.run("%%gpu mem=1GiB\nx = 2").ok()
-        _idle_memory_seen(broker)
+    with idle_notebook("to-park", "x = 2") as (broker, kernel):
 
         def park(*args: str) -> subprocess.CompletedProcess:
             command = [sys.executable, "-m", "gpushare_ext.cli", "park", "--socket"]
@@ -191,23 +184,12 @@ def test_gpushare_park_parks_your_idle_notebook_and_refuses_with_one_line():
         cell = kernel.run("print(x * 21)").ok()
         assert "gpushare: restored 100 GiB parked" in cell.shown_text()
         assert cell.final_text().strip().endswith("42")
-    finally:
-        kernel.shutdown()
-        if broker is not None:
-            broker.stop()
 
 
 def test_an_import_counted_after_the_last_cell_stops_the_park_before_anything_is_applied():
     from gpushare_ext.control_block import IPC_IMPORTS_OFFSET, ControlBlock
 
-    kernel = NotebookKernel("late-importer")
-    broker: BrokerProcess | None = None
-    try:
-        kernel.ready()
-        broker = BrokerProcess(short_tempdir(), simulate=_inventory_with(kernel.pid, 100)).start()
-        kernel.run(f"import os; os.environ['GPUSHARE_SOCKET'] = {str(broker.socket)!r}").ok()
-        kernel.run("%load_ext gpushare_ext").ok()
-        kernel.run("%%gpu mem=1GiB\nx = 3").ok()
+    with idle_notebook("late-importer", "x = 3") as (broker, kernel):
         path = (
             kernel.run(
                 "from gpushare_ext.runtime.session import current_session\n"
@@ -217,7 +199,6 @@ def test_an_import_counted_after_the_last_cell_stops_the_park_before_anything_is
             .final_text()
             .strip()
         )
-        _idle_memory_seen(broker)
         # What the launch shim writes when the idle process opens another's memory.
         block = ControlBlock.open(path)
         block._write(IPC_IMPORTS_OFFSET, 1)
@@ -239,23 +220,10 @@ def test_an_import_counted_after_the_last_cell_stops_the_park_before_anything_is
         cell = kernel.run("print(x * 14)").ok()
         assert cell.final_text().strip().endswith("42")
         assert "restor" not in cell.shown_text()  # it never was parked
-    finally:
-        kernel.shutdown()
-        if broker is not None:
-            broker.stop()
 
 
 def test_a_failed_restore_says_what_was_lost_and_the_cell_does_not_run():
-    kernel = NotebookKernel("lost")
-    broker: BrokerProcess | None = None
-    try:
-        kernel.ready()
-        inventory = _inventory_with(kernel.pid, 100, restore_fails=True)
-        broker = BrokerProcess(short_tempdir(), simulate=inventory).start()
-        kernel.run(f"import os; os.environ['GPUSHARE_SOCKET'] = {str(broker.socket)!r}").ok()
-        kernel.run("%load_ext gpushare_ext").ok()
-        kernel.run("%%gpu mem=1GiB\nx = 5").ok()
-        _idle_memory_seen(broker)
+    with idle_notebook("lost", "x = 5", restore_fails=True) as (broker, kernel):
         with BrokerClient(broker.socket, client="cli") as admin:
             admin.park(kernel.pid)
         wait_for(lambda: _parks(broker) and _parks(broker)[0].state == "evicted", "the park", 10)
@@ -274,7 +242,3 @@ def test_a_failed_restore_says_what_was_lost_and_the_cell_does_not_run():
         assert "ran 5" not in cell.final_text()
         wait_for(lambda: not _parks(broker), "the failed park to end", 10)
         assert "could not undo level 4" in broker.output()  # and the journal notes it
-    finally:
-        kernel.shutdown()
-        if broker is not None:
-            broker.stop()
