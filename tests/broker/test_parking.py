@@ -47,6 +47,15 @@ def _parks(actions: list[core.Action]) -> list[core.Preempt]:
     return [a for a in of_type(actions, core.Preempt) if a.parks_bytes]
 
 
+def _a_high_request_beside_an_idle_notebook(hub: Hub) -> tuple[str, str, list[core.Preempt]]:
+    """Ada's low-priority notebook idles holding 100 GiB; Bo asks for 60 GiB at high
+    priority (lease B1).  Returns both sessions and the parks that request made."""
+    ada = _idle_with(hub, "ada", priority=LOW)
+    bo = hub.open("bo")
+    _seen(hub, {hub.pid_of(ada): 100 * GIB})
+    return ada, bo, _parks(hub.request(bo, "B1", priority=HIGH, memory=60 * GIB))
+
+
 def test_a_request_that_needs_idle_memory_parks_the_lowest_priority_idle_session_first():
     hub = _hub()
     ada = _idle_with(hub, "ada", priority=LOW)
@@ -126,26 +135,20 @@ def test_the_host_memory_limit_skips_a_session_too_big_and_says_so():
 
 def test_without_a_reading_of_the_host_nothing_is_parked():
     hub = Hub()  # no tick has read the host's memory yet
-    ada = _idle_with(hub, "ada", priority=LOW)
-    bo = hub.open("bo")
-    _seen(hub, {hub.pid_of(ada): 100 * GIB})
-    assert not _parks(hub.request(bo, "B1", priority=HIGH, memory=60 * GIB))
+    _ada, _bo, parks = _a_high_request_beside_an_idle_notebook(hub)
+    assert not parks
 
 
 def test_parking_is_off_when_the_policy_says_so():
     hub = _hub(Policy(park_when_memory_needed=False))
-    ada = _idle_with(hub, "ada", priority=LOW)
-    bo = hub.open("bo")
-    _seen(hub, {hub.pid_of(ada): 100 * GIB})
-    assert not _parks(hub.request(bo, "B1", priority=HIGH, memory=60 * GIB))
+    _ada, _bo, parks = _a_high_request_beside_an_idle_notebook(hub)
+    assert not parks
 
 
 def test_mps_clients_and_mig_instances_are_never_parked():
     hub = _hub(Policy(mps=True))
-    ada = _idle_with(hub, "ada", priority=LOW)
-    bo = hub.open("bo")
-    _seen(hub, {hub.pid_of(ada): 100 * GIB})
-    assert not _parks(hub.request(bo, "B1", priority=HIGH, memory=60 * GIB))
+    ada, bo, parks = _a_high_request_beside_an_idle_notebook(hub)
+    assert not parks
 
     hub = _hub(devices=mig_devices())  # 3g.71gb, 2g.35gb, 1g.18gb
     ada = _idle_with(hub, "ada", priority=LOW)
@@ -156,10 +159,8 @@ def test_mps_clients_and_mig_instances_are_never_parked():
 
 def test_a_failed_park_leaves_the_session_unlocked_and_it_is_never_tried_again():
     hub = _hub()
-    ada = _idle_with(hub, "ada", priority=LOW)
-    bo = hub.open("bo")
-    _seen(hub, {hub.pid_of(ada): 100 * GIB})
-    [park] = _parks(hub.request(bo, "B1", priority=HIGH, memory=60 * GIB))
+    ada, _bo, parks = _a_high_request_beside_an_idle_notebook(hub)
+    [park] = parks
 
     actions = hub.failed(park.lease_id, PreemptionLevel.EVICT, "cuCheckpointProcessCheckpoint: 2")
     ended = only(actions, core.LeaseEnded)
@@ -171,10 +172,8 @@ def test_a_failed_park_leaves_the_session_unlocked_and_it_is_never_tried_again()
 
 def test_a_parked_session_gets_its_memory_back_when_it_asks_and_waits_if_it_must():
     hub = _hub()
-    ada = _idle_with(hub, "ada", priority=LOW)
-    bo = hub.open("bo")
-    _seen(hub, {hub.pid_of(ada): 100 * GIB})
-    [park] = _parks(hub.request(bo, "B1", priority=HIGH, memory=60 * GIB))
+    ada, bo, parks = _a_high_request_beside_an_idle_notebook(hub)
+    [park] = parks
     hub.applied(park.lease_id, PreemptionLevel.EVICT)
     assert hub.state("B1") == LeaseState.RUNNING
     assert not of_type(hub.advance(60.0), core.ResumeLease)  # not before it asks
@@ -193,10 +192,8 @@ def test_a_parked_session_gets_its_memory_back_when_it_asks_and_waits_if_it_must
 
 def test_a_cancelled_restore_stays_parked():
     hub = _hub()
-    ada = _idle_with(hub, "ada", priority=LOW)
-    bo = hub.open("bo")
-    _seen(hub, {hub.pid_of(ada): 100 * GIB})
-    [park] = _parks(hub.request(bo, "B1", priority=HIGH, memory=60 * GIB))
+    ada, bo, parks = _a_high_request_beside_an_idle_notebook(hub)
+    [park] = parks
     hub.applied(park.lease_id, PreemptionLevel.EVICT)
     hub.handle(core.RestoreAsked(now=hub.now, session_id=ada, lease_id=park.lease_id))
     hub.handle(core.RestoreAsked(now=hub.now, session_id=ada, lease_id=park.lease_id, cancel=True))
@@ -206,10 +203,8 @@ def test_a_cancelled_restore_stays_parked():
 
 def test_only_the_parked_session_may_ask_for_its_memory():
     hub = _hub()
-    ada = _idle_with(hub, "ada", priority=LOW)
-    bo = hub.open("bo")
-    _seen(hub, {hub.pid_of(ada): 100 * GIB})
-    [park] = _parks(hub.request(bo, "B1", priority=HIGH, memory=60 * GIB))
+    _ada, bo, parks = _a_high_request_beside_an_idle_notebook(hub)
+    [park] = parks
     with pytest.raises(core.SchedulerError, match="no parked memory"):
         hub.handle(core.RestoreAsked(now=hub.now, session_id=bo, lease_id=park.lease_id))
     with pytest.raises(core.SchedulerError, match="no parked memory"):
@@ -233,10 +228,8 @@ def test_sessions_idle_longer_than_park_idle_after_are_parked_by_the_tick():
 
 def test_a_parked_session_does_not_count_against_max_leases():
     hub = _hub(Policy(defaults=Limits(max_leases=1)))
-    ada = _idle_with(hub, "ada", priority=LOW)
-    bo = hub.open("bo")
-    _seen(hub, {hub.pid_of(ada): 100 * GIB})
-    [park] = _parks(hub.request(bo, "B1", priority=HIGH, memory=60 * GIB))
+    ada, _bo, parks = _a_high_request_beside_an_idle_notebook(hub)
+    [park] = parks
     hub.applied(park.lease_id, PreemptionLevel.EVICT)
     assert not of_type(hub.request(ada, "A2", memory=1 * GIB), core.Refuse)
 
