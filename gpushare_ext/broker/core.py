@@ -1002,6 +1002,8 @@ class Scheduler:
             self.host = event.host
             self._on_host_at_reading = self._on_host()
         actions: list[Action] = []
+        if not self.policy.parks_idle_sessions:
+            return actions
         for key in self._seen:
             idle = [
                 session

@@ -113,6 +113,14 @@ class Policy:
             limits = _apply(limits, self.users[user], f"users.{user}")
         return limits
 
+    @property
+    def parks_idle_sessions(self) -> bool:
+        """Whether anyone's limits set ``park_idle_after`` (else the tick need not look)."""
+        sections = (*self.groups.values(), *self.users.values())
+        return self.defaults.park_idle_after is not None or any(
+            section.get("park_idle_after") is not None for section in sections
+        )
+
     def is_admin(self, uid: int, user: str, groups: tuple[str, ...]) -> bool:
         return uid == 0 or user in self.admin_users or any(g in self.admin_groups for g in groups)
 
