@@ -16,10 +16,11 @@ What it must not do: rewrite PTX or touch CUDA. It over-approximates where it mu
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from gpushare_ext.kernels.ptx import Entry, Instruction, PtxModule
+from gpushare_ext.kernels.signatures import kernel_name
 
 __all__ = [
     "Access",
@@ -75,11 +76,15 @@ class MemoryAccess:
     kind: str  # "read" | "write" | "atomic"
     params: tuple[str, ...]  # candidate pointer parameters (empty: unattributed)
     origin: str  # "param" | "loaded" | "unknown" | "module-var:<name>"
+    src_file: str = ""  # the source file's name, where it is not the kernel's own
 
     @property
     def where(self) -> str:
-        src = f", source line {self.instr.src_line}" if self.instr.src_line else ""
-        return f"PTX line {self.instr.line}{src} ({self.instr.opcode})"
+        ins = self.instr
+        if not ins.src_line:
+            return f"PTX line {ins.line} ({ins.opcode})"
+        of = f" of {self.src_file}" if self.src_file else ""
+        return f"source line {ins.src_line}{of} (PTX line {ins.line}, {ins.opcode})"
 
 
 @dataclass(frozen=True)
@@ -92,10 +97,19 @@ class BufferUse:
     reads: tuple[MemoryAccess, ...] = ()
     writes: tuple[MemoryAccess, ...] = ()
     atomics: tuple[MemoryAccess, ...] = ()
+    # Reads of what the same thread stored at the same address earlier in the run: a
+    # re-run reads its own value there, never the first run's, so they are no hazard.
+    own_reads: tuple[MemoryAccess, ...] = ()
 
     @property
     def is_written(self) -> bool:
         return bool(self.writes or self.atomics)
+
+    @property
+    def hazard_reads(self) -> tuple[MemoryAccess, ...]:
+        """Reads that may see a value an earlier run of the kernel left."""
+        own = {a.index for a in self.own_reads}
+        return tuple(a for a in self.reads if a.index not in own)
 
 
 @dataclass(frozen=True)
@@ -150,6 +164,24 @@ class KernelReport:
         return self.entry.name
 
     @property
+    def display_name(self) -> str:
+        """The C++ name (``scale<float>(float*, int)``), or the PTX name of a C kernel."""
+        return kernel_name(self.entry.name)
+
+    def summary(self) -> str:
+        """One line: the name, the verdict and the reason that decided it first."""
+        c = self.classification
+        line = f"{self.display_name}: {c.verdict.value}"
+        if c.verdict is Idempotence.IDEMPOTENT and self.buffers:
+            return f"{line}: no buffer is both read and written ({self._buffer_roles()})"
+        if c.reasons:
+            line += f": {c.reasons[0]}"
+            if len(c.reasons) > 1:
+                more = len(c.reasons) - 1
+                line += f" (and {more} more reason{'s' if more != 1 else ''})"
+        return line
+
+    @property
     def resumable(self) -> bool:
         """Blocks are independent: resume from the counter is sound."""
         return not self.grid_sync
@@ -166,9 +198,24 @@ class KernelReport:
     def write_set(self) -> list[str]:
         return [p for p, b in self.buffers.items() if b.is_written]
 
+    def _buffer_roles(self) -> str:
+        def names(bs: list[BufferUse]) -> str:
+            return ", ".join(f"`{b.display}`" for b in bs)
+
+        written = [b for b in self.buffers.values() if b.access is Access.WRITTEN]
+        read = [b for b in self.buffers.values() if b.access is Access.READ]
+        parts = []
+        if written:
+            back = [b for b in written if b.own_reads]
+            note = f", {names(back)} read back only where written" if back else ""
+            parts.append(f"written: {names(written)}{note}")
+        if read:
+            parts.append(f"read: {names(read)}")
+        return "; ".join(parts) or "none is used"
+
     def describe(self) -> str:
         c = self.classification
-        lines = [f"{self.name}: {c.verdict.value}"]
+        lines = [f"{self.display_name}: {c.verdict.value}"]
         lines += [f"  - {r}" for r in c.reasons]
         return "\n".join(lines)
 
@@ -340,7 +387,8 @@ def struct_pointer_fields(entry: Entry) -> list[str]:
         field = f"{base}@{offset}"
         if offset % 8 == 0 and field not in fields:
             fields.append(field)
-    return fields
+    order = {p.name: i for i, p in enumerate(entry.params)}
+    return sorted(fields, key=lambda f: (order[f.partition("@")[0]], int(f.partition("@")[2])))
 
 
 def _address_base(addr: str) -> str:
@@ -503,7 +551,9 @@ def analyse_entry(
     taint = compute_taint(entry, candidates, module.module_vars)
     definite = _definite_pointers(instrs, taint, module.module_vars, candidates)
     accesses, atomics, unsupported = _memory_accesses(module, entry, taint, candidates, definite)
-    buffers = _buffers(entry, candidates, accesses, definite)
+    buffers = _buffers(
+        entry, candidates, accesses, definite, _own_write_reads(entry, cfg, accesses)
+    )
     barriers = [ins for ins in instrs if _is_barrier(ins)]
     uses_ctaid, uses_nctaid, refused = _block_id_uses(module, instrs)
     early_exits, hazards = _early_exits(entry, cfg, barriers)
@@ -570,6 +620,14 @@ def _memory_accesses(
     atomics: list[Instruction] = []
     unsupported: list[str] = []
     local_vars = _local_vars(entry, module.module_vars)
+    own_file = next((x.src_file for x in entry.instructions if x.src_file is not None), None)
+
+    def located(access: MemoryAccess) -> MemoryAccess:
+        number = access.instr.src_file
+        if number is None or number == own_file or number not in module.files:
+            return access
+        return replace(access, src_file=module.files[number].rsplit("/", 1)[-1])
+
     for i, ins in enumerate(entry.instructions):
         base = ins.base
         if base in ("atom", "red"):
@@ -581,7 +639,7 @@ def _memory_accesses(
             addrs = [o for o in ins.operands if o.startswith("[")]
             if len(addrs) >= 2:
                 t = _operand_taint(addrs[1], taint, local_vars)
-                accesses.append(_make_access(i, ins, "read", t, candidates, definite))
+                accesses.append(located(_make_access(i, ins, "read", t, candidates, definite)))
             continue
         if base not in _MEMORY_OPS:
             continue
@@ -595,24 +653,29 @@ def _memory_accesses(
         if space == "generic" and t and t <= {LOCAL, SHARED}:
             continue
         kind = "read" if base in ("ld", "ldu") else "write" if base == "st" else "atomic"
-        accesses.append(_make_access(i, ins, kind, t, candidates, definite))
+        accesses.append(located(_make_access(i, ins, kind, t, candidates, definite)))
     return accesses, atomics, unsupported
 
 
 def _buffers(
-    entry: Entry, candidates: list[str], accesses: list[MemoryAccess], definite: set[str]
+    entry: Entry,
+    candidates: list[str],
+    accesses: list[MemoryAccess],
+    definite: set[str],
+    own_reads: frozenset[int] = frozenset(),
 ) -> dict[str, BufferUse]:
     """Per candidate that is used as a buffer: how it is accessed."""
     buffers: dict[str, BufferUse] = {}
     for p in candidates:
         reads = tuple(a for a in accesses if p in a.params and a.kind == "read")
+        own = tuple(a for a in reads if a.index in own_reads)
         writes = tuple(a for a in accesses if p in a.params and a.kind == "write")
         atoms = tuple(a for a in accesses if p in a.params and a.kind == "atomic")
         if not (reads or writes or atoms) and p not in definite:
             continue  # a scalar that happens to be 64-bit (size_t n)
         # An idempotent atomic (max/min/and/or) counts as a plain write; others read too.
         rmw = [a for a in atoms if _atomic_op(a.instr) in _NON_IDEMPOTENT_ATOMICS]
-        read = bool(reads or rmw)
+        read = len(reads) > len(own) or bool(rmw)
         written = bool(writes or atoms)
         access = (
             Access.READ_WRITTEN if read and written
@@ -620,8 +683,82 @@ def _buffers(
             else Access.READ if read
             else Access.NONE
         )  # fmt: skip
-        buffers[p] = BufferUse(p, entry.display_name(p), access, reads, writes, atoms)
+        buffers[p] = BufferUse(p, entry.display_name(p), access, reads, writes, atoms, own)
     return buffers
+
+
+def _own_write_reads(
+    entry: Entry, cfg: ControlFlow, accesses: list[MemoryAccess]
+) -> frozenset[int]:
+    """Instruction indices of the loads that read back what the same thread stored.
+
+    A load counts when an unguarded store of the same width, state space and address
+    operand comes before it on every path, with no new value of the address registers
+    in between (``out[i] = 0; ... out[i] += v``): whatever a first run left there, a
+    re-run overwrites it before it reads it.  Other threads' stores are the same run's,
+    so they are no hazard either."""
+    instrs = entry.instructions
+    stores: dict[tuple[str, int, str | None], list[int]] = {}
+    for a in accesses:
+        if a.kind == "write" and a.instr.base == "st" and not a.instr.guard and a.params:
+            addr = _address(a.instr)
+            if addr is not None:
+                key = (addr, a.instr.access_width, a.instr.state_space)
+                stores.setdefault(key, []).append(a.index)
+    if not stores:
+        return frozenset()
+    defs: dict[str, list[int]] = {}
+    for i, ins in enumerate(instrs):
+        for reg in _dests_and_sources(ins)[0]:
+            defs.setdefault(reg, []).append(i)
+    block_at = [0] * len(instrs)
+    for b, (start, end) in enumerate(cfg.blocks):
+        for i in range(start, end):
+            block_at[i] = b
+    covered: set[int] = set()
+    for a in accesses:
+        addr = _address(a.instr) if a.kind == "read" else None
+        if addr is None:
+            continue
+        for store in stores.get((addr, a.instr.access_width, a.instr.state_space), ()):
+            starts = [-1, *(d for r in _regs_in(addr) for d in defs.get(r, ()))]
+            if not any(_reaches_avoiding(cfg, block_at, s, a.index, store) for s in starts):
+                covered.add(a.index)
+                break
+    return frozenset(covered)
+
+
+def _reaches_avoiding(
+    cfg: ControlFlow, block_at: list[int], start: int, target: int, blocked: int
+) -> bool:
+    """Can control go from just after instruction ``start`` (-1: the kernel's start) to
+    instruction ``target`` without passing instruction ``blocked``?"""
+
+    def scan(block: int, first: int) -> bool | None:  # True: target; False: blocked
+        for i in range(first, cfg.blocks[block][1]):
+            if i == target:
+                return True
+            if i == blocked:
+                return False
+        return None
+
+    first_block = 0 if start < 0 else block_at[start]
+    outcome = scan(first_block, start + 1 if start >= 0 else 0)
+    if outcome is not None:
+        return outcome
+    seen: set[int] = set()
+    work = list(cfg.succ[first_block])
+    while work:
+        block = work.pop()
+        if block in seen:
+            continue
+        seen.add(block)
+        outcome = scan(block, cfg.blocks[block][0])
+        if outcome is True:
+            return True
+        if outcome is None:
+            work.extend(cfg.succ[block])
+    return False
 
 
 def _grid_sync(instrs: list[Instruction], cfg: ControlFlow) -> list[str]:
@@ -802,30 +939,68 @@ def _return_barrier_hazards(entry: Entry, cfg: ControlFlow) -> list[str]:
     return hazards
 
 
+def _folded(items: list[MemoryAccess], one: str, many: str) -> str:
+    """One reason for accesses of one kind: the first in full, the rest counted."""
+    first = items[0]
+    if len(items) == 1:
+        return one.format(kind=first.kind, where=first.where)
+    kinds = {a.kind for a in items}
+    noun = f"{first.kind}s" if len(kinds) == 1 else "accesses"
+    return many.format(count=len(items), kinds=noun, where=first.where)
+
+
+def _unknown_reasons(report: KernelReport) -> list[str]:
+    """Why the analysis cannot tell, folded: one reason per kind of cause."""
+    loaded = [a for a in report.accesses if a.origin == "loaded"]
+    unattributed = [a for a in report.accesses if a.origin == "unknown"]
+    module_writes = [
+        a for a in report.accesses if a.origin.startswith("module-var:") and a.kind != "read"
+    ]
+    reasons = []
+    if loaded:
+        reasons.append(
+            _folded(
+                loaded,
+                "{kind} through a pointer loaded from memory at {where}: its buffer is not a "
+                "parameter",
+                "{count} {kinds} through pointers loaded from memory, e.g. at {where}: their "
+                "buffers are not parameters",
+            )
+        )
+    if unattributed:
+        reasons.append(
+            _folded(
+                unattributed,
+                "{kind} at {where} whose address the analysis cannot attribute",
+                "{count} {kinds} whose address the analysis cannot attribute, e.g. at {where}",
+            )
+        )
+    for a in module_writes:
+        reasons.append(f"{a.kind} to the module variable {a.origin.split(':', 1)[1]} at {a.where}")
+    textures = [u for u in report.unsupported if u.startswith("texture/surface instruction at ")]
+    if len(textures) > 1:
+        first = textures[0].removeprefix("texture/surface instruction at ")
+        reasons.append(f"{len(textures)} texture/surface instructions, e.g. at {first}")
+    else:
+        reasons += textures
+    reasons += [u for u in report.unsupported if u not in textures]
+    return reasons
+
+
 def _classify(report: KernelReport, module: PtxModule) -> Classification:
-    unknown: list[str] = []
+    unknown = _unknown_reasons(report)
     non: list[str] = []
-    for a in report.accesses:
-        if a.origin == "loaded":
-            unknown.append(
-                f"{a.kind} through a pointer loaded from memory at {a.where}: its buffer is "
-                "not a parameter"
-            )
-        elif a.origin == "unknown":
-            unknown.append(f"{a.kind} at {a.where} whose address the analysis cannot attribute")
-        elif a.origin.startswith("module-var:") and a.kind != "read":
-            unknown.append(
-                f"{a.kind} to the module variable {a.origin.split(':', 1)[1]} at {a.where}"
-            )
-    unknown += report.unsupported
     for b in report.buffers.values():
         name = f"`{b.display}`"
         if b.access is Access.READ_WRITTEN:
-            if b.reads and (b.writes or b.atomics):
+            hazards = b.hazard_reads
+            if hazards and (b.writes or b.atomics):
                 w = (b.writes or b.atomics)[0]
+                more = len(hazards) - 1
+                also = f" and {more} more read{'s' if more != 1 else ''}" if more else ""
                 non.append(
-                    f"parameter {name} is read ({b.reads[0].where}) and written ({w.where}): "
-                    "a re-run would read values the first run already overwrote"
+                    f"parameter {name} is read at {hazards[0].where}{also} and written at "
+                    f"{w.where}: a re-run would read values the first run already overwrote"
                 )
             for a in b.atomics:
                 op = _atomic_op(a.instr)
@@ -845,6 +1020,12 @@ def _classify(report: KernelReport, module: PtxModule) -> Classification:
     for b in report.buffers.values():
         if b.access is Access.READ:
             reasons.append(f"parameter `{b.display}` is only read")
+        elif b.access is Access.WRITTEN and b.own_reads:
+            reasons.append(
+                f"parameter `{b.display}` is written, and read only where the same thread "
+                f"wrote it first (at {b.own_reads[0].where}): a re-run reads its own values "
+                "there, so that is no re-run hazard"
+            )
         elif b.access is Access.WRITTEN:
             how = " (replay-safe atomics)" if b.atomics and not b.writes else ""
             reasons.append(f"parameter `{b.display}` is only written{how}")

@@ -17,14 +17,17 @@ What it must not do: talk to CUDA devices itself, or decide the transactional po
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 from gpushare_ext.kernels.analysis import KernelReport, analyse_entry
 from gpushare_ext.kernels.ptx import KernelError, PtxModule, parse_ptx
+from gpushare_ext.kernels.signatures import kernel_definitions, name_entries, strip_comments
 from gpushare_ext.kernels.transform import (
     PreemptibleKernel,
     TransformOptions,
@@ -96,7 +99,8 @@ def compile_cuda(
     try:
         for n in names:
             _nvrtc_check(nvrtc.nvrtcAddNameExpression(prog, n.encode()), f"name {n!r}", prog)
-        opts = [f"--gpu-architecture={compute}", "-lineinfo", "--std=c++17", *options]
+        std = [] if any(o.startswith(("-std", "--std")) for o in options) else ["--std=c++17"]
+        opts = [f"--gpu-architecture={compute}", "-lineinfo", *std, *options]
         opts_b = [o.encode() for o in opts]
         result = nvrtc.nvrtcCompileProgram(prog, len(opts_b), opts_b)
         if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
@@ -116,21 +120,6 @@ def compile_cuda(
         return buf.rstrip(b"\0").decode(), lowered
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
-
-
-def _source_param_names(source: str, name: str) -> list[str] | None:
-    """The parameter names the user wrote for kernel ``name`` (best effort, for reasons)."""
-    m = re.search(r"__global__[^;{]*?\b" + re.escape(name) + r"\s*\(([^)]*)\)", source, re.S)
-    if not m:
-        return None
-    names = []
-    for piece in m.group(1).split(","):
-        piece = re.sub(r"\[[^\]]*\]", "", piece).strip()
-        if not piece or piece == "void":
-            continue
-        ident = re.findall(r"[A-Za-z_]\w*", piece)
-        names.append(ident[-1] if ident else piece)
-    return names
 
 
 @dataclass(frozen=True)
@@ -243,18 +232,25 @@ class Kernel:
 
 
 def kernel(
-    src: str,
+    src: str | os.PathLike[str],
     name: str,
     *,
     arch: str = DEFAULT_ARCH,
     options: Sequence[str] = (),
     name_expressions: Sequence[str] = (),
+    include_dirs: Sequence[str | os.PathLike[str]] = (),
+    defines: Sequence[str] = (),
+    std: str | None = None,
 ) -> Kernel:
-    """A preemptible kernel from CUDA C++ source (NVRTC) or PTX text.
+    """A preemptible kernel from CUDA C++ source (NVRTC), PTX text, or a ``.cu`` file.
 
     ``name`` is the kernel's name as written (``saxpy`` or ``tmm<float>``); mangled C++
-    names are resolved through NVRTC name expressions.
+    names are resolved through NVRTC name expressions.  Given a path, the file is
+    compiled as nvcc builds it (host code, system headers, ``include_dirs``,
+    ``defines``, ``std``) and ``name`` may also be a qualified name (``ns::step``).
     """
+    if isinstance(src, os.PathLike):
+        return _kernel_from_file(Path(src), name, arch, include_dirs, defines, std)
     if is_ptx(src):
         return Kernel(src, name, origin="ptx")
     exprs = list(dict.fromkeys([name, *name_expressions]))
@@ -266,15 +262,52 @@ def kernel(
         # The name may not be a valid name expression (e.g. an extern "C" entry written
         # differently): compile without it; a real compile error raises again here.
         ptx, lowered = compile_cuda(src, arch=arch, options=options)
-    entry_name = lowered.get(name, name)
-    names = _source_param_names(src, name.split("<")[0])
-    k = Kernel(ptx, entry_name, origin="cuda")
-    if names and len(names) == len(k.entry.params):
-        k.entry.source_names.update({p.name: n for p, n in zip(k.entry.params, names, strict=True)})
-        k.bindings = tuple(
-            ArgBinding(n, "plain", (p.name,)) for p, n in zip(k.entry.params, names, strict=True)
-        )
+    k = Kernel(ptx, lowered.get(name, name), origin="cuda")
+    name_entries(k.module, kernel_definitions(strip_comments(src)))
+    _bind_source_names(k)
     return k
+
+
+def _kernel_from_file(
+    path: Path,
+    name: str,
+    arch: str,
+    include_dirs: Sequence[str | os.PathLike[str]],
+    defines: Sequence[str],
+    std: str | None,
+) -> Kernel:
+    from gpushare_ext.kernels.sourcefile import find_entry
+    from gpushare_ext.kernels.toolchain import CompileOptions, compile_file
+
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as exc:
+        raise KernelError(
+            "unreadable", f"{path}: cannot read it ({exc.strerror or exc})", step="compile"
+        ) from None
+    options = CompileOptions(
+        include_dirs=tuple(Path(d) for d in include_dirs),
+        defines=tuple(defines),
+        std=std,
+        arch=arch,
+    )
+    compiled = compile_file(path, text, options)
+    module = parse_ptx(compiled.ptx)
+    entry = find_entry(module, name)
+    k = Kernel(compiled.ptx, entry.name, origin="cuda-file")
+    name_entries(k.module, kernel_definitions(compiled.preprocessed or strip_comments(text)))
+    _bind_source_names(k)
+    return k
+
+
+def _bind_source_names(k: Kernel) -> None:
+    """Arguments named as in the source, where every parameter's name is known."""
+    names = [k.entry.source_names.get(p.name) for p in k.entry.params]
+    if names and all(names):
+        k.bindings = tuple(
+            ArgBinding(str(n), "plain", (p.name,))
+            for p, n in zip(k.entry.params, names, strict=True)
+        )
 
 
 # ---------------------------------------------------------------------------------------

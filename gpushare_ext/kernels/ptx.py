@@ -88,6 +88,7 @@ class Instruction:
     guard: str | None = None  # "%p1" or "!%p1"
     line: int = 0  # 1-based line in the PTX text
     src_line: int | None = None  # from the closest preceding .loc, if any
+    src_file: int | None = None  # that .loc's file number (PtxModule.files)
 
     @property
     def parts(self) -> tuple[str, ...]:
@@ -177,8 +178,14 @@ class Entry:
         raise KeyError(name)
 
     def display_name(self, param: str) -> str:
-        """The name the user wrote for a parameter (``y``), falling back to the PTX name."""
-        return self.source_names.get(param, param)
+        """The name the user wrote for a parameter (``y``), falling back to the PTX name;
+        a field of a by-value struct keeps its byte offset (``batch@120``)."""
+        if param in self.source_names:
+            return self.source_names[param]
+        struct, at, offset = param.partition("@")
+        if at and struct in self.source_names:
+            return f"{self.source_names[struct]}@{offset}"
+        return param
 
     @property
     def instructions(self) -> list[Instruction]:
@@ -195,6 +202,7 @@ class PtxModule:
     address_size: int
     chunks: list[str | Entry]  # raw module-level text or an entry, in order
     module_vars: dict[str, str]  # module-scope variable -> state space ("global", "shared"..)
+    files: dict[int, str] = field(default_factory=dict)  # .file number -> source path
 
     @property
     def entries(self) -> list[Entry]:
@@ -275,7 +283,9 @@ def split_operands(text: str) -> tuple[str, ...]:
     return tuple(out)
 
 
-def parse_instruction(text: str, line: int, src_line: int | None = None) -> Instruction:
+def parse_instruction(
+    text: str, line: int, src_line: int | None = None, src_file: int | None = None
+) -> Instruction:
     text = " ".join(text.split())
     guard = None
     m = re.match(r"@(!?[%\w$]+)\s+", text)
@@ -285,7 +295,7 @@ def parse_instruction(text: str, line: int, src_line: int | None = None) -> Inst
     parts = text.split(None, 1)
     opcode = parts[0]
     operands = split_operands(parts[1]) if len(parts) > 1 else ()
-    return Instruction(opcode, operands, guard, line, src_line)
+    return Instruction(opcode, operands, guard, line, src_line, src_file)
 
 
 def _parse_params(text: str, where: int) -> list[Param]:
@@ -330,6 +340,7 @@ def _parse_body(text: str, offset: int, full: str) -> list[Statement]:
     n = len(text)
     depth = 0
     src_line: int | None = None
+    src_file: int | None = None
     line_at = full.count("\n", 0, offset) + 1
     last_pos = 0
 
@@ -362,8 +373,14 @@ def _parse_body(text: str, offset: int, full: str) -> list[Statement]:
             directive = text[i:end].strip()
             if directive.startswith(".loc"):
                 bits = directive.split()
-                if len(bits) >= 3 and bits[2].isdigit():
-                    src_line = int(bits[2])
+                # Code inlined from a helper (a toolkit header's atomicAdd, say) is
+                # reported where the kernel calls it: ".loc 2 112 3, ..., inlined_at 1 32 3".
+                call = re.search(r"inlined_at\s+(\d+)\s+(\d+)", directive)
+                if call:
+                    src_file, src_line = int(call.group(1)), int(call.group(2))
+                elif len(bits) >= 3 and bits[2].isdigit():
+                    src_line = int(bits[2].rstrip(","))
+                    src_file = int(bits[1]) if bits[1].isdigit() else None
             stmts.append(Statement("directive", directive, line, depth=depth))
             i = end
             continue
@@ -381,7 +398,7 @@ def _parse_body(text: str, offset: int, full: str) -> list[Statement]:
             kind = "pragma" if stmt.startswith((".pragma", ".section")) else "decl"
             stmts.append(Statement(kind, stmt, line, depth=depth))
         else:
-            ins = parse_instruction(stmt, line, src_line)
+            ins = parse_instruction(stmt, line, src_line, src_file)
             stmts.append(Statement("instr", stmt, line, instr=ins, depth=depth))
     return stmts
 
@@ -461,6 +478,10 @@ def parse_ptx(text: str) -> PtxModule:
         address_size=int(addr.group(1)) if addr else 64,
         chunks=chunks,
         module_vars=module_vars,
+        files={
+            int(m.group(1)): m.group(2)
+            for m in re.finditer(r'^\s*\.file\s+(\d+)\s+"([^"]*)"', clean, re.M)
+        },
     )
 
 

@@ -56,8 +56,9 @@ def test_only_the_pointer_fields_of_a_struct_become_buffers():
     kernel = cupy_kernel("loopy")
     # It loads each array's data pointer (byte 0) and stride (byte 24), and the indexer's
     # size (param 3, byte 0): 64-bit fields the analysis must tell apart.
+    # In parameter order, then byte order.
     assert struct_pointer_fields(kernel.entry) == [
-        "loopy_param_2@24", "loopy_param_2@0", "loopy_param_0@24", "loopy_param_0@0",
+        "loopy_param_0@0", "loopy_param_0@24", "loopy_param_2@0", "loopy_param_2@24",
         "loopy_param_3@0",
     ]  # fmt: skip
     assert sorted(kernel.report.buffers) == ["loopy_param_0@0", "loopy_param_2@0"]
