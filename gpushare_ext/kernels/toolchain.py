@@ -43,6 +43,8 @@ __all__ = [
 DEFAULT_ARCH = "sm_90"
 STANDARDS = ("c++03", "c++11", "c++14", "c++17", "c++20")
 COMPILE_TIMEOUT_S = 300
+LEGACY_TEXTURES = Path(__file__).with_name("legacy_textures.cuh")
+_LEGACY_TEXTURES = re.compile(r"error: texture is not a template")
 _WHEEL_DIRS = ("nvidia/cu13", "nvidia/cu12", "nvidia/cuda_nvcc")
 _HEADER_WHEELS = ("nvidia/cu13/include", "nvidia/cuda_runtime/include", "nvidia/cuda_cccl/include")
 # What makes a file more than a kernel source: NVRTC has no host compiler and no libc.
@@ -60,6 +62,7 @@ class CompileOptions:
     defines: tuple[str, ...] = ()  # NAME or NAME=VALUE
     std: str | None = None  # c++17 ...; None: the compiler's default
     arch: str = DEFAULT_ARCH
+    force_includes: tuple[Path, ...] = ()  # headers read before the file (-include)
 
     def check(self) -> None:
         """Raise a one-line KernelError for an option nvcc would refuse."""
@@ -90,6 +93,8 @@ class CompileOptions:
         out += [f"-D{d}" for d in self.defines]
         if self.std:
             out.append(f"-std={self.std}")
+        for header in self.force_includes:
+            out += ["-include", str(header)]
         return out
 
 
@@ -213,23 +218,36 @@ def compile_file(path: Path, text: str, options: CompileOptions) -> CompiledFile
     except KernelError as whole:
         if whole.code != "compile-failed":
             raise
-        device_only = without_host_bodies(strip_comments(text))
-        if device_only == strip_comments(text):
-            raise
-        try:
-            compiled = _compile_device_code(nvcc, path, device_only, options)
-        except KernelError:
-            raise whole from None
-        first = whole.message.split("; --verbose", 1)[0]
-        return replace(
-            compiled,
-            log=whole.log,
-            note=(
-                f"the host code does not compile ({first}): the device code was compiled "
-                "alone, so template kernels launched only from host code are not "
-                "instantiated"
-            ),
+        return _compile_kernels_alone(nvcc, path, text, options, whole)
+
+
+def _compile_kernels_alone(
+    nvcc: Path, path: Path, text: str, options: CompileOptions, whole: KernelError
+) -> CompiledFile:
+    """The device code of a file whose whole does not compile, or ``whole`` raised."""
+    plain = strip_comments(text)
+    device_only = without_host_bodies(plain)
+    textures = bool(_LEGACY_TEXTURES.search(whole.log))
+    if device_only == plain and not textures:
+        raise whole
+    notes = []
+    if device_only != plain:
+        first = whole.message.split("; --verbose", 1)[0].split("; texture and surface", 1)[0]
+        notes.append(
+            f"the host code does not compile ({first}): the device code was compiled alone, "
+            "so template kernels launched only from host code are not instantiated"
         )
+    if textures:
+        options = replace(options, force_includes=(*options.force_includes, LEGACY_TEXTURES))
+        notes.append(
+            "texture references (removed in CUDA 12) were given stand-ins: a kernel that "
+            "fetches from one reads through a pointer the analysis cannot follow"
+        )
+    try:
+        compiled = _compile_device_code(nvcc, path, device_only, options)
+    except KernelError:
+        raise whole from None
+    return replace(compiled, log=whole.log, note="; ".join(notes))
 
 
 def _compile_device_code(
@@ -239,11 +257,8 @@ def _compile_device_code(
     with tempfile.TemporaryDirectory(prefix="gpushare-device-") as tmp:
         copy = Path(tmp) / path.name
         copy.write_text(f'#line 1 "{path.resolve()}"\n{device_only}')
-        searched_first = CompileOptions(
-            include_dirs=(path.resolve().parent, *options.include_dirs),
-            defines=options.defines,
-            std=options.std,
-            arch=options.arch,
+        searched_first = replace(
+            options, include_dirs=(path.resolve().parent, *options.include_dirs)
         )
         return _compile_with_nvcc(nvcc, copy, path, searched_first)
 

@@ -339,11 +339,31 @@ def test_bad_input_is_one_clear_line(name, content, expected, tmp_path, capsys):
     assert captured.err == f"gpushare classify: {expected.format(path=path)}\n"
 
 
-def test_a_legacy_texture_reference_says_what_replaced_it(capsys):
-    assert classify_main([str(APP / "legacy_texture.cu")]) == 2
+def test_a_legacy_texture_reference_gets_a_stand_in_and_the_kernel_is_unknown(capsys):
+    assert classify_main([str(APP / "legacy_texture.cu"), "--brief"]) == 0
+
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == (
+        "note: texture references (removed in CUDA 12) were given stand-ins: a kernel that "
+        "fetches from one reads through a pointer the analysis cannot follow"
+    )
+    assert out[2] == (
+        "sample(float*, int): unknown: read through a pointer loaded from memory at source "
+        "line 6 (PTX line 47, ld.global.f32): its buffer is not a parameter"
+    )
+
+
+def test_a_texture_reference_in_a_file_that_does_not_compile_says_what_replaced_it(
+    tmp_path, capsys
+):
+    text = (APP / "legacy_texture.cu").read_text() + "__global__ void broken() { nope(); }\n"
+    path = _write(tmp_path, "tex.cu", text)
+
+    assert classify_main([str(path)]) == 2
+
     err = capsys.readouterr().err
-    assert err.startswith("gpushare classify: legacy_texture.cu:2: texture is not a template")
-    assert "texture and surface references were removed in CUDA 12" in err
+    assert err.startswith("gpushare classify: tex.cu:2: texture is not a template (")
+    assert "; texture and surface references were removed in CUDA 12: the file needs " in err
     assert err.count("\n") == 1
 
 
