@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -399,3 +400,36 @@ def test_saved_aborts_run_every_atomic_exactly_once():
     assert rep.saves >= 1, rep
     assert cp.asnumpy(got).tolist() == cp.asnumpy(want).tolist(), rep
     flag.close()
+
+
+def test_a_kernel_from_a_whole_program_file_runs_preemptibly_and_exactly():
+    """``kernel(Path)``: a template kernel of a file with host code, compiled by nvcc,
+    launched by the transactional launcher, sliced by preemptions, equal to CuPy."""
+    import cupy as cp
+
+    from gpushare_ext.kernels import kernel, toolchain
+
+    if toolchain.find_nvcc() is None or toolchain.find_host_compiler() is None:
+        pytest.skip("needs nvcc (the toolchain extra) and a host C++ compiler")
+    sources = Path(__file__).parent / "sources" / "app"
+    k = kernel(sources / "templates.cu", "axpby<float>")
+    n = 1 << 20
+    rng = cp.random.default_rng(7)
+    x = rng.standard_normal(n, dtype=cp.float32)
+    y = rng.standard_normal(n, dtype=cp.float32)
+    out = cp.zeros(n, dtype=cp.float32)
+
+    k[(n + 255) // 256, 256](x, y, out, cp.float32(2), cp.float32(-1), cp.uint64(n))
+    cp.cuda.Device().synchronize()
+
+    assert cp.array_equal(out, cp.float32(2) * x + cp.float32(-1) * y)
+    assert k.last_launch.mode in ("resume", "restart")
+
+    inplace = kernel(sources / "namespaces.cu", "physics::solid::step")
+    stress = rng.standard_normal(n, dtype=cp.float32)
+    strain = rng.standard_normal(n, dtype=cp.float32)
+    expected = stress + cp.float32(2) * strain  # a power of two: fused or not, one rounding
+    inplace[(n + 255) // 256, 256](stress, strain, cp.float32(2), cp.int32(n))
+    cp.cuda.Device().synchronize()
+    assert cp.array_equal(stress, expected)
+    assert inplace.last_launch.mode == "snapshot"
