@@ -45,6 +45,9 @@ if TYPE_CHECKING:
     from gpushare_ext.broker.server import Broker
 
 log = logging.getLogger("gpushare.broker")
+# One line per lease event (grants, pauses, resumes, refusals, ends) for an admin to
+# follow; `--log-level warning` leaves them out.
+events = logging.getLogger("gpushare.broker.leases")
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,14 @@ class Effects:
             broker.journal.lease_recorded(journal_record(lease))
             self._journaled.discard(action.lease_id)
             broker.metrics.observe_grant(action.priority, lease.waited_s)
+            if events.isEnabledFor(logging.INFO):
+                where = action.placement.mig_profile or f"GPU {action.placement.device_index}"
+                events.info(
+                    "%s granted to %s (pid %s) on %s: %s, priority %s, after %.1f s%s",
+                    action.lease_id, lease.identity.user, lease.identity.pid, where,
+                    format_size(action.placement.memory_bytes), action.priority,
+                    lease.waited_s, f" ({action.notice})" if action.notice else "",
+                )  # fmt: skip
         if action.notice:
             broker.metrics.observe_priority_lowered()
         conn = self._conn(action.session_id)
@@ -223,6 +234,7 @@ class Effects:
 
     def refuse(self, action: core.Refuse, reply: Reply) -> None:
         self.broker.metrics.observe_refusal(action.code.value)
+        events.info("%s refused (%s): %s", action.lease_id, action.code.value, action.message)
         conn = self._conn(action.session_id)
         if conn is not None:
             self.broker.send(
@@ -255,6 +267,15 @@ class Effects:
                 reason=lease.reason,
             )
         broker.metrics.observe_preemption(int(action.level))
+        events.info(
+            "%s (pid %s) %s at level %s (%s) for %s: %s",
+            action.lease_id, action.pid,
+            "parked" if action.parks_bytes
+            else "evicted" if action.level == PreemptionLevel.EVICT
+            else "paused",
+            int(action.level), action.level.name.lower(), action.for_lease or "the broker",
+            action.reason,
+        )  # fmt: skip
         if action.parks_bytes:
             broker.journal.note(
                 "parked",
@@ -289,6 +310,11 @@ class Effects:
 
     def resume(self, action: core.ResumeLease, reply: Reply) -> None:
         lease = self.broker.scheduler.lease_of(action.lease_id)
+        events.info(
+            "%s (pid %s) %s after %.1f s",
+            action.lease_id, action.pid, "restored" if action.restores_park else "resumed",
+            action.paused_s,
+        )  # fmt: skip
         self.broker.journal.lease_state(
             action.lease_id,
             LeaseState.RUNNING,
@@ -305,6 +331,7 @@ class Effects:
         )
 
     def revoke(self, action: core.Revoke, reply: Reply) -> None:
+        events.info("%s (pid %s) revoked: %s", action.lease_id, action.pid, action.reason)
         conn = self._conn(action.session_id)
         if conn is not None:
             self.broker.send(conn, Revoked(lease_id=action.lease_id, reason=action.reason))
@@ -312,6 +339,10 @@ class Effects:
     def lease_ended(self, action: core.LeaseEnded, reply: Reply) -> None:
         broker = self.broker
         broker.journal.lease_ended(action.lease_id, action.reason)
+        events.info(
+            "%s (pid %s) ended after %.1f s: %s",
+            action.lease_id, action.pid, action.held_s, action.reason,
+        )  # fmt: skip
         self._journaled.discard(action.lease_id)
         broker.yield_flags.pop(action.lease_id, None)
         broker.notes.pop(action.lease_id, None)

@@ -1,0 +1,52 @@
+"""The broker's log lets an admin follow every lease: grants, pauses, refusals, ends."""
+
+from __future__ import annotations
+
+import re
+
+from broker_wire import RawClient, wait_for
+
+from gpushare_ext.protocol import Granted, Queued, Refused, Release, Released, RequestLease
+
+GIB = 1024**3
+
+
+def lease_lines(running_broker) -> list[str]:
+    return [
+        line.split(" gpushare.broker.leases INFO ", 1)[1]
+        for line in running_broker.output().splitlines()
+        if " gpushare.broker.leases INFO " in line
+    ]
+
+
+def test_each_lease_event_is_one_line_in_the_broker_log(running_broker):
+    with RawClient(running_broker.socket) as low, RawClient(running_broker.socket) as high:
+        low.hello()
+        high.hello()
+        low.send(RequestLease(seq=2, priority=50, memory_bytes=100 * GIB))
+        assert isinstance(low.recv(), Granted)
+        high.send(RequestLease(seq=2, priority=250, memory_bytes=100 * GIB))
+        assert isinstance(high.recv(), Queued)
+        assert isinstance(high.recv(), Granted)  # once the low lease is evicted
+        high.send(RequestLease(seq=3, priority=150, memory_bytes=900 * GIB))
+        assert isinstance(high.recv(), Refused)
+        low.send(Release(seq=3, lease_id="L1"))
+        assert any(isinstance(m, Released) for m in low.recv_all(2))  # after its Preempt
+        assert wait_for(lambda: len(lease_lines(running_broker)) >= 5, timeout=5)
+
+    lines = lease_lines(running_broker)
+    pid = r"\(pid \d+\)"
+    assert re.fullmatch(
+        rf"L1 granted to \w+ {pid} on GPU 0: 100 GiB, priority 50, after 0\.\d s", lines[0]
+    ), lines
+    assert re.fullmatch(
+        rf"L1 {pid} evicted at level 4 \(evict\) for L2: paused for a higher-priority session "
+        r"\(high lease L2\)",
+        lines[1],
+    ), lines
+    assert re.fullmatch(rf"L2 granted to \w+ {pid} on GPU 0: 100 GiB, priority 250, .*", lines[2])
+    assert lines[3] == (
+        "L3 refused (invalid): 900 GiB does not fit any matching device or slice "
+        "(the largest has 140 GiB)"
+    )
+    assert re.fullmatch(rf"L1 {pid} ended after \d+\.\d s: released", lines[4]), lines
