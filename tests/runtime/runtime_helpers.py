@@ -367,23 +367,20 @@ def holding_cell(release_file: Path, priority: str = "high", extra: str = "") ->
 
 
 def load_example(name: str, parameters: dict, gpu_line: str | None = None):
-    """An example notebook with its ``parameters`` cell replaced (as ``gpushare demo`` does).
+    """An example notebook with its ``parameters`` cell replaced and the results cell
+    after it, as ``gpushare demo`` runs it.
 
     ``gpu_line`` replaces the ``%%gpu ...`` line of its lease cell (to ask for other sizes).
     """
-    import nbformat
+    from gpushare_ext.demo import lease_cell
+    from gpushare_ext.demo import load_example as load
 
-    notebook = nbformat.read(EXAMPLES / name, as_version=4)
+    notebook = load(name, parameters)
+    tagged = [c for c in notebook.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+    assert tagged, f"{name} has no cell tagged 'parameters'"
     if gpu_line is not None:
-        for cell in notebook.cells:
-            if cell.cell_type == "code" and cell.source.startswith("%%gpu"):
-                cell.source = gpu_line + cell.source[cell.source.index("\n") :]
-    for cell in notebook.cells:
-        if "parameters" in cell.get("metadata", {}).get("tags", []):
-            cell.source = "\n".join(f"{key} = {value!r}" for key, value in parameters.items())
-            break
-    else:  # pragma: no cover - the examples are ours
-        raise AssertionError(f"{name} has no cell tagged 'parameters'")
+        cell = notebook.cells[lease_cell(notebook)]
+        cell.source = gpu_line + cell.source[cell.source.index("\n") :]
     return notebook
 
 
@@ -429,8 +426,13 @@ class ExampleRun:
             raise AssertionError(f"{self.name} failed: {self.error}\n{self.describe()}")
         return self
 
-    def cell_text(self, index: int = -1) -> str:
-        """The final output of a cell, as saved in the executed notebook."""
+    def cell_text(self, index: int | None = None) -> str:
+        """The final output of a cell (by default the ``%%gpu`` cell), as saved in the
+        executed notebook."""
+        from gpushare_ext.demo import lease_cell
+
+        if index is None:
+            index = lease_cell(self.notebook)
         cell = self.notebook.cells[index]  # type: ignore[attr-defined]
         parts = []
         for output in cell.get("outputs", []):
@@ -443,6 +445,7 @@ class ExampleRun:
         return "".join(parts)
 
     def value(self, key: str, index: int = -1) -> str | None:
+        """What the results cell (the last one) printed after ``key``."""
         for line in self.cell_text(index).splitlines():
             if line.startswith(key + " "):
                 return line[len(key) + 1 :].strip()
@@ -502,8 +505,10 @@ def run_example(
 
 def reference_checksum(parameters: dict) -> str:
     """The training loop of examples/training_low.ipynb run here, alone, without a lease."""
+    from gpushare_ext.demo import lease_cell
+
     notebook = load_example("training_low.ipynb", parameters)
-    source = notebook.cells[-1].source
+    source = notebook.cells[lease_cell(notebook)].source
     body = "\n".join(line for line in source.splitlines() if not line.startswith("%%gpu"))
     namespace: dict = dict(parameters)
     namespace["step_seconds"] = 0.0  # time does not enter the result

@@ -1,7 +1,8 @@
-"""The getting-started notebook a new user opens first runs top to bottom in a real kernel."""
+"""The example notebooks run top to bottom in a real kernel, as a user opens them."""
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import nbformat
@@ -20,8 +21,7 @@ def _outputs(cell) -> str:
     return "\n".join(parts)
 
 
-def test_getting_started_runs_top_to_bottom_against_the_broker(on_broker):
-    notebook = nbformat.read(EXAMPLES / "01-getting-started.ipynb", as_version=4)
+def _execute(notebook) -> None:
     ipc_dir = short_tempdir("gps-ex-")
     manager = KernelManager(kernel_name="python3", transport="ipc", ip=str(ipc_dir / "k"))
     try:
@@ -32,6 +32,11 @@ def test_getting_started_runs_top_to_bottom_against_the_broker(on_broker):
         if manager.has_kernel:
             manager.shutdown_kernel(now=True)
         shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def test_getting_started_runs_top_to_bottom_against_the_broker(on_broker):
+    notebook = nbformat.read(EXAMPLES / "01-getting-started.ipynb", as_version=4)
+    _execute(notebook)
     code = [cell for cell in notebook.cells if cell.cell_type == "code"]
     texts = [_outputs(cell) for cell in code]
 
@@ -40,4 +45,25 @@ def test_getting_started_runs_top_to_bottom_against_the_broker(on_broker):
     assert texts[3].strip().endswith("190")  # the loop with safe points ran to the end
     assert "OccupancyWidget" in texts[4] or "GPU 0" in texts[4]  # %gpu status
     assert "no lease was held" in texts[5]  # every cell released its lease
+    assert not on_broker.leases()
+
+
+def test_the_contention_examples_print_what_a_reader_wants(on_broker):
+    """As saved (no results cell added), each prints one or two sentences, not raw
+    timestamps: a summary of the steps and the checksum, the products' timings."""
+    training = nbformat.read(EXAMPLES / "training_low.ipynb", as_version=4)
+    interactive = nbformat.read(EXAMPLES / "interactive_high.ipynb", as_version=4)
+    for notebook in (training, interactive):
+        assert notebook.cells[0].cell_type == "markdown"
+        assert sum(c.cell_type == "markdown" for c in notebook.cells) >= 2
+
+    _execute(training)
+    _execute(interactive)
+
+    low = _outputs(training.cells[-1]).strip().splitlines()
+    assert len(low) == 1 and re.fullmatch(
+        r"40 steps in \d+\.\d s; result checksum [0-9a-f]{16}", low[0]
+    )
+    high = _outputs(interactive.cells[-1]).strip().splitlines()
+    assert re.fullmatch(r"5 products: median \d+\.\d ms, slowest \d+\.\d ms", high[-1]), high
     assert not on_broker.leases()
