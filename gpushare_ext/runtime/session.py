@@ -579,8 +579,18 @@ class GpuSession:
                 handle.output.show(handle.display_key + "-pause", text)
         elif isinstance(message, Revoked):
             handle.revoked = message.reason
+            was_paused = handle.state in (LeaseState.PAUSED, LeaseState.EVICTED)
             handle.move(LeaseState.REVOKED)
-            self._say_revoked(handle, f"gpushare: lease revoked: {message.reason}")
+            if was_paused and handle.output is not None:
+                # The live pause line would say "paused ..." for ever: it becomes the
+                # revocation, so the cell shows one true line, not two.
+                handle.output.show(
+                    handle.display_key + "-pause",
+                    f"gpushare: lease revoked while paused: {message.reason}; the cell goes "
+                    "on without a lease",
+                )
+            else:
+                self._say_revoked(handle, f"gpushare: lease revoked: {message.reason}")
         elif isinstance(message, Released):
             handle.move(LeaseState.RELEASED)
         handle.changed.set()

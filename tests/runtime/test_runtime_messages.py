@@ -154,6 +154,30 @@ def test_an_admin_cancel_of_a_running_cell_is_one_line_in_it(on_broker, kernels,
     assert times_shown(cell, "revoked") == 1, cell.describe()
 
 
+def test_an_admin_cancel_of_a_paused_cell_replaces_its_pause_line(on_broker, kernels, tmp_path):
+    low, high = kernels(2)
+    for kernel in (low, high):
+        kernel.run("%load_ext gpushare_ext").ok()
+    release = tmp_path / "release"
+    paused = low.submit(holding_cell(release, priority="low"))
+    paused.wait_shown("holding since")
+    urgent = high.submit("%%gpu priority=high\nimport time\ntime.sleep(4)")
+    paused.wait_shown("gpushare: paused for a higher-priority session")
+    (lease,) = on_broker.leases_of(low.pid)
+
+    admin_cancel(on_broker, lease.lease_id)
+
+    paused.wait_shown("gpushare: lease revoked while paused")
+    release.touch()
+    paused.ok()
+    urgent.ok()
+    assert lines_with(paused, "gpushare:") == [
+        "gpushare: lease revoked while paused: cancelled by an admin; the cell goes on "
+        "without a lease"
+    ], paused.describe()
+    assert lines_with(paused, "released at"), paused.describe()
+
+
 def test_an_admin_cancel_of_a_waiting_cell_is_its_one_error_line(on_broker, kernels, tmp_path):
     holder, waiter = kernels(2)
     for kernel in (holder, waiter):
