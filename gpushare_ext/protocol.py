@@ -384,6 +384,24 @@ class LeaseView(msgspec.Struct, kw_only=True):
     preemption_level: int | None = None
 
 
+class TimelinePause(msgspec.Struct, kw_only=True):
+    start: float
+    end: float | None = None  # None: still paused
+    level: int  # the highest ladder level applied (0 gate ... 4 evict)
+
+
+class TimelineSpan(msgspec.Struct, kw_only=True):
+    """A lease on a device's timeline: from its grant to its end, with its pauses."""
+
+    lease_id: str
+    user: str  # as in LeaseView: a name for your own and for admins
+    own: bool
+    priority: int
+    start: float
+    end: float | None = None  # None: still held
+    pauses: list[TimelinePause] = []
+
+
 class DeviceView(msgspec.Struct, kw_only=True):
     info: DeviceInfo
     drained: bool
@@ -395,6 +413,7 @@ class DeviceView(msgspec.Struct, kw_only=True):
     # Memory NVML sees held here beyond what leases declare, per user ("other processes"
     # for processes of no session): idle notebooks' arrays, contexts, unknown programs.
     memory_outside_leases_mib: dict[str, int] = {}
+    timeline: list[TimelineSpan] = []  # the last Snapshot.timeline_window_s seconds
 
 
 class Snapshot(msgspec.Struct, kw_only=True):
@@ -411,6 +430,7 @@ class Snapshot(msgspec.Struct, kw_only=True):
     leases: list[LeaseView]
     queue_by_priority: dict[str, int]
     notes: list[str] = []  # e.g. "level 3 unsupported for MPS clients"
+    timeline_window_s: float = 0.0  # how far back DeviceView.timeline reaches
 
 
 class StatusReply(BrokerMessage, tag="status_reply"):

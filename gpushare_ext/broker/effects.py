@@ -38,6 +38,7 @@ from gpushare_ext.protocol import (
     Released,
     Resume,
     Revoked,
+    applied_level,
 )
 from gpushare_ext.units import format_size
 
@@ -175,6 +176,13 @@ class Effects:
             broker.journal.lease_recorded(journal_record(lease))
             self._journaled.discard(action.lease_id)
             broker.metrics.observe_grant(action.priority, lease.waited_s)
+            broker.timeline.granted(
+                action.lease_id,
+                lease.identity,
+                action.priority,
+                action.placement.device_index,
+                time.time(),
+            )
             if events.isEnabledFor(logging.INFO):
                 where = action.placement.mig_profile or f"GPU {action.placement.device_index}"
                 events.info(
@@ -267,6 +275,9 @@ class Effects:
                 reason=lease.reason,
             )
         broker.metrics.observe_preemption(int(action.level))
+        # The rung that holds it (on a simulated GPU the gate), as status and the cell say.
+        held_by = applied_level(action.level, broker.control.kind == "simulated")
+        broker.timeline.paused(action.lease_id, int(held_by), time.time())
         events.info(
             "%s (pid %s) %s at level %s (%s) for %s: %s",
             action.lease_id, action.pid,
@@ -310,6 +321,7 @@ class Effects:
 
     def resume(self, action: core.ResumeLease, reply: Reply) -> None:
         lease = self.broker.scheduler.lease_of(action.lease_id)
+        self.broker.timeline.resumed(action.lease_id, time.time())
         events.info(
             "%s (pid %s) %s after %.1f s",
             action.lease_id, action.pid, "restored" if action.restores_park else "resumed",
@@ -339,6 +351,7 @@ class Effects:
     def lease_ended(self, action: core.LeaseEnded, reply: Reply) -> None:
         broker = self.broker
         broker.journal.lease_ended(action.lease_id, action.reason)
+        broker.timeline.ended(action.lease_id, time.time())
         events.info(
             "%s (pid %s) ended after %.1f s: %s",
             action.lease_id, action.pid, action.held_s, action.reason,
@@ -444,6 +457,7 @@ class Effects:
         lease = broker.scheduler.lease_of(action.lease_id)
         if lease is not None and lease.state == LeaseState.RUNNING:
             broker.journal.lease_state(action.lease_id, LeaseState.RUNNING, reason=lease.reason)
+            broker.timeline.resumed(action.lease_id, time.time())
         conn = self._conn(action.session_id)
         if conn is not None and action.level != PreemptionLevel.EVICT:
             broker.send(

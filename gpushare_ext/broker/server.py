@@ -63,6 +63,7 @@ from gpushare_ext.broker.places import (
 from gpushare_ext.broker.policy import PolicyError
 from gpushare_ext.broker.recovery import recover, same_process
 from gpushare_ext.broker.requests import Requests
+from gpushare_ext.broker.timeline import Timeline
 from gpushare_ext.broker.views import Tally, tally
 from gpushare_ext.devices import DeviceReading
 from gpushare_ext.paths import BrokerPaths
@@ -124,6 +125,7 @@ class Broker:
         self.per_uid_connections: dict[int, int] = {}
         self.buckets: dict[int, TokenBucket] = {}
         self.notes: dict[str, str] = {}  # lease id -> actuator note for status
+        self.timeline = Timeline()  # the last minutes of each GPU, for the panel
         self.history: dict[int, deque[int]] = {
             d.index: deque(maxlen=HISTORY_POINTS) for d in self.devices
         }

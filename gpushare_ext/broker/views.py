@@ -23,7 +23,15 @@ from gpushare_ext.broker.inventory import MIB
 from gpushare_ext.broker.metrics import DeviceMemory
 from gpushare_ext.broker.peers import Connection
 from gpushare_ext.devices import DeviceInfo
-from gpushare_ext.protocol import DeviceView, LeaseState, LeaseView, Snapshot, priority_class
+from gpushare_ext.protocol import (
+    DeviceView,
+    LeaseState,
+    LeaseView,
+    Snapshot,
+    TimelinePause,
+    TimelineSpan,
+    priority_class,
+)
 
 if TYPE_CHECKING:
     from gpushare_ext.broker.server import Broker
@@ -115,7 +123,7 @@ def _outside_leases_of_device(
     return total
 
 
-def _device_views(broker: Broker, viewer: Connection | None) -> list[DeviceView]:
+def _device_views(broker: Broker, viewer: Connection | None, now: float) -> list[DeviceView]:
     scheduler = broker.scheduler
     views = []
     for device in broker.devices:
@@ -139,9 +147,34 @@ def _device_views(broker: Broker, viewer: Connection | None) -> list[DeviceView]
                 utilization_history=list(broker.history.get(device.index, ())),
                 holders=holders,
                 memory_outside_leases_mib=_outside_leases_of_device(broker, device, viewer),
+                timeline=_timeline(broker, device.index, viewer, now),
             )
         )
     return views
+
+
+def _timeline(
+    broker: Broker, device_index: int, viewer: Connection | None, now: float
+) -> list[TimelineSpan]:
+    return [
+        TimelineSpan(
+            lease_id=span.lease_id,
+            user=display_user(broker, span.identity, viewer),
+            own=viewer is not None and viewer.uid == span.identity.uid,
+            priority=span.priority,
+            start=round(span.start, 3),
+            end=None if span.end is None else round(span.end, 3),
+            pauses=[
+                TimelinePause(
+                    start=round(p.start, 3),
+                    end=None if p.end is None else round(p.end, 3),
+                    level=p.level,
+                )
+                for p in span.pauses
+            ],
+        )
+        for span in broker.timeline.spans(device_index, now)
+    ]
 
 
 def _notes(broker: Broker) -> list[str]:
@@ -187,10 +220,11 @@ def snapshot(broker: Broker, viewer: Connection | None) -> Snapshot:
         time=now,
         you=viewer.user if viewer else "",
         is_admin=bool(viewer and viewer.is_admin),
-        devices=_device_views(broker, viewer),
+        devices=_device_views(broker, viewer, now),
         leases=leases,
         queue_by_priority=queue_counts,
         notes=_notes(broker),
+        timeline_window_s=broker.timeline.window_s,
     )
 
 

@@ -44,6 +44,22 @@ export interface DeviceInfo {
   simulated: boolean;
 }
 
+export interface TimelinePause {
+  start: number;
+  end?: number | null;
+  level: number;
+}
+
+export interface TimelineSpan {
+  lease_id: string;
+  user: string;
+  own: boolean;
+  priority: number;
+  start: number;
+  end?: number | null;
+  pauses?: TimelinePause[];
+}
+
 export interface DeviceView {
   info: DeviceInfo;
   drained: boolean;
@@ -53,6 +69,7 @@ export interface DeviceView {
   utilization_history: number[];
   holders: string[];
   memory_outside_leases_mib?: Record<string, number>;
+  timeline?: TimelineSpan[];
 }
 
 export type LeaseState =
@@ -98,6 +115,7 @@ export interface Snapshot {
   leases: LeaseView[];
   queue_by_priority: Record<string, number>;
   notes?: string[];
+  timeline_window_s?: number;
 }
 
 export interface AdminRequest {

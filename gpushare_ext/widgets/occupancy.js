@@ -31,7 +31,11 @@ export const MEMORY_SLICES = 8;
  *   profiles: MigProfile[], instances: MigInstance[], simulated: boolean}} DeviceInfo
  * @typedef {{info: DeviceInfo, drained: boolean, memory_used_mib: number,
  *   memory_leased_mib: number, utilization_pct: number, utilization_history: number[],
- *   holders: string[], memory_outside_leases_mib?: Record<string, number>}} DeviceView
+ *   holders: string[], memory_outside_leases_mib?: Record<string, number>,
+ *   timeline?: TimelineSpan[]}} DeviceView
+ * @typedef {{start: number, end?: number|null, level: number}} TimelinePause
+ * @typedef {{lease_id: string, user: string, own: boolean, priority: number,
+ *   start: number, end?: number|null, pauses?: TimelinePause[]}} TimelineSpan
  * @typedef {"queued"|"running"|"paused"|"evicted"|"released"|"refused"|"revoked"} LeaseState
  * @typedef {{lease_id: string, user: string, own: boolean, priority: number,
  *   state: LeaseState, device_index: number|null, mig_uuid: string|null,
@@ -41,7 +45,8 @@ export const MEMORY_SLICES = 8;
  * @typedef {{host: string, node: string, broker_pid: number, mode: string,
  *   inventory: string, inventory_description: string, time: number, you: string,
  *   is_admin: boolean, devices: DeviceView[], leases: LeaseView[],
- *   queue_by_priority: Record<string, number>, notes?: string[]}} Snapshot
+ *   queue_by_priority: Record<string, number>, notes?: string[],
+ *   timeline_window_s?: number}} Snapshot
  * @typedef {{action: "drain"|"undrain"|"cancel", device?: number, lease_id?: string}} AdminRequest
  * @typedef {{onAdmin?: (request: AdminRequest) => void, adminHint?: string}} RenderOptions
  */
@@ -112,7 +117,10 @@ export function formatDuration(seconds) {
 export function formatMiB(mib) {
   // As the CLI rounds (units.format_size): one decimal below 100, none from there.
   /** @type {Array<[string, number]>} */
-  const units = [["TiB", 1024 * 1024], ["GiB", 1024]];
+  const units = [
+    ["TiB", 1024 * 1024],
+    ["GiB", 1024],
+  ];
   for (const [unit, size] of units) {
     if (mib >= size) {
       const value = mib / size;
@@ -261,6 +269,101 @@ function renderDevice(d, s, options) {
     renderMemory(d, leases),
     renderUtilization(d),
     renderHolders(d, s),
+    renderTimeline(d, s),
+  ]);
+}
+
+/** What each rung of the ladder is called, for the timeline's marks. */
+const LEVEL_NAMES = ["gate", "yield", "abort", "lock", "evict"];
+
+/**
+ * The last minutes of the device: one row per lease (newest at the bottom), a bar from
+ * its grant to its end coloured by priority, its pauses hatched and labelled with the
+ * ladder level that held it. Answers "why was my cell slow?".
+ * @param {DeviceView} d
+ * @param {Snapshot} s
+ * @returns {HTMLElement|null}
+ */
+export function renderTimeline(d, s) {
+  const spans = d.timeline || [];
+  if (!spans.length) return null;
+  const rows = spans.slice(-8);
+  // Zoom to what there is (at least a minute, at most what the broker keeps), so that
+  // a few seconds of contention are wide enough to read.
+  const earliest = Math.min(...rows.map((r) => r.start));
+  const windowS = Math.min(
+    s.timeline_window_s || 600,
+    Math.max(60, Math.ceil((s.time - earliest) / 60) * 60),
+  );
+  const width = 600;
+  const row = 14;
+  const height = rows.length * row + 2;
+  const from = s.time - windowS;
+  /** @param {number} t */
+  const x = (t) => (Math.max(0, t - from) / windowS) * width;
+  const drawing = svg("svg", {
+    class: "gpushare-timeline-svg",
+    viewBox: `0 0 ${width} ${height}`,
+    preserveAspectRatio: "none",
+    height,
+    role: "img",
+  });
+  rows.forEach((span, i) => {
+    const y = i * row + 1;
+    const end = span.end ?? s.time;
+    const band = describePriority(span.priority).split(" ")[0];
+    const bar = svg("rect", {
+      class: `gpushare-timeline-bar gpushare-priority-${band}${span.own ? " gpushare-timeline-own" : ""}`,
+      x: x(span.start).toFixed(1),
+      y,
+      width: Math.max(1.5, x(end) - x(span.start)).toFixed(1),
+      height: row - 3,
+    });
+    const pauses = span.pauses || [];
+    const paused = pauses
+      .map(
+        (p) =>
+          `paused ${formatDuration((p.end ?? s.time) - p.start)} at level ${p.level} (${LEVEL_NAMES[p.level] || "?"})`,
+      )
+      .join("; ");
+    const title = svg("title", {});
+    title.textContent =
+      `${span.user} · ${span.lease_id} · ${describePriority(span.priority)} · ` +
+      `${formatDuration(end - span.start)}${span.end == null ? " so far" : ""}` +
+      (paused ? ` · ${paused}` : "");
+    bar.appendChild(title);
+    drawing.appendChild(bar);
+    for (const p of pauses) {
+      const mark = svg("rect", {
+        class: `gpushare-timeline-pause gpushare-level-${p.level}`,
+        x: x(p.start).toFixed(1),
+        y,
+        width: Math.max(1.5, x(p.end ?? s.time) - x(p.start)).toFixed(1),
+        height: row - 3,
+        "data-level": p.level,
+      });
+      const why = svg("title", {});
+      why.textContent = `${span.user} ${span.lease_id} paused at level ${p.level} (${LEVEL_NAMES[p.level] || "?"}) for ${formatDuration((p.end ?? s.time) - p.start)}`;
+      mark.appendChild(why);
+      drawing.appendChild(mark);
+    }
+  });
+  const legend = rows.flatMap((span) =>
+    (span.pauses || []).map(
+      (p) =>
+        `${span.user} ${span.lease_id} paused ${formatDuration((p.end ?? s.time) - p.start)} at level ${p.level} (${LEVEL_NAMES[p.level] || "?"})`,
+    ),
+  );
+  return h("div", "gpushare-timeline", undefined, [
+    h(
+      "span",
+      "gpushare-caption",
+      `last ${Math.round(windowS / 60)} min, now at the right: ${rows.length === 1 ? "1 lease" : `${rows.length} leases`}`,
+    ),
+    drawing,
+    legend.length
+      ? h("div", "gpushare-timeline-pauses", legend.slice(-3).join("; "))
+      : null,
   ]);
 }
 
@@ -443,13 +546,26 @@ function renderMemory(d, leases) {
   for (const l of leases) {
     const mib = Math.round(l.memory_bytes / MIB);
     const parked = l.label === PARKED_LABEL;
-    const where = l.state === "evicted" ? (parked ? "parked on the host" : "evicted to the host") : l.state;
+    const where =
+      l.state === "evicted"
+        ? parked
+          ? "parked on the host"
+          : "evicted to the host"
+        : l.state;
     if (l.state !== "evicted") {
       const cls = `gpushare-memseg ${l.own ? "gpushare-memseg-own" : "gpushare-memseg-other"}`;
-      segment(`${cls} gpushare-state-${l.state}`, mib, `${l.user}: ${formatMiB(mib)} (${where})`);
+      segment(
+        `${cls} gpushare-state-${l.state}`,
+        mib,
+        `${l.user}: ${formatMiB(mib)} (${where})`,
+      );
     }
     legend.appendChild(
-      h("li", l.own ? "gpushare-legend-own" : "", `${l.user} ${formatMiB(mib)} ${where}`),
+      h(
+        "li",
+        l.own ? "gpushare-legend-own" : "",
+        `${l.user} ${formatMiB(mib)} ${where}`,
+      ),
     );
   }
   const outside = Object.entries(d.memory_outside_leases_mib || {}).sort(

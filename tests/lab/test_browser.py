@@ -339,3 +339,37 @@ def test_widget_updates_in_a_notebook_while_a_cell_runs(page, lab):
     # When the cell releases its lease, the widget shows that too.
     expect(own).to_have_count(0, timeout=15_000)
     expect(view.locator(".gpushare-holder")).to_have_text("free: nobody holds it")
+
+
+def test_panel_timeline_shows_a_pause_with_its_level_after_a_preemption(page, sessions):
+    from playwright.sync_api import expect
+
+    page.locator('.jp-SideBar .lm-TabBar-tab[data-id="gpushare-panel"]').click()
+    panel = page.locator("#gpushare-panel")
+    expect(panel).to_be_visible()
+    widen_left_sidebar(page, by_px=160)
+
+    # A low-priority session holds most of the GPU; a high one needs the memory: the low
+    # one is evicted (on this simulated GPU, held by its gate: level 0), then resumed.
+    low = sessions()
+    low_grant = low.request_lease(priority=LOW, memory_bytes=100 * 1024**3, label="train")
+    high = sessions()
+    high_answer = high.request_lease(priority=HIGH, memory_bytes=100 * 1024**3, label="explore")
+    timeline = panel.locator(".gpushare-timeline")
+    expect(timeline.locator(".gpushare-timeline-bar")).to_have_count(2, timeout=LIVE_S * 1000)
+    pause = timeline.locator(".gpushare-timeline-pause")
+    expect(pause).to_have_count(1, timeout=LIVE_S * 1000)
+    expect(pause).to_have_attribute("data-level", "0")
+    time.sleep(1.5)
+    high.release(high_answer.lease_id)
+    expect(timeline.locator(".gpushare-timeline-pauses")).to_contain_text(
+        f"{low_grant.lease_id} paused", timeout=LIVE_S * 1000
+    )
+    expect(timeline.locator(".gpushare-timeline-pauses")).to_contain_text("at level 0 (gate)")
+    expect(timeline.locator(".gpushare-caption")).to_have_text(
+        "last 1 min, now at the right: 2 leases"
+    )
+    box, inside = timeline.bounding_box(), panel.bounding_box()
+    assert box and inside and box["x"] + box["width"] <= inside["x"] + inside["width"] + 1
+    OUTPUT.mkdir(exist_ok=True)
+    panel.locator(".gpushare-device").screenshot(path=str(OUTPUT / "timeline.png"))
