@@ -373,3 +373,120 @@ def test_panel_timeline_shows_a_pause_with_its_level_after_a_preemption(page, se
     assert box and inside and box["x"] + box["width"] <= inside["x"] + inside["width"] + 1
     OUTPUT.mkdir(exist_ok=True)
     panel.locator(".gpushare-device").screenshot(path=str(OUTPUT / "timeline.png"))
+
+
+# ------------------------------------------------------------------ the README's tour
+# The panel at 250 px and 1400 px, light and dark: nothing clipped (every button and fold
+# inside the panel and clickable, no line past its right edge). The screenshots written
+# to test-output/ are the README's tour (docs/tour-*.png are copies of them).
+
+TOUR_GIB = 1024**3
+MIG_MIXED = str(REPO / "gpushare_ext" / "fixtures" / "h200-mig-mixed.json")
+
+
+def open_panel(page, width: int, theme: str):
+    from playwright.sync_api import expect
+
+    if theme == "dark":
+        page.keyboard.press("Control+Shift+C")
+        palette = page.locator(".lm-CommandPalette-input")
+        expect(palette).to_be_visible()
+        palette.fill("Use Theme: JupyterLab Dark")
+        page.keyboard.press("Enter")
+        expect(page.locator("body")).to_have_attribute(
+            "data-jp-theme-light", "false", timeout=10_000
+        )
+    if width > 1000:  # room for a panel that wide beside the main area
+        page.set_viewport_size({"width": width + 300, "height": 1000})
+    page.locator('.jp-SideBar .lm-TabBar-tab[data-id="gpushare-panel"]').click()
+    panel = page.locator("#gpushare-panel")
+    expect(panel.locator(".gpushare-device").first).to_be_visible(timeout=15_000)
+    box = panel.bounding_box()
+    handle = page.locator("#jp-main-split-panel > .lm-SplitPanel-handle").first
+    grip = handle.bounding_box()
+    assert box and grip
+    x, y = grip["x"] + grip["width"] / 2, grip["y"] + grip["height"] / 2
+    page.mouse.move(x, y)
+    page.mouse.down()
+    page.mouse.move(x + (width - box["width"]), y, steps=6)
+    page.mouse.up()
+    resized = panel.bounding_box()
+    assert resized and abs(resized["width"] - width) <= 12, resized
+    return panel
+
+
+def assert_nothing_clipped(panel) -> None:
+    edge = panel.bounding_box()
+    assert edge is not None
+    right = edge["x"] + edge["width"] + 1
+    for control in panel.locator("button, summary").all():
+        if not control.is_visible():
+            continue
+        box = control.bounding_box()
+        assert box and box["x"] >= edge["x"] - 1 and box["x"] + box["width"] <= right, (
+            control.inner_text(),
+            box,
+            edge,
+        )
+        control.click(trial=True, timeout=2_000)  # visible, enabled, not covered
+    overflowing = panel.evaluate(
+        """panel => [...panel.querySelectorAll('.gpushare-view *')]
+             .filter(e => e.getBoundingClientRect().right > panel.getBoundingClientRect().right + 1)
+             .map(e => e.className.baseVal ?? e.className)"""
+    )
+    assert overflowing == [], overflowing
+    wide = panel.evaluate("p => p.scrollWidth - p.clientWidth")
+    assert wide <= 1, f"the panel scrolls sideways by {wide} px"
+
+
+def contend(sessions) -> None:
+    """A low-priority lease evicted by a high-priority one, which goes on; another low
+    request waits behind it."""
+    low = sessions()
+    low.request_lease(priority=LOW, memory_bytes=100 * TOUR_GIB, label="train")
+    high = sessions()
+    high.request_lease(priority=HIGH, memory_bytes=100 * TOUR_GIB, label="explore")
+    sessions().request_lease(priority=LOW, memory_bytes=60 * TOUR_GIB, label="sweep")
+
+
+@pytest.mark.parametrize("theme", ["light", "dark"])
+@pytest.mark.parametrize("width", [250, 1400])
+def test_the_contended_panel_keeps_everything_inside_it(page, sessions, width, theme):
+    from playwright.sync_api import expect
+
+    panel = open_panel(page, width, theme)
+    contend(sessions)
+    expect(panel.locator(".gpushare-queue-row")).to_have_count(1, timeout=LIVE_S * 1000)
+    expect(panel.locator(".gpushare-timeline-pause")).to_have_count(1, timeout=LIVE_S * 1000)
+    time.sleep(1.0)  # a second of the pause, so its mark has a width
+
+    assert_nothing_clipped(panel)
+    if theme == "dark":  # the panel follows the theme's colours, not its own
+        background = panel.evaluate("p => getComputedStyle(p).backgroundColor")
+        assert background not in ("rgb(255, 255, 255)", "rgba(0, 0, 0, 0)"), background
+    OUTPUT.mkdir(exist_ok=True)
+    panel.screenshot(path=str(OUTPUT / f"tour-contended-{width}-{theme}.png"))
+
+
+def test_the_idle_panel_at_250_px(page, sessions):
+    from playwright.sync_api import expect
+
+    sessions()
+    panel = open_panel(page, 250, "light")
+    expect(panel.locator(".gpushare-holder")).to_have_text("free: nobody holds it")
+    assert_nothing_clipped(panel)
+    OUTPUT.mkdir(exist_ok=True)
+    panel.screenshot(path=str(OUTPUT / "tour-idle-250-light.png"))
+
+
+@pytest.mark.parametrize("running_broker", [{"simulate": MIG_MIXED}], indirect=True)
+@pytest.mark.parametrize("width", [250, 1400])
+def test_the_panel_with_mig_on_draws_the_instances_inside_it(page, sessions, width):
+    from playwright.sync_api import expect
+
+    sessions().request_lease(priority=HIGH, memory_bytes=10 * TOUR_GIB, label="explore")
+    panel = open_panel(page, width, "light")
+    expect(panel.locator(".gpushare-slot-instance").first).to_be_visible(timeout=10_000)
+    assert_nothing_clipped(panel)
+    OUTPUT.mkdir(exist_ok=True)
+    panel.screenshot(path=str(OUTPUT / f"tour-mig-{width}-light.png"))
