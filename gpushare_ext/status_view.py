@@ -140,6 +140,35 @@ def reasons_below(snapshot: Snapshot) -> list[str]:
     ]
 
 
+LEVEL_NAMES = ("gate", "yield", "abort", "lock", "evict")
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    return f"{seconds} s ago" if seconds < 60 else f"{seconds // 60} min {seconds % 60} s ago"
+
+
+def recent_pauses(snapshot: Snapshot) -> list[str]:
+    """The timeline as text: each pause of the last minutes, newest last, one line each
+    ("GPU 0: L1 (alice, low) paused 3 s at level 0 (gate), 2 min 5 s ago")."""
+    lines = []
+    for device in snapshot.devices:
+        for span in device.timeline:
+            for pause in span.pauses:
+                end = pause.end if pause.end is not None else snapshot.time
+                when = "still paused" if pause.end is None else _ago(snapshot.time - end)
+                level = LEVEL_NAMES[pause.level] if 0 <= pause.level < 5 else "?"
+                lines.append(
+                    (
+                        pause.start,
+                        f"GPU {device.info.index}: {span.lease_id} ({span.user}, "
+                        f"{describe_priority(span.priority)}) paused {round(end - pause.start)} s "
+                        f"at level {pause.level} ({level}), {when}",
+                    )
+                )
+    return [line for _, line in sorted(lines)]
+
+
 def render_status(snapshot: Snapshot, console: Console | None = None) -> None:
     console = console or Console()
     for table in build_tables(snapshot, console.width):
@@ -147,6 +176,12 @@ def render_status(snapshot: Snapshot, console: Console | None = None) -> None:
     if console.width < WIDE_COLUMNS:
         for line in reasons_below(snapshot):
             console.print(line, highlight=False)
+    pauses = recent_pauses(snapshot)
+    if pauses:
+        minutes = round(snapshot.timeline_window_s / 60)
+        console.print(f"pauses in the last {minutes} min:", highlight=False)
+        for line in pauses[-10:]:
+            console.print(f"  {line}", highlight=False, soft_wrap=False)
     for note in snapshot.notes:
         console.print(f"[dim]note: {note}[/dim]")
 

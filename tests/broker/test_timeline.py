@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 from broker_wire import RawClient, status_of
 
 from gpushare_ext.broker.core import Identity
 from gpushare_ext.broker.timeline import Timeline
 from gpushare_ext.protocol import Granted, Queued, Release, Released, RequestLease
+from gpushare_ext.status_view import status_text
 
 GIB = 1024**3
 ALICE = Identity(uid=1001, gid=1001, pid=11, user="alice")
@@ -64,3 +67,14 @@ def test_status_carries_each_devices_timeline_with_the_eviction_level(running_br
     assert pause.level == 0 and pause.end == low_span.end
     assert pause.start <= high_span.start
     assert high_span.priority == 250 and high_span.end is None
+
+    # The text of `gpushare status` and of `%gpu status` without widgets says the same,
+    # one line a pause, within 80 columns.
+    text = status_text(snapshot, width=80)
+    _, _, rest = text.partition("pauses in the last 10 min:\n")
+    assert rest, text
+    (line,) = [x for x in rest.splitlines() if x.startswith("  GPU")]
+    assert re.fullmatch(
+        r"  GPU 0: L1 \(\w+, low\) paused \d+ s at level 0 \(gate\), \d+ s ago", line
+    ), line
+    assert max(len(x) for x in text.splitlines()) <= 80
