@@ -382,6 +382,7 @@ class LeaseView(msgspec.Struct, kw_only=True):
     pid: int | None = None  # only for your own leases and admins
     notebook: str = ""  # only for your own leases and admins
     preemption_level: int | None = None
+    estimate_s: float | None = None  # queued: seconds until the GPU is likely free, now
 
 
 class TimelinePause(msgspec.Struct, kw_only=True):

@@ -427,6 +427,8 @@ class Lease:
     reason: str = ""
     notice: str = ""
     last_queue_notice: tuple | None = None
+    estimate_s: float | None = None  # the last wait estimate told, and when (for status)
+    estimated_at: float = 0.0
     paused_for: str = ""  # the lease it was paused for (shown to the paused session)
     detached: bool = False  # restored after a restart, its process not yet reconnected
     parks_session: bool = False  # the memory of an idle session, checkpointed to the host
@@ -1645,6 +1647,7 @@ class Scheduler:
         if signature == lease.last_queue_notice:
             return []
         lease.last_queue_notice = signature
+        lease.estimate_s, lease.estimated_at = self._hold_estimate(holders, now), now
         return [
             NotifyQueued(
                 session_id=lease.session_id,
@@ -1652,7 +1655,7 @@ class Scheduler:
                 position=position,
                 waiting_for=waiting_for,
                 holder_priority=holder_priority,
-                estimate_s=self._hold_estimate(holders, now),
+                estimate_s=lease.estimate_s,
                 reason=reason,
                 notice=lease.notice,
             )

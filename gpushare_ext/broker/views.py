@@ -87,6 +87,11 @@ def _lease_view(
         pid=lease.identity.pid if detailed else None,
         notebook=(session.notebook if session else "") if detailed else "",
         preemption_level=_level_of(lease),
+        estimate_s=(
+            round(max(0.0, lease.estimate_s - (now - lease.estimated_at)), 1)
+            if lease.estimate_s is not None and lease.state == LeaseState.QUEUED
+            else None
+        ),
     )
 
 

@@ -99,6 +99,7 @@ export interface LeaseView {
   pid?: number | null;
   notebook?: string;
   preemption_level?: number | null;
+  estimate_s?: number | null;
 }
 
 export interface Snapshot {

@@ -41,7 +41,8 @@ export const MEMORY_SLICES = 8;
  *   state: LeaseState, device_index: number|null, mig_uuid: string|null,
  *   memory_bytes: number, sm_share: number, since_s: number, waited_s: number,
  *   position?: number|null, reason?: string, label?: string, pid?: number|null,
- *   notebook?: string, preemption_level?: number|null}} LeaseView
+ *   notebook?: string, preemption_level?: number|null,
+ *   estimate_s?: number|null}} LeaseView
  * @typedef {{host: string, node: string, broker_pid: number, mode: string,
  *   inventory: string, inventory_description: string, time: number, you: string,
  *   is_admin: boolean, devices: DeviceView[], leases: LeaseView[],
@@ -699,8 +700,21 @@ function renderQueue(s, options) {
       );
       row.appendChild(h("td", "gpushare-queue-action", undefined, [button]));
     }
+    const estimate =
+      l.estimate_s == null
+        ? null
+        : h(
+            "span",
+            "gpushare-queue-estimate",
+            l.estimate_s < 1
+              ? " — any moment now"
+              : ` — about ${formatDuration(l.estimate_s)} left`,
+          );
     const why = /** @type {HTMLTableCellElement} */ (
-      h("td", undefined, l.reason || l.label || "")
+      h("td", undefined, undefined, [
+        document.createTextNode(l.reason || l.label || ""),
+        estimate,
+      ])
     );
     why.colSpan = width;
     return [row, h("tr", `gpushare-queue-reason${own}`, undefined, [why])];

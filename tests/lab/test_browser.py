@@ -490,3 +490,32 @@ def test_the_panel_with_mig_on_draws_the_instances_inside_it(page, sessions, wid
     assert_nothing_clipped(panel)
     OUTPUT.mkdir(exist_ok=True)
     panel.screenshot(path=str(OUTPUT / f"tour-mig-{width}-light.png"))
+
+
+def test_panel_queue_estimate_counts_down(page, sessions):
+    from playwright.sync_api import expect
+
+    page.locator('.jp-SideBar .lm-TabBar-tab[data-id="gpushare-panel"]').click()
+    panel = page.locator("#gpushare-panel")
+    expect(panel.locator(".gpushare-device")).to_have_count(1, timeout=15_000)
+    # The broker learns how long this user holds the GPU (one lease of about 8 s) ...
+    holder = sessions()
+    first = holder.request_lease(priority=HIGH, memory_bytes=120 * TOUR_GIB, label="explore")
+    time.sleep(8)
+    holder.release(first.lease_id)
+    # ... so a request waiting behind the next one hears about how long it will wait.
+    holder.request_lease(priority=HIGH, memory_bytes=120 * TOUR_GIB, label="explore")
+    sessions().request_lease(priority=LOW, memory_bytes=60 * TOUR_GIB, label="train")
+    estimate = panel.locator(".gpushare-queue-estimate")
+    expect(estimate).to_have_count(1, timeout=LIVE_S * 1000)
+
+    def seconds_left() -> int:
+        text = estimate.inner_text()
+        assert "about" in text and "s left" in text, text
+        return int(text.split("about ", 1)[1].split(" s", 1)[0])
+
+    before = seconds_left()
+    assert 4 <= before <= 9, before
+    time.sleep(2.5)
+    after = seconds_left()
+    assert after <= before - 2, (before, after)
