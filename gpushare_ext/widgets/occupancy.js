@@ -447,6 +447,7 @@ function renderLayout(info, leases) {
     ]);
     return h("div", "gpushare-layout gpushare-mig-off", undefined, [
       whole,
+      renderShares(info, leases),
       folded,
     ]);
   }
@@ -502,6 +503,47 @@ export function packedPlacements(p) {
     starts.push(start);
   }
   return starts;
+}
+
+/**
+ * Software slices of a GPU with MIG off: each lease with a share of the SMs below the
+ * whole GPU, drawn to its share and named with its holder; nothing when none has one.
+ * @param {DeviceInfo} info
+ * @param {LeaseView[]} leases
+ * @returns {HTMLElement|null}
+ */
+function renderShares(info, leases) {
+  const shared = leases.filter(
+    (l) => l.sm_share < 1 && (l.state === "running" || l.state === "paused"),
+  );
+  if (!shared.length) return null;
+  const bar = h("div", "gpushare-shares");
+  let used = 0;
+  for (const l of shared) {
+    const pct = Math.min(100 - used, Math.round(l.sm_share * 100));
+    used += pct;
+    const cell = h(
+      "div",
+      `gpushare-share${l.own ? " gpushare-share-own" : ""} gpushare-state-${l.state}`,
+      `${l.user} · ${pct} %`,
+    );
+    cell.style.width = `${pct}%`;
+    cell.title = `${l.user}: ${pct} % of the ${info.multiprocessor_count} SMs (${Math.round(l.sm_share * info.multiprocessor_count)} SMs), ${l.state}`;
+    bar.appendChild(cell);
+  }
+  if (used < 100) {
+    const free = h(
+      "div",
+      "gpushare-share gpushare-share-free",
+      `free ${100 - used} %`,
+    );
+    free.style.width = `${100 - used}%`;
+    bar.appendChild(free);
+  }
+  return h("div", "gpushare-shares-block", undefined, [
+    h("span", "gpushare-caption", "software slices (share of the SMs)"),
+    bar,
+  ]);
 }
 
 /**

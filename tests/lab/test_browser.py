@@ -519,3 +519,25 @@ def test_panel_queue_estimate_counts_down(page, sessions):
     time.sleep(2.5)
     after = seconds_left()
     assert after <= before - 2, (before, after)
+
+
+def test_panel_draws_software_slices_with_their_holders_inside_it(page, sessions):
+    from playwright.sync_api import expect
+
+    from gpushare_ext.protocol import SliceWish
+
+    for share in (0.5, 0.25):
+        sessions().request_lease(
+            priority=HIGH, memory_bytes=20 * TOUR_GIB, slice=SliceWish.SHARED, sm_share=share
+        )
+    panel = open_panel(page, 250, "light")
+    shares = panel.locator(".gpushare-shares .gpushare-share")
+    expect(shares).to_have_count(3, timeout=LIVE_S * 1000)
+    expect(shares.nth(0)).to_contain_text("· 50 %")
+    expect(shares.nth(1)).to_contain_text("· 25 %")
+    expect(shares.nth(2)).to_have_text("free 25 %")
+    widths = [shares.nth(i).bounding_box()["width"] for i in range(3)]
+    assert abs(widths[0] - 2 * widths[1]) <= 3 and abs(widths[1] - widths[2]) <= 3, widths
+    assert_nothing_clipped(panel)
+    OUTPUT.mkdir(exist_ok=True)
+    panel.screenshot(path=str(OUTPUT / "tour-shares-250-light.png"))
