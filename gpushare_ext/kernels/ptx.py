@@ -321,16 +321,28 @@ def _parse_params(text: str, where: int) -> list[Param]:
     return params
 
 
-def _match_paren(text: str, start: int, open_ch: str, close_ch: str) -> int:
+def find_matching(
+    text: str, start: int, open_ch: str, close_ch: str, limit: int | None = None
+) -> int:
+    """The index of the ``close_ch`` that closes the ``open_ch`` at ``start`` (looking at
+    most ``limit`` characters on), or -1."""
     depth = 0
-    for i in range(start, len(text)):
+    end = len(text) if limit is None else min(len(text), start + limit)
+    for i in range(start, end):
         if text[i] == open_ch:
             depth += 1
         elif text[i] == close_ch:
             depth -= 1
             if depth == 0:
                 return i
-    raise KernelError("bad-ptx", f"unbalanced {open_ch!r}", step="parse")
+    return -1
+
+
+def _match_paren(text: str, start: int, open_ch: str, close_ch: str) -> int:
+    found = find_matching(text, start, open_ch, close_ch)
+    if found < 0:
+        raise KernelError("bad-ptx", f"unbalanced {open_ch!r}", step="parse")
+    return found
 
 
 def _parse_body(text: str, offset: int, full: str) -> list[Statement]:

@@ -29,7 +29,7 @@ import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from gpushare_ext.kernels.ptx import Entry, PtxModule
+from gpushare_ext.kernels.ptx import Entry, PtxModule, find_matching
 
 __all__ = [
     "KernelDefinition",
@@ -237,15 +237,7 @@ class _Positions:
 
 
 def _match_close(text: str, i: int, open_ch: str, close_ch: str) -> int:
-    depth = 0
-    for j in range(i, min(len(text), i + 20_000)):
-        if text[j] == open_ch:
-            depth += 1
-        elif text[j] == close_ch:
-            depth -= 1
-            if depth == 0:
-                return j
-    return -1
+    return find_matching(text, i, open_ch, close_ch, limit=20_000)
 
 
 def _name_and_params(text: str, start: int) -> tuple[str, int, int] | None:

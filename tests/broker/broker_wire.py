@@ -33,6 +33,19 @@ from gpushare_ext.protocol import (
 )
 
 HOLDER = Path(__file__).with_name("lease_holder.py")
+GIB = 1024**3
+
+
+def evict_low_for_high(low: RawClient, high: RawClient) -> None:
+    """``low`` (hello said) holds 100 GiB at low priority; ``high`` asks as much at high
+    priority, waits, and is granted once the low lease is evicted (lease ids L1, L2)."""
+    from gpushare_ext.protocol import Granted, Queued, RequestLease
+
+    low.send(RequestLease(seq=2, priority=50, memory_bytes=100 * GIB))
+    assert isinstance(low.recv(), Granted)
+    high.send(RequestLease(seq=2, priority=250, memory_bytes=100 * GIB))
+    assert isinstance(high.recv(), Queued)
+    assert isinstance(high.recv(), Granted)
 
 
 class RawClient:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import re
 
-from broker_wire import RawClient, wait_for
+from broker_wire import RawClient, evict_low_for_high, wait_for
 
-from gpushare_ext.protocol import Granted, Queued, Refused, Release, Released, RequestLease
+from gpushare_ext.protocol import Refused, Release, Released, RequestLease
 
 GIB = 1024**3
 
@@ -23,11 +23,7 @@ def test_each_lease_event_is_one_line_in_the_broker_log(running_broker):
     with RawClient(running_broker.socket) as low, RawClient(running_broker.socket) as high:
         low.hello()
         high.hello()
-        low.send(RequestLease(seq=2, priority=50, memory_bytes=100 * GIB))
-        assert isinstance(low.recv(), Granted)
-        high.send(RequestLease(seq=2, priority=250, memory_bytes=100 * GIB))
-        assert isinstance(high.recv(), Queued)
-        assert isinstance(high.recv(), Granted)  # once the low lease is evicted
+        evict_low_for_high(low, high)
         high.send(RequestLease(seq=3, priority=150, memory_bytes=900 * GIB))
         assert isinstance(high.recv(), Refused)
         low.send(Release(seq=3, lease_id="L1"))

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import re
 
-from broker_wire import RawClient, status_of
+from broker_wire import RawClient, evict_low_for_high, status_of
 
 from gpushare_ext.broker.core import Identity
 from gpushare_ext.broker.timeline import Timeline
-from gpushare_ext.protocol import Granted, Queued, Release, Released, RequestLease
+from gpushare_ext.protocol import Release, Released
 from gpushare_ext.status_view import status_text
 
 GIB = 1024**3
@@ -48,11 +48,7 @@ def test_status_carries_each_devices_timeline_with_the_eviction_level(running_br
     with RawClient(running_broker.socket) as low, RawClient(running_broker.socket) as high:
         low.hello()
         high.hello()
-        low.send(RequestLease(seq=2, priority=50, memory_bytes=100 * GIB))
-        assert isinstance(low.recv(), Granted)
-        high.send(RequestLease(seq=2, priority=250, memory_bytes=100 * GIB))
-        assert isinstance(high.recv(), Queued)
-        assert isinstance(high.recv(), Granted)
+        evict_low_for_high(low, high)
         low.send(Release(seq=3, lease_id="L1"))
         assert any(isinstance(m, Released) for m in low.recv_all(2))
 
