@@ -262,15 +262,16 @@ def _blank_comments(text: str) -> str:
     return _COMMENT.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)
 
 
-def split_operands(text: str) -> tuple[str, ...]:
-    """Split ``a, [b+4], {c, d}`` at top-level commas."""
+def split_top_level(text: str, opening: str = "[{(", closing: str = "]})") -> list[str]:
+    """``text`` cut at the commas outside any bracket, each piece stripped (an empty
+    last piece dropped)."""
     out: list[str] = []
     depth = 0
     cur: list[str] = []
     for ch in text:
-        if ch in "[{(":
+        if ch in opening:
             depth += 1
-        elif ch in "]})":
+        elif ch in closing:
             depth -= 1
         if ch == "," and depth == 0:
             out.append("".join(cur).strip())
@@ -280,7 +281,12 @@ def split_operands(text: str) -> tuple[str, ...]:
     tail = "".join(cur).strip()
     if tail:
         out.append(tail)
-    return tuple(out)
+    return out
+
+
+def split_operands(text: str) -> tuple[str, ...]:
+    """Split ``a, [b+4], {c, d}`` at top-level commas."""
+    return tuple(split_top_level(text))
 
 
 def parse_instruction(

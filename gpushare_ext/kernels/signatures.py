@@ -29,7 +29,7 @@ import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from gpushare_ext.kernels.ptx import Entry, PtxModule, find_matching
+from gpushare_ext.kernels.ptx import Entry, PtxModule, find_matching, split_top_level
 
 __all__ = [
     "KernelDefinition",
@@ -286,21 +286,8 @@ def _name_and_params(text: str, start: int) -> tuple[str, int, int] | None:
 
 
 def _split_params(text: str) -> list[str]:
-    pieces = []
-    depth = 0
-    current = []
-    for ch in text:
-        if ch in "([{<":
-            depth += 1
-        elif ch in ")]}>":
-            depth -= 1
-        if ch == "," and depth == 0:
-            pieces.append("".join(current))
-            current = []
-        else:
-            current.append(ch)
-    pieces.append("".join(current))
-    return [p.strip() for p in pieces]
+    """Parameters at top-level commas (template arguments count as brackets)."""
+    return split_top_level(text, "([{<", ")]}>")
 
 
 def _param_name(piece: str) -> str | None:
