@@ -28,7 +28,12 @@ from gpushare_ext.kernels.signatures import (
     strip_comments,
     uninstantiated_templates,
 )
-from gpushare_ext.kernels.toolchain import CompiledFile, CompileOptions, compile_file
+from gpushare_ext.kernels.toolchain import (
+    VERBOSE_HINT,
+    CompiledFile,
+    CompileOptions,
+    compile_file,
+)
 
 __all__ = ["AnalysedFile", "analyse_file", "find_entry"]
 
@@ -71,11 +76,12 @@ def analyse_file(path: Path, text: str, options: CompileOptions) -> AnalysedFile
         if not found:
             raise
         names = ", ".join(str(f) for f in found[:3])
-        head, _, tail = exc.message.partition("; --verbose")
+        head, hint, tail = exc.message.partition(VERBOSE_HINT)
         raise KernelError(
             exc.code,
             f"{head}; {path.name} is meant to be #included (by {names}): classify that file"
-            + (f"; --verbose{tail}" if tail else ""),
+            + hint
+            + tail,
             step=exc.step,
             log=exc.log,
         ) from None

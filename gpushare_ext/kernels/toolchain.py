@@ -45,6 +45,7 @@ STANDARDS = ("c++03", "c++11", "c++14", "c++17", "c++20")
 COMPILE_TIMEOUT_S = 300
 LEGACY_TEXTURES = Path(__file__).with_name("legacy_textures.cuh")
 _LEGACY_TEXTURES = re.compile(r"error: texture is not a template")
+VERBOSE_HINT = "; --verbose shows the"  # ends a summary taken from a compiler's log
 _WHEEL_DIRS = ("nvidia/cu13", "nvidia/cu12", "nvidia/cuda_nvcc")
 _HEADER_WHEELS = ("nvidia/cu13/include", "nvidia/cuda_runtime/include", "nvidia/cuda_cccl/include")
 # What makes a file more than a kernel source: NVRTC has no host compiler and no libc.
@@ -224,25 +225,36 @@ def compile_file(path: Path, text: str, options: CompileOptions) -> CompiledFile
 def _compile_kernels_alone(
     nvcc: Path, path: Path, text: str, options: CompileOptions, whole: KernelError
 ) -> CompiledFile:
-    """The device code of a file whose whole does not compile, or ``whole`` raised."""
-    plain = strip_comments(text)
-    device_only = without_host_bodies(plain)
-    textures = bool(_LEGACY_TEXTURES.search(whole.log))
-    if device_only == plain and not textures:
-        raise whole
+    """The kernels of a file whose whole does not compile, or ``whole`` raised.
+
+    Texture references first get their stand-ins, the whole file compiled again; only
+    if that still fails are the host bodies set aside, and the note quotes the error
+    that was left, so that it never blames the host code for a texture."""
     notes = []
-    if device_only != plain:
-        first = whole.message.split("; --verbose", 1)[0].split("; texture and surface", 1)[0]
-        notes.append(
-            f"the host code does not compile ({first}): the device code was compiled alone, "
-            "so template kernels launched only from host code are not instantiated"
-        )
-    if textures:
+    failure = whole
+    if _LEGACY_TEXTURES.search(whole.log):
         options = replace(options, force_includes=(*options.force_includes, LEGACY_TEXTURES))
         notes.append(
             "texture references (removed in CUDA 12) were given stand-ins: a kernel that "
             "fetches from one reads through a pointer the analysis cannot follow"
         )
+        try:
+            compiled = _compile_with_nvcc(nvcc, path, path, options)
+            return replace(compiled, log=whole.log, note=notes[0])
+        except KernelError as left:
+            if left.code != "compile-failed":
+                raise
+            failure = left
+    plain = strip_comments(text)
+    device_only = without_host_bodies(plain)
+    if device_only == plain:
+        raise whole
+    first = failure.message.split(VERBOSE_HINT, 1)[0]
+    notes.insert(
+        0,
+        f"the host code does not compile ({first}): the device code was compiled alone, "
+        "so template kernels launched only from host code are not instantiated",
+    )
     try:
         compiled = _compile_device_code(nvcc, path, device_only, options)
     except KernelError:
@@ -364,10 +376,10 @@ def summarise_log(log: str, path: Path, compiler: str) -> str:
         what = first.group("what").strip()
         more = len(errors) - 1
         tail = f" ({more} more error{'s' if more != 1 else ''})" if more else ""
-        return f"{where}: {what}{tail}{_hint_for(what)}; --verbose shows the {compiler} log"
+        return f"{where}: {what}{tail}{_hint_for(what)}{VERBOSE_HINT} {compiler} log"
     fatal = next((line for line in lines if "fatal" in line or "error" in line), "")
     text = fatal.strip() or "the compiler failed without saying why"
-    return f"{path}: {compiler} failed: {text}; --verbose shows the log"
+    return f"{path}: {compiler} failed: {text}{VERBOSE_HINT} log"
 
 
 def _missing_header(file: str, line: str, header: str) -> str:

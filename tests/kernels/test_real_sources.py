@@ -537,3 +537,17 @@ def test_host_bodies_are_emptied_and_device_code_kept_line_for_line():
     assert lines[8] == 'extern "C" void run() {' and lines[9].strip() == ""
     assert lines[11] == "static const int table[] = {1, 2};"
     assert without_host_bodies("__global__ void k() {}\n") == "__global__ void k() {}\n"
+
+
+def test_a_texture_reference_is_not_blamed_on_host_code_that_compiles(tmp_path, capsys):
+    text = (APP / "legacy_texture.cu").read_text() + "int host_helper(int v) { return v + 1; }\n"
+    path = _write(tmp_path, "tex_and_host.cu", text)
+
+    assert classify_main([str(path), "--brief"]) == 0
+
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == (
+        "note: texture references (removed in CUDA 12) were given stand-ins: a kernel that "
+        "fetches from one reads through a pointer the analysis cannot follow"
+    )
+    assert out[2].startswith("sample(float*, int): unknown")
