@@ -419,19 +419,30 @@ def open_panel(page, width: int, theme: str):
 
 
 def assert_nothing_clipped(panel) -> None:
-    edge = panel.bounding_box()
-    assert edge is not None
-    right = edge["x"] + edge["width"] + 1
-    for control in panel.locator("button, summary").all():
-        if not control.is_visible():
-            continue
-        box = control.bounding_box()
-        assert box and box["x"] >= edge["x"] - 1 and box["x"] + box["width"] <= right, (
-            control.inner_text(),
-            box,
-            edge,
-        )
-        control.click(trial=True, timeout=2_000)  # visible, enabled, not covered
+    # One synchronous pass in the page: the panel redraws every second, so handles taken
+    # one by one from here could be replaced between two looks.
+    problems = panel.evaluate(
+        """panel => {
+          const edge = panel.getBoundingClientRect();
+          const found = [];
+          for (const control of panel.querySelectorAll("button, summary")) {
+            const box = control.getBoundingClientRect();
+            if (box.width === 0 && box.height === 0) continue;  // folded away
+            const name = control.textContent.trim();
+            if (box.left < edge.left - 1 || box.right > edge.right + 1) {
+              found.push(`${name}: outside the panel`);
+              continue;
+            }
+            control.scrollIntoView({ block: "center" });
+            const at = control.getBoundingClientRect();
+            const hit = document.elementFromPoint(at.left + at.width / 2, at.top + at.height / 2);
+            if (!hit || !(hit === control || control.contains(hit)))
+              found.push(`${name}: covered by ${hit ? hit.className : "nothing"}`);
+          }
+          return found;
+        }"""
+    )
+    assert problems == [], problems
     overflowing = panel.evaluate(
         """panel => [...panel.querySelectorAll('.gpushare-view *')]
              .filter(e => e.getBoundingClientRect().right > panel.getBoundingClientRect().right + 1)
