@@ -317,8 +317,10 @@ class BrokerClient:
         sm_share: float = 1.0,
         capabilities: Capabilities | None = None,
         label: str = "",
+        ranks: int = 1,
     ) -> Granted | Queued | Refused:
-        """Ask for a lease; the first answer is a grant, a queue notice or a refusal."""
+        """Ask for a lease (``ranks`` > 1: a gang, one slice per rank); the first answer
+        is a grant, a queue notice or a refusal."""
         return self.ask_for_lease(
             RequestLease(
                 priority=priority,
@@ -328,6 +330,7 @@ class BrokerClient:
                 sm_share=sm_share,
                 capabilities=capabilities or Capabilities(),
                 label=label[:256],
+                ranks=ranks,
             )
         )
 

@@ -41,6 +41,10 @@ Bytes = Annotated[int, msgspec.Meta(ge=0, le=1 << 50)]
 Seq = Annotated[int, msgspec.Meta(ge=0, le=(1 << 53))]
 ShortText = Annotated[str, msgspec.Meta(max_length=256)]
 LeaseId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+# A gang (one request for several slices, trained across them) has at most this many
+# ranks: more processes than a host has slices gain nothing and cost every neighbour.
+MAX_RANKS = 64
+Ranks = Annotated[int, msgspec.Meta(ge=1, le=MAX_RANKS)]
 
 # Priority classes: a request names a class ("high") or a number 0..299; the class of a
 # number is its hundred (0-99 low, 100-199 normal, 200-299 high).  Names map to the
@@ -166,6 +170,9 @@ class RequestLease(ClientMessage, tag="request_lease"):
     sm_share: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
     capabilities: Capabilities = Capabilities()
     label: ShortText = ""  # e.g. the cell's first line, shown in the queue
+    # More than one: a gang, granted all at once (each rank its own slice of
+    # ``memory_bytes`` and ``sm_share``), paused and resumed as one, released as one.
+    ranks: Ranks = 1
 
 
 class Release(ClientMessage, tag="release"):
@@ -292,11 +299,19 @@ class Placement(msgspec.Struct, frozen=True, kw_only=True):
         return self.mig_uuid or self.device_uuid
 
 
-class Granted(BrokerMessage, tag="granted"):
+class RankPlacement(msgspec.Struct, frozen=True, kw_only=True):
+    """One rank of a gang: the lease it runs under and where."""
+
     lease_id: str
     placement: Placement
+
+
+class Granted(BrokerMessage, tag="granted"):
+    lease_id: str
+    placement: Placement  # of a gang: its rank 0's
     priority: int
     notice: str = ""  # e.g. "priority lowered to normal by policy"
+    ranks: list[RankPlacement] = []  # a gang's ranks in order; empty for one lease
 
 
 class Queued(BrokerMessage, tag="queued"):

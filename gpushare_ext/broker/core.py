@@ -42,9 +42,10 @@ events (a release of an unknown lease) raise :class:`SchedulerError` and change 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gpushare_ext.broker.errors import DaemonError
+from gpushare_ext.broker.gangs import assign_ranks, member_id, most_ranks, split_member_id
 from gpushare_ext.broker.inventory import DeviceInfo
 from gpushare_ext.broker.lease_index import SPATIAL_LIMIT, LeaseIndex, SlotLoad, exact_share
 from gpushare_ext.broker.parking import (
@@ -75,6 +76,7 @@ from gpushare_ext.protocol import (
     LeaseState,
     Placement,
     PreemptionLevel,
+    RankPlacement,
     RequestLease,
     SliceWish,
     describe_priority,
@@ -302,11 +304,15 @@ Event = (
 
 @dataclass(frozen=True, kw_only=True)
 class Grant:
+    """A lease is granted; for a gang, ``lease_id`` is the gang's, ``placement`` its rank
+    0's, and ``ranks`` every member's lease and placement in rank order."""
+
     session_id: str
     lease_id: str
     placement: Placement
     priority: int
     notice: str = ""
+    ranks: tuple[RankPlacement, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -433,6 +439,8 @@ class Lease:
     detached: bool = False  # restored after a restart, its process not yet reconnected
     parks_session: bool = False  # the memory of an idle session, checkpointed to the host
     restore_wanted: bool = False  # a park whose session asked for its memory back
+    gang: str | None = None  # the gang it is a rank of (:mod:`~gpushare_ext.broker.gangs`)
+    rank: int = 0
 
     def running_priority(self) -> float:
         return min(299.0, self.base_priority + self.aging_bonus)
@@ -498,6 +506,9 @@ class Scheduler:
         self._session_of_pid: dict[int, str] = {}  # the sessions' processes, for parking
         self._parks_of_uid: dict[int, int] = {}  # park leases per user: not counted as leases
         self._park_refusals: dict[str, str] = {}  # per slot, this pass: why none was parked
+        self.gangs: dict[str, tuple[str, ...]] = {}  # gang id -> its members' ids, rank order
+        self._gang_targets: dict[str, tuple[str, ...]] = {}  # slots made room on for a gang
+        self._pass_gangs: set[str] = set()  # gangs served in this scheduling pass
 
     # ---- public
 
@@ -507,6 +518,7 @@ class Scheduler:
         handler = getattr(self, f"_on_{type(event).__name__}")
         actions: list[Action] = handler(event, event_now)
         self.now = event_now
+        actions.extend(self._settle_gangs(event_now))
         actions.extend(self._schedule(event_now))
         return actions
 
@@ -520,11 +532,30 @@ class Scheduler:
         )
 
     def queued_position(self, lease_id: str) -> int | None:
-        queued = [lease for lease in self.queue() if lease.state == LeaseState.QUEUED]
+        """Where a queued request stands (a gang counts once, by its id or a member's)."""
+        queued = [
+            lease for lease in self.queue() if lease.state == LeaseState.QUEUED and lease.rank == 0
+        ]
+        wanted = self.gang_of(lease_id) or lease_id
         for position, lease in enumerate(queued, start=1):
-            if lease.lease_id == lease_id:
+            if lease.lease_id == lease_id or (lease.gang is not None and lease.gang == wanted):
                 return position
         return None
+
+    def gang_of(self, lease_id: str) -> str | None:
+        """The gang ``lease_id`` names (a gang's id, or one of its members'), if any."""
+        if lease_id in self.gangs:
+            return lease_id
+        lease = self.leases.get(lease_id)
+        return lease.gang if lease is not None else None
+
+    def members(self, lease_id: str) -> list[Lease]:
+        """The active leases a lease id stands for: a gang's members, or the lease itself."""
+        gang = self.gang_of(lease_id)
+        if gang is None:
+            lease = self.leases.get(lease_id)
+            return [lease] if lease is not None else []
+        return [self.leases[m] for m in self.gangs[gang] if m in self.leases]
 
     def slot_usage(self, key: str) -> tuple[int, list[Lease]]:
         """Memory held on a slot (running, paused and pending grants) and its running leases."""
@@ -537,7 +568,11 @@ class Scheduler:
         return self._index.mismatch(self.leases.values())
 
     def lease_of(self, lease_id: str) -> Lease | None:
-        return self.leases.get(lease_id)
+        """The active lease ``lease_id``; for a gang's id, its first active rank."""
+        lease = self.leases.get(lease_id)
+        if lease is None and lease_id in self.gangs:
+            lease = next((self.leases[m] for m in self.gangs[lease_id] if m in self.leases), None)
+        return lease
 
     def slots_of_device(self, index: int) -> list[Slot]:
         return [s for s in self.slots.values() if s.device_index == index]
@@ -626,8 +661,24 @@ class Scheduler:
                 f"{format_size(memory)} does not fit any matching device or slice "
                 f"(the largest has {format_size(biggest)})",
             )
+        if asked.ranks > 1:
+            room = sum(
+                most_ranks(self.slots[key].memory_bytes, memory, asked.ranks) for key in candidates
+            )
+            if held + asked.ranks > limits.max_leases:
+                return refuse(
+                    ErrorCode.POLICY,
+                    f"a gang of {asked.ranks} ranks takes {asked.ranks} leases; you hold or "
+                    f"wait for {held} and your policy allows {limits.max_leases}",
+                )
+            if room < asked.ranks:
+                return refuse(
+                    ErrorCode.INVALID,
+                    f"{asked.ranks} ranks of {format_size(memory)} can never run at once here: "
+                    f"the matching devices and slices hold {room} at most",
+                )
         self._arrivals += 1
-        lease = Lease(
+        first = Lease(
             lease_id=event.lease_id,
             session_id=event.session_id,
             identity=identity,
@@ -644,9 +695,19 @@ class Scheduler:
             lockable=asked.capabilities.lockable,
             notice=notice,
         )
-        self.leases[lease.lease_id] = lease
-        self._index.add(lease)
-        record.leases.add(lease.lease_id)
+        leases = [first]
+        if asked.ranks > 1:  # every rank its own lease, of one arrival: they queue as one
+            leases = [
+                replace(
+                    first, lease_id=member_id(event.lease_id, rank), gang=event.lease_id, rank=rank
+                )
+                for rank in range(asked.ranks)
+            ]
+            self.gangs[event.lease_id] = tuple(lease.lease_id for lease in leases)
+        for lease in leases:
+            self.leases[lease.lease_id] = lease
+            self._index.add(lease)
+            record.leases.add(lease.lease_id)
         record.last_priority = priority
         return []
 
@@ -695,6 +756,15 @@ class Scheduler:
             paused_for=event.paused_for,
             detached=True,
         )
+        membership = split_member_id(event.lease_id)
+        if membership is not None:  # a gang's rank: the gang comes back as its ranks do
+            lease.gang, lease.rank = membership
+            mates = self.gangs.get(lease.gang, ())
+            if mates:
+                lease.arrival = self.leases[mates[0]].arrival
+            self.gangs[lease.gang] = tuple(
+                sorted((*mates, lease.lease_id), key=lambda m: (split_member_id(m) or ("", 0))[1])
+            )
         self.leases[lease.lease_id] = lease
         self._index.add(lease)
         record.leases.add(lease.lease_id)
@@ -774,9 +844,11 @@ class Scheduler:
         ]
 
     def _on_LeaseReleased(self, event: LeaseReleased, now: float) -> list[Action]:
-        lease = self.leases.get(event.lease_id)
-        if lease is None or lease.state not in ACTIVE_STATES:
+        """A lease ends; a gang's id (or any of its members' ids) ends the whole gang."""
+        leases = self.members(event.lease_id)
+        if not leases or leases[0].state not in ACTIVE_STATES:
             raise SchedulerError(ErrorCode.UNKNOWN_LEASE, f"no active lease {event.lease_id}")
+        lease = leases[0]
         if lease.session_id != event.session_id and not event.by_admin:
             raise SchedulerError(ErrorCode.PERMISSION, f"lease {event.lease_id} is not yours")
         reason = "cancelled by an admin" if event.by_admin else "released"
@@ -786,12 +858,15 @@ class Scheduler:
             actions.append(
                 Revoke(
                     session_id=lease.session_id,
-                    lease_id=lease.lease_id,
+                    lease_id=lease.gang or lease.lease_id,
                     pid=lease.identity.pid,
                     reason=reason,
                 )
             )
-        actions.append(self._end(lease, state, now, reason))
+        actions.extend(self._end(member, state, now, reason) for member in leases)
+        if lease.gang is not None:
+            self.gangs.pop(lease.gang, None)
+            self._gang_targets.pop(lease.gang, None)
         return actions
 
     def _on_PreemptionApplied(self, event: PreemptionApplied, now: float) -> list[Action]:
@@ -1363,9 +1438,9 @@ class Scheduler:
                 continue
             if priority_band(victim.running_priority()) >= band:
                 return None
-            if victim.pending_level is not None:
+            if any(member.pending_level is not None for member in self._gang_mates(victim)):
                 return None  # already being stopped; wait for that
-            if stopping_level(self._traits(victim)) is None:
+            if self._gang_stopping_level(victim) is None:
                 continue  # cannot be stopped: it will time-slice with us (said in status)
             to_pause.append(victim)
         to_pause.sort(key=lambda victim: victim.arrival)
@@ -1381,10 +1456,13 @@ class Scheduler:
             other
             for other in load.holders.values()
             if other.lease_id != lease.lease_id
+            and not (lease.gang is not None and other.gang == lease.gang)
             and priority_band(other.running_priority()) < band
             and other.evictable
             and (other.lockable or other.state == LeaseState.PAUSED)
             and other.pending_level is None
+            # A rank is evicted only if the rest of its gang can be stopped with it.
+            and (other.gang is None or self._gang_stopping_level(other) is not None)
         ]
         candidates.sort(
             key=lambda o: victim_order_key(o.running_priority(), o.memory_bytes, o.arrival)
@@ -1412,9 +1490,10 @@ class Scheduler:
         ahead = 0
         self._pass_holders.clear()
         self._park_refusals.clear()
+        self._pass_gangs.clear()
         for lease in self.queue():
             actions.extend(self._serve(lease, reserved, waited_for, ahead, now))
-            if lease.state == LeaseState.QUEUED:
+            if lease.state == LeaseState.QUEUED and lease.rank == 0:
                 ahead += 1
         return actions
 
@@ -1424,6 +1503,11 @@ class Scheduler:
         """One waiter's turn in the pass: placed, made room for, or told why it waits."""
         if lease.state not in (LeaseState.QUEUED, LeaseState.PAUSED, LeaseState.EVICTED):
             return []
+        if lease.gang is not None:  # a gang is served whole, at the first member met
+            if lease.gang in self._pass_gangs:
+                return []
+            self._pass_gangs.add(lease.gang)
+            return self._serve_gang(lease.gang, reserved, waited_for, ahead, now)
         if lease.held_by_watchdog or lease.detached:
             return []
         if lease.parks_session and not lease.restore_wanted:
@@ -1473,6 +1557,249 @@ class Scheduler:
             return [lease.slot]
         candidates, _ = self._candidate_slots(lease.device_wish, lease.slice)
         return [k for k in candidates if self.slots[k].memory_bytes >= lease.memory_bytes]
+
+    # ---- gangs (ids and placement arithmetic: broker/gangs.py)
+
+    def _gang_mates(self, lease: Lease) -> list[Lease]:
+        """``lease`` and, for a gang's rank, every other active rank of its gang."""
+        if lease.gang is None:
+            return [lease]
+        return [self.leases[m] for m in self.gangs.get(lease.gang, ()) if m in self.leases]
+
+    def _gang_companions(self, victims: list[Lease]) -> list[Lease]:
+        """The running ranks of the victims' gangs that are not victims already: a gang
+        never runs in part."""
+        chosen = {victim.lease_id for victim in victims}
+        companions: list[Lease] = []
+        for victim in victims:
+            for mate in self._gang_mates(victim):
+                if mate.lease_id not in chosen and mate.state == LeaseState.RUNNING:
+                    chosen.add(mate.lease_id)
+                    companions.append(mate)
+        return companions
+
+    def _gang_stopping_level(self, victim: Lease) -> PreemptionLevel | None:
+        """The ladder level that stops ``victim`` (for a rank: that stops every running
+        rank of its gang, the highest any needs); None if one of them cannot be stopped."""
+        levels = [
+            stopping_level(self._traits(mate))
+            for mate in self._gang_mates(victim)
+            if mate is victim or mate.state == LeaseState.RUNNING
+        ]
+        if any(level is None for level in levels):
+            return None
+        return max(levels)  # type: ignore[type-var]
+
+    def _gang_probe(self, leader: Lease, ranks: list[Lease], key: str) -> Lease:
+        """A stand-in for ``ranks`` of one gang on slot ``key``, as one lease: the memory
+        they still need there (paused ranks hold theirs) and their SM shares summed.  It
+        is never added to the index."""
+        share = sum(rank.sm_share for rank in ranks)
+        return replace(
+            leader,
+            lease_id=f"{leader.gang}@{key}",
+            memory_bytes=sum(r.memory_bytes for r in ranks if r.state != LeaseState.PAUSED),
+            sm_share=share if share < 1.0 and all(r.sm_share < 1.0 for r in ranks) else 1.0,
+            state=LeaseState.QUEUED,
+            slot=None,
+        )
+
+    def _serve_gang(
+        self, gang: str, reserved: set[str], waited_for: set[str], ahead: int, now: float
+    ) -> list[Action]:
+        """A gang's turn in the pass: all its ranks placed or resumed at once, room made
+        for all of them, or told why it waits."""
+        members = [self.leases[m] for m in self.gangs[gang] if m in self.leases]
+        if any(m.held_by_watchdog or m.detached for m in members):
+            return []
+        if any(m.pending_level is not None or m.awaiting_memory_from for m in members):
+            reserved.update(self._gang_targets.get(gang) or {m.slot for m in members if m.slot})
+            return []
+        if any(m.state == LeaseState.RUNNING for m in members):
+            return []  # settled at the next event (see _settle_gangs)
+        self._gang_targets.pop(gang, None)
+        leader = members[0]
+        if leader.state == LeaseState.QUEUED:
+            return self._serve_queued_gang(leader, members, reserved, waited_for, ahead, now)
+        return self._serve_stopped_gang(leader, members, reserved, waited_for, now)
+
+    def _serve_queued_gang(
+        self,
+        leader: Lease,
+        members: list[Lease],
+        reserved: set[str],
+        waited_for: set[str],
+        ahead: int,
+        now: float,
+    ) -> list[Action]:
+        wanted = self._wanted_slots(leader)
+        candidates = [k for k in wanted if self.slots[k].device_index not in self.drained]
+        open_slots = sorted(
+            (k for k in candidates if k not in reserved and k not in waited_for),
+            key=lambda k: self._slot_preference(leader, k),
+        )
+
+        def fits_now(key: str, count: int) -> bool:
+            probe = self._gang_probe(leader, members[:count], key)
+            return self._fits_now(probe, key, now)
+
+        assignment = assign_ranks(len(members), open_slots, fits_now)
+        if assignment is not None:
+            return self._start_gang(members, assignment, now)
+        planned = self._gang_room_plan(leader, members, open_slots, now)
+        if planned is not None:
+            assignment, plans = planned
+            reserved.update(assignment)
+            return self._make_room_for_gang(leader, members, assignment, plans, now, ahead)
+        waited_for.update(candidates)
+        return self._gang_notices(
+            leader, self._queue_notice(leader, candidates or wanted, now, ahead)
+        )
+
+    def _gang_room_plan(
+        self, leader: Lease, members: list[Lease], open_slots: list[str], now: float
+    ) -> tuple[list[str], dict[str, tuple]] | None:
+        """Where a queued gang could go by preempting, and what on each slot: one rank per
+        slot where enough slots allow it, else all ranks on the one cheapest slot."""
+        count = len(members)
+        single: dict[str, tuple] = {}
+        for key in open_slots:
+            plan = self._preemption_plan(self._gang_probe(leader, members[:1], key), key, now)
+            if plan is not None:
+                single[key] = plan
+        if len(single) >= count:
+            cheapest = sorted(
+                single, key=lambda k: (self._plan_cost(single[k]), open_slots.index(k))
+            )
+            chosen = sorted(cheapest[:count], key=open_slots.index)
+            return chosen, {key: single[key] for key in chosen}
+        packed = []
+        for key in open_slots:
+            plan = self._preemption_plan(self._gang_probe(leader, members, key), key, now)
+            if plan is not None:
+                packed.append((self._plan_cost(plan), open_slots.index(key), key, plan))
+        if not packed:
+            return None
+        _, _, key, plan = min(packed)
+        return [key] * count, {key: plan}
+
+    @staticmethod
+    def _plan_cost(plan: tuple) -> tuple:
+        to_pause, to_evict, to_park = plan
+        return (
+            len(to_evict) + len(to_park),
+            sum(v.memory_bytes for v in to_evict) + sum(p.held_bytes for p in to_park),
+            len(to_pause),
+        )
+
+    def _make_room_for_gang(
+        self,
+        leader: Lease,
+        members: list[Lease],
+        assignment: list[str],
+        plans: dict[str, tuple],
+        now: float,
+        ahead: int,
+    ) -> list[Action]:
+        actions: list[Action] = []
+        awaited: frozenset[str] = frozenset()
+        evicting = False
+        for key, (to_pause, to_evict, to_park) in plans.items():
+            stopped, waiting_on = self._stop_victims(leader, key, to_pause, to_evict, to_park, now)
+            actions.extend(stopped)
+            awaited |= waiting_on
+            evicting = evicting or bool(to_evict)
+        if not awaited:
+            actions.extend(self._start_gang(members, assignment, now))
+            return actions
+        self._await_room(leader, awaited, evicting)
+        leader.target_slot = assignment[0]
+        self._gang_targets[leader.gang or ""] = tuple(dict.fromkeys(assignment))
+        notices = self._queue_notice(
+            leader, list(dict.fromkeys(assignment)), now, ahead, force_reason=leader.reason
+        )
+        actions.extend(self._gang_notices(leader, notices))
+        return actions
+
+    def _serve_stopped_gang(
+        self,
+        leader: Lease,
+        members: list[Lease],
+        reserved: set[str],
+        waited_for: set[str],
+        now: float,
+    ) -> list[Action]:
+        """A paused or evicted gang resumes on the slots it holds, all ranks at once."""
+        by_slot: dict[str, list[Lease]] = {}
+        for member in members:
+            by_slot.setdefault(member.slot or "", []).append(member)
+        everyone_paused = all(m.state == LeaseState.PAUSED for m in members)
+        blocked = reserved if everyone_paused else reserved | waited_for
+        if any(key in blocked for key in by_slot):
+            return []
+        probes = {key: self._gang_probe(leader, ranks, key) for key, ranks in by_slot.items()}
+        if all(self._fits_now(probe, key, now) for key, probe in probes.items()):
+            return self._start_gang(members, [m.slot or "" for m in members], now)
+        plans = {key: self._preemption_plan(probe, key, now) for key, probe in probes.items()}
+        if all(plan is not None for plan in plans.values()):
+            reserved.update(by_slot)
+            return self._make_room_for_gang(
+                leader, members, [m.slot or "" for m in members], plans, now, 0
+            )
+        waited_for.update(by_slot)
+        return []
+
+    def _start_gang(self, members: list[Lease], slots: list[str], now: float) -> list[Action]:
+        """Every rank on its slot at once: one grant for the gang (or a resume per rank)."""
+        actions: list[Action] = []
+        grants: list[Grant] = []
+        for member, key in zip(members, slots, strict=True):
+            for action in self._start(member, key, now):
+                if isinstance(action, Grant):
+                    grants.append(action)
+                else:
+                    actions.append(action)
+        if grants:
+            first = grants[0]
+            gang = members[0].gang or first.lease_id
+            ranks = tuple(RankPlacement(lease_id=g.lease_id, placement=g.placement) for g in grants)
+            actions.insert(0, replace(first, lease_id=gang, ranks=ranks))
+        return actions
+
+    @staticmethod
+    def _gang_notices(leader: Lease, actions: list[Action]) -> list[Action]:
+        """A gang's queue notices speak of the gang, the one request its session made."""
+        return [
+            replace(action, lease_id=leader.gang) if isinstance(action, NotifyQueued) else action
+            for action in actions
+        ]
+
+    def _settle_gangs(self, now: float) -> list[Action]:
+        """Keep every gang whole after an event: when a rank has ended, the rest end too
+        (a rank that dies takes its gang with it); when a rank could not be paused and
+        runs on, its paused mates resume beside it."""
+        actions: list[Action] = []
+        for gang, member_ids in list(self.gangs.items()):
+            live = [self.leases[m] for m in member_ids if m in self.leases]
+            if len(live) < len(member_ids):
+                ended = next(m for m in member_ids if m not in self.leases)
+                why = self.ended[ended].reason if ended in self.ended else "ended"
+                for member in live:
+                    actions.append(
+                        self._end(member, LeaseState.RELEASED, now, f"rank {ended} {why}")
+                    )
+                del self.gangs[gang]
+                self._gang_targets.pop(gang, None)
+                continue
+            if any(m.pending_level is not None for m in live):
+                continue
+            if any(m.state == LeaseState.RUNNING for m in live):
+                for member in live:
+                    stopped = member.state in (LeaseState.PAUSED, LeaseState.EVICTED)
+                    if stopped and self._fits_now(member, member.slot or "", now):
+                        member.lockable = False  # its gang cannot be paused: it runs on
+                        actions.extend(self._start(member, member.slot or "", now))
+        return actions
 
     def _start(self, lease: Lease, key: str, now: float) -> list[Action]:
         slot = self.slots[key]
@@ -1536,16 +1863,45 @@ class Scheduler:
         now: float,
         ahead: int,
     ) -> list[Action]:
+        actions, awaited = self._stop_victims(lease, key, to_pause, to_evict, to_park, now)
+        if awaited:
+            self._await_room(lease, awaited, bool(to_evict))
+            lease.target_slot = key
+            actions.extend(self._queue_notice(lease, [key], now, ahead, force_reason=lease.reason))
+            return actions
+        actions.extend(self._start(lease, key, now))
+        return actions
+
+    def _await_room(self, lease: Lease, victims: frozenset[str], evicting: bool) -> None:
+        self._index.await_evictions(lease, victims)
+        lease.reason = (
+            "freeing memory: waiting for lower-priority sessions to be evicted"
+            if evicting
+            else "freeing memory: parking idle sessions (their memory goes to the host)"
+        )
+
+    def _stop_victims(
+        self,
+        lease: Lease,
+        key: str,
+        to_pause: list[Lease],
+        to_evict: list[Lease],
+        to_park: list[IdleSession],
+        now: float,
+    ) -> tuple[list[Action], frozenset[str]]:
+        """Pause, evict and park what is in ``lease``'s way on ``key`` (a victim that is a
+        gang's rank stops its whole gang); the actions, and the victims whose memory
+        must leave before ``lease`` fits."""
         actions: list[Action] = []
         slot = self.slots[key]
-        who = f"{describe_priority(lease.base_priority)} lease {lease.lease_id}"
+        who = f"{describe_priority(lease.base_priority)} lease {lease.gang or lease.lease_id}"
         parks = [
             self._park(idle, key, parked_for_reason(who), lease.lease_id, now) for idle in to_park
         ]
         actions.extend(parks)
+        to_pause = to_pause + self._gang_companions(to_pause + to_evict)
         for victim in to_pause:
-            traits = self._traits(victim)
-            level = stopping_level(traits)
+            level = self._gang_stopping_level(victim)
             if victim in to_evict:
                 level = PreemptionLevel.EVICT
             assert level is not None
@@ -1576,19 +1932,8 @@ class Scheduler:
                         reason=victim.reason,
                     )
                 )
-        if to_evict or parks:
-            victims = {v.lease_id for v in to_evict} | {park.lease_id for park in parks}
-            self._index.await_evictions(lease, frozenset(victims))
-            lease.target_slot = key
-            lease.reason = (
-                "freeing memory: waiting for lower-priority sessions to be evicted"
-                if to_evict
-                else "freeing memory: parking idle sessions (their memory goes to the host)"
-            )
-            actions.extend(self._queue_notice(lease, [key], now, ahead, force_reason=lease.reason))
-            return actions
-        actions.extend(self._start(lease, key, now))
-        return actions
+        awaited = frozenset(v.lease_id for v in to_evict) | {park.lease_id for park in parks}
+        return actions, awaited
 
     def _pause(
         self, victim: Lease, level: PreemptionLevel, lease: Lease, reason: str, now: float

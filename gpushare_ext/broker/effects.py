@@ -171,20 +171,26 @@ class Effects:
 
     def grant(self, action: core.Grant, reply: Reply) -> None:
         broker = self.broker
-        lease = broker.scheduler.lease_of(action.lease_id)
-        if lease is not None:
+        leases = broker.scheduler.members(action.lease_id)  # a gang: each of its ranks
+        for lease in leases:
             broker.journal.lease_recorded(journal_record(lease))
-            self._journaled.discard(action.lease_id)
-            broker.metrics.observe_grant(action.priority, lease.waited_s)
+            self._journaled.discard(lease.lease_id)
             broker.timeline.granted(
-                action.lease_id,
+                lease.lease_id,
                 lease.identity,
                 action.priority,
-                action.placement.device_index,
+                broker.scheduler.slots[lease.slot or ""].device_index,
                 time.time(),
             )
+        if leases:
+            lease = leases[0]
+            broker.metrics.observe_grant(action.priority, lease.waited_s)
             if events.isEnabledFor(logging.INFO):
                 where = action.placement.mig_profile or f"GPU {action.placement.device_index}"
+                if action.ranks:
+                    devices = sorted({r.placement.mig_profile or f"GPU {r.placement.device_index}"
+                                      for r in action.ranks})  # fmt: skip
+                    where = f"{len(action.ranks)} ranks on {', '.join(devices)}"
                 events.info(
                     "%s granted to %s (pid %s) on %s: %s, priority %s, after %.1f s%s",
                     action.lease_id, lease.identity.user, lease.identity.pid, where,
@@ -206,17 +212,18 @@ class Effects:
                 placement=action.placement,
                 priority=action.priority,
                 notice=action.notice,
+                ranks=list(action.ranks),
             ),
         )
 
     def notify_queued(self, action: core.NotifyQueued, reply: Reply) -> None:
         broker = self.broker
-        lease = broker.scheduler.lease_of(action.lease_id)
-        if lease is not None and action.lease_id not in self._journaled and not lease.parks_session:
-            # A request is journaled once, when it first waits, so a restart keeps it.
-            # (A park is not a request: a restart restores it through its actuation.)
-            broker.journal.lease_recorded(journal_record(lease))
-            self._journaled.add(action.lease_id)
+        for lease in broker.scheduler.members(action.lease_id):
+            if lease.lease_id not in self._journaled and not lease.parks_session:
+                # A request is journaled once, when it first waits, so a restart keeps it.
+                # (A park is not a request: a restart restores it through its actuation.)
+                broker.journal.lease_recorded(journal_record(lease))
+                self._journaled.add(lease.lease_id)
         conn = self._conn(action.session_id)
         if conn is None:
             return

@@ -207,10 +207,14 @@ def snapshot(broker: Broker, viewer: Connection | None) -> Snapshot:
     scheduler = broker.scheduler
     queue_counts = {"low": 0, "normal": 0, "high": 0}
     positions: dict[str, int] = {}
+    requests: dict[str, int] = {}  # a gang queues as one request: its ranks share a place
     for lease in scheduler.queue():
         if lease.state == LeaseState.QUEUED:
-            positions[lease.lease_id] = len(positions) + 1
-            queue_counts[priority_class(lease.base_priority)] += 1
+            request = lease.gang or lease.lease_id
+            if request not in requests:
+                requests[request] = len(requests) + 1
+                queue_counts[priority_class(lease.base_priority)] += 1
+            positions[lease.lease_id] = requests[request]
     leases = [
         _lease_view(broker, lease, viewer, positions.get(lease.lease_id), now)
         for lease in sorted(scheduler.active_leases(), key=lambda item: item.arrival)

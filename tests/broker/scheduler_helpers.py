@@ -140,13 +140,14 @@ class Hub:
         device: str = "auto",
         sm_share: float = 1.0,
         capabilities: Capabilities = UNINSTRUMENTED,
+        ranks: int = 1,
     ) -> list[core.Action]:
         return self.handle(
             core.LeaseRequested(
                 now=self.now, session_id=session, lease_id=lease_id,
                 request=RequestLease(
                     priority=priority, memory_bytes=memory, slice=slice, device=device,
-                    sm_share=sm_share, capabilities=capabilities,
+                    sm_share=sm_share, capabilities=capabilities, ranks=ranks,
                 ),
             )
         )  # fmt: skip

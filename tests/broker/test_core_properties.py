@@ -13,7 +13,11 @@ use to the watchdog, drains devices and lets time pass.  After every event we ch
 * every request ends granted, refused with a reason, or with its session;
 * replaying the same events gives the same actions;
 * the core's index (per slot, per user, per process) equals one recomputed from the
-  leases, and a slot's aggregates judge every waiter as its running leases do.
+  leases, and a slot's aggregates judge every waiter as its running leases do;
+* a gang (one request for several ranks) never runs in part: all its ranks run or none
+  does, unless one of them could not be paused (then all run, time-sliced); and every
+  gang is granted or ended by the time everyone's work is done, so two gangs never
+  deadlock holding parts of what each other needs.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from hypothesis import strategies as st
 from scheduler_helpers import GIB, LOW, NORMAL, fingerprint, h200_document
 
 from gpushare_ext.broker import core
+from gpushare_ext.broker.gangs import split_member_id
 from gpushare_ext.broker.inventory import parse_inventory
 from gpushare_ext.broker.parking import HostMemory
 from gpushare_ext.broker.policy import Limits, Policy
@@ -96,10 +101,22 @@ requests = st.tuples(
     st.sampled_from(DEVICE_WISHES),
     st.sampled_from(CAPABILITIES),
 )
+gangs = st.tuples(
+    st.just("gang"),
+    gaps,
+    st.integers(0, 50),
+    st.sampled_from([LOW, NORMAL, 250]),
+    st.sampled_from([1 * GIB, 15 * GIB, 30 * GIB, 60 * GIB]),
+    st.sampled_from([1.0, 0.5, 0.25]),
+    st.sampled_from([SliceWish.AUTO, SliceWish.AUTO, SliceWish.MIG, SliceWish.SHARED]),
+    st.sampled_from(CAPABILITIES),
+    st.integers(2, 4),
+)
 ops = st.one_of(
     requests,
     requests,
     requests,
+    gangs,
     st.tuples(st.just("open"), gaps, st.integers(0, len(USERS) - 1)),
     st.tuples(st.just("close"), gaps, st.integers(0, 50)),
     st.tuples(st.just("release"), gaps, st.integers(0, 50)),
@@ -159,13 +176,19 @@ def check_grants_fit_what_is_seen(scheduler: core.Scheduler, actions: list) -> N
     """A grant never takes memory that NVML shows held by processes no lease accounts
     for (idle notebooks, unknown processes): leases plus that memory fit the slot."""
     for grant in (a for a in actions if isinstance(a, core.Grant)):
-        key = scheduler.leases[grant.lease_id].slot
-        assert key is not None
-        held = _declared_on(scheduler, key) + scheduler.unleased_memory(key)
-        assert held <= scheduler.slots[key].memory_bytes, (
-            f"{grant.lease_id} granted onto slot {key}: {held} bytes held with what is seen "
-            f"beyond the leases, {scheduler.slots[key].memory_bytes} there"
-        )
+        ranks = [r.lease_id for r in grant.ranks] or [grant.lease_id]
+        keys = {scheduler.leases[lease_id].slot for lease_id in ranks}
+        assert None not in keys
+        for key in sorted(keys):  # type: ignore[type-var]
+            _check_slot_fits_what_is_seen(scheduler, key)
+
+
+def _check_slot_fits_what_is_seen(scheduler: core.Scheduler, key: str) -> None:
+    held = _declared_on(scheduler, key) + scheduler.unleased_memory(key)
+    assert held <= scheduler.slots[key].memory_bytes, (
+        f"a grant onto slot {key}: {held} bytes held with what is seen beyond the leases, "
+        f"{scheduler.slots[key].memory_bytes} there"
+    )
 
 
 def _wanted_slots(scheduler: core.Scheduler, lease: core.Lease) -> set[str]:
@@ -190,8 +213,8 @@ def check_no_needless_wait(scheduler: core.Scheduler) -> None:
     now = scheduler.now
     waiters = scheduler.queue()
     for lease in waiters:
-        if lease.state != LeaseState.QUEUED:
-            continue
+        if lease.state != LeaseState.QUEUED or lease.gang is not None:
+            continue  # a gang needs all its slots at once: its own property covers it
         if lease.awaiting_memory_from:
             # Waiting for exactly one round of evictions, all of lower-band leases.
             band = priority_band(scheduler._effective(lease, now))
@@ -224,7 +247,10 @@ def check_no_needless_wait(scheduler: core.Scheduler) -> None:
                 and h.pending_level is None
                 and h.lockable
                 and h.evictable
-                for h in holders
+                for holder in holders
+                # A rank is stopped with its whole gang: every rank must allow it.
+                for h in scheduler._gang_mates(holder)
+                if h is holder or h.state == LeaseState.RUNNING
             )
             # Memory no lease accounts for is not freed by preempting (parking frees it).
             free_after = scheduler.slots[slot].memory_bytes - scheduler.unleased_memory(slot, lease)
@@ -258,8 +284,21 @@ def check_index(scheduler: core.Scheduler) -> None:
             ) == scheduler._compute_compatible(lease, running, now), (lease.lease_id, key)
 
 
+def check_gangs_whole(scheduler: core.Scheduler) -> None:
+    """All ranks of a gang run, or none does (but beside a rank that could not be paused)."""
+    for gang, members in scheduler.gangs.items():
+        leases = [scheduler.leases[m] for m in members]
+        assert all(lease.gang == gang for lease in leases)
+        running = [lease.state == LeaseState.RUNNING for lease in leases]
+        if any(running) and not all(running):
+            assert any(not lease.lockable or not lease.evictable for lease in leases), (
+                f"gang {gang} runs in part: {[(m.lease_id, m.state) for m in leases]}"
+            )
+
+
 def check_all(scheduler: core.Scheduler) -> None:
     check_bookkeeping(scheduler)
+    check_gangs_whole(scheduler)
     check_index(scheduler)
     check_capacity(scheduler)
     check_no_needless_wait(scheduler)
@@ -324,6 +363,20 @@ def play(script, policy: Policy) -> Run:
                     request=RequestLease(
                         priority=priority, memory_bytes=memory, slice=wish, device=device,
                         sm_share=share, capabilities=capabilities,
+                    ),
+                )
+            )  # fmt: skip
+        elif kind == "gang" and run.sessions:
+            _, _, pick, priority, memory, share, wish, capabilities, ranks = op
+            run.counter += 1
+            lease_id = f"L{run.counter}"
+            run.requested.append(lease_id)
+            run.feed(
+                core.LeaseRequested(
+                    now=now, session_id=run.sessions[pick % len(run.sessions)], lease_id=lease_id,
+                    request=RequestLease(
+                        priority=priority, memory_bytes=memory, slice=wish, sm_share=share,
+                        capabilities=capabilities, ranks=ranks,
                     ),
                 )
             )  # fmt: skip
@@ -422,12 +475,17 @@ def finish(run: Run) -> None:
 
 
 def lease_outcomes(run: Run) -> dict[str, list[core.Action]]:
+    """Per request, what the core did about it (a gang's ranks' actions count as the
+    gang's)."""
     by_lease: dict[str, list[core.Action]] = {lease_id: [] for lease_id in run.requested}
     for outcome in run.outcomes:
         if isinstance(outcome, list):
             for action in outcome:
-                if getattr(action, "lease_id", None) in by_lease:
-                    by_lease[action.lease_id].append(action)
+                lease_id = getattr(action, "lease_id", None) or ""
+                membership = split_member_id(lease_id)
+                request = membership[0] if membership else lease_id
+                if request in by_lease:
+                    by_lease[request].append(action)
     return by_lease
 
 
@@ -466,11 +524,14 @@ def test_every_request_is_granted_refused_with_a_reason_or_ends_with_its_session
             assert not granted
         elif granted:
             assert len(granted) == 1, f"{lease_id} granted twice"
-            assert len(ended) == 1, f"{lease_id} granted but never ended"
+            ranks = len(granted[0].ranks) or 1
+            assert len(ended) == ranks, f"{lease_id} granted but not every rank ended"
+            assert len({a.lease_id for a in ended}) == ranks, f"a rank of {lease_id} ended twice"
         else:
             assert ended, f"{lease_id} was neither granted, refused nor ended"
-            session = run.scheduler.ended[lease_id].session_id
-            assert session in closed_sessions or lease_id in withdrawn, (
+            session = run.scheduler.ended[ended[0].lease_id].session_id
+            asked = {lease_id} | {a.lease_id for a in ended}
+            assert session in closed_sessions or asked & withdrawn, (
                 f"{lease_id} ended unserved although nobody withdrew it"
             )
 

@@ -1,0 +1,120 @@
+"""Gang leases through a real broker: one request on the wire, every rank in the reply,
+the status and the journal, all ranks paused and resumed together, all released at once,
+and kept across a broker killed with ``kill -9``."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import threading
+
+from broker_wire import start_holder, status_of, wait_for
+from support import launch_broker
+
+from gpushare_ext.client import BrokerClient
+from gpushare_ext.protocol import Granted, Preempt, Queued, Refused, Resume
+
+GIB = 1024**3
+
+
+def test_a_gang_is_granted_every_rank_in_one_reply_and_released_as_one(broker):
+    with BrokerClient(broker, notebook="ddp.ipynb") as client:
+        granted = client.request_lease(priority=150, memory_bytes=20 * GIB, sm_share=0.25, ranks=4)
+
+        assert isinstance(granted, Granted)
+        assert [r.lease_id for r in granted.ranks] == [f"{granted.lease_id}.{k}" for k in range(4)]
+        assert {r.placement.device_index for r in granted.ranks} == {0}
+        leases = {lease.lease_id: lease for lease in client.status().leases}
+        assert set(leases) == {r.lease_id for r in granted.ranks}
+        assert {lease.state.value for lease in leases.values()} == {"running"}
+        assert sum(lease.memory_bytes for lease in leases.values()) == 80 * GIB
+
+        client.release(granted.lease_id)
+
+        assert client.status().leases == []
+
+
+def test_a_queued_gang_waits_as_one_request_and_is_refused_when_it_can_never_fit(broker):
+    holder, held = start_holder(broker, priority=150, memory_gib=100)
+    try:
+        assert held["granted"]
+        with BrokerClient(broker) as client:
+            queued = client.request_lease(priority=150, memory_bytes=30 * GIB, ranks=2)
+            assert isinstance(queued, Queued) and queued.position == 1
+            views = [lease for lease in client.status().leases if lease.state.value == "queued"]
+            assert sorted(v.lease_id for v in views) == [
+                f"{queued.lease_id}.0",
+                f"{queued.lease_id}.1",
+            ]
+            assert {v.position for v in views} == {1}
+
+            refused = client.request_lease(priority=150, memory_bytes=100 * GIB, ranks=2)
+            assert isinstance(refused, Refused)
+            assert refused.message == (
+                "2 ranks of 100 GiB can never run at once here: the matching devices and "
+                "slices hold 1 at most"
+            )
+    finally:
+        holder.kill()
+        holder.wait(timeout=5)
+
+
+def test_a_high_cell_pauses_every_rank_and_they_all_resume(broker):
+    paused: set[str] = set()
+    resumed: set[str] = set()
+    both_paused, both_resumed = threading.Event(), threading.Event()
+
+    def listen(message) -> None:
+        if isinstance(message, Preempt):
+            paused.add(message.lease_id)
+            if len(paused) == 2:
+                both_paused.set()
+        elif isinstance(message, Resume):
+            resumed.add(message.lease_id)
+            if len(resumed) == 2:
+                both_resumed.set()
+
+    with BrokerClient(broker, notebook="train.ipynb") as trainer:
+        trainer.add_listener(listen)
+        gang = trainer.request_lease(priority=50, memory_bytes=10 * GIB, ranks=2)
+        assert isinstance(gang, Granted)
+        explorer, high = start_holder(broker, priority=250, memory_gib=8)
+        try:
+            assert high["granted"]
+            assert both_paused.wait(timeout=5)
+            assert paused == {r.lease_id for r in gang.ranks}
+        finally:
+            explorer.kill()
+            explorer.wait(timeout=5)
+        assert both_resumed.wait(timeout=5)
+        assert resumed == paused
+        states = {lease.lease_id: lease.state.value for lease in trainer.status().leases}
+        assert states == {r.lease_id: "running" for r in gang.ranks}
+
+
+def test_a_gang_survives_a_broker_killed_with_kill_9_and_is_reclaimed_whole(tmp_path):
+    broker = launch_broker()
+    try:
+        trainer = BrokerClient(broker.socket, notebook="ddp.ipynb")
+        gang = trainer.request_lease(priority=150, memory_bytes=10 * GIB, ranks=3)
+        assert isinstance(gang, Granted)
+        members = [r.lease_id for r in gang.ranks]
+        broker.process.send_signal(signal.SIGKILL)
+        broker.process.wait(timeout=10)
+        assert trainer.closed.wait(timeout=5)
+        trainer.close()
+
+        restarted = launch_broker(directory=broker.directory, journal=broker.journal)
+        try:
+            with BrokerClient(restarted.socket, reclaim=members) as again:
+                assert sorted(again.welcome.reclaimed) == sorted(members)
+                states = {lease.lease_id: lease.state.value for lease in again.status().leases}
+                assert states == dict.fromkeys(members, "running")
+                again.release(gang.lease_id)  # the gang's own id ends every rank
+                assert wait_for(lambda: status_of(restarted.socket).leases == [])
+        finally:
+            restarted.stop()
+    finally:
+        if broker.process.poll() is None:
+            broker.stop()
+        shutil.rmtree(broker.directory, ignore_errors=True)
