@@ -34,6 +34,7 @@ from gpushare_ext.protocol import (
     PROTOCOL_VERSION,
     Admin,
     AdminAction,
+    AttachRanks,
     BrokerMessage,
     Capabilities,
     CellActivity,
@@ -338,6 +339,12 @@ class BrokerClient:
         """Send ``request`` as it is (the struct the broker's core will see)."""
         reply = self._call(request)
         expect(reply, Granted | Queued | Refused, self.socket_path)
+        return reply  # type: ignore[return-value]
+
+    def attach_ranks(self, lease_id: str, pids: list[int]) -> Ok:
+        """Name the worker processes that run gang ``lease_id``'s ranks, in rank order."""
+        reply = self._call(AttachRanks(lease_id=lease_id, pids=pids))
+        expect(reply, Ok, self.socket_path)
         return reply  # type: ignore[return-value]
 
     def release(self, lease_id: str) -> Released:

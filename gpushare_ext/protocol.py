@@ -45,6 +45,21 @@ LeaseId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 # ranks: more processes than a host has slices gain nothing and cost every neighbour.
 MAX_RANKS = 64
 Ranks = Annotated[int, msgspec.Meta(ge=1, le=MAX_RANKS)]
+RANK_SEPARATOR = "."  # a gang "L7" runs as the leases "L7.0", "L7.1", ...
+
+
+def member_id(gang: str, rank: int) -> str:
+    """The lease id of ``gang``'s rank ``rank``."""
+    return f"{gang}{RANK_SEPARATOR}{rank}"
+
+
+def split_member_id(lease_id: str) -> tuple[str, int] | None:
+    """``("L7", 2)`` for ``"L7.2"``; None for a lease that is no gang's rank."""
+    gang, separator, rank = lease_id.rpartition(RANK_SEPARATOR)
+    if not separator or not gang or not rank.isdecimal() or not rank.isascii():
+        return None
+    return gang, int(rank)
+
 
 # Priority classes: a request names a class ("high") or a number 0..299; the class of a
 # number is its hundred (0-99 low, 100-199 normal, 200-299 high).  Names map to the
@@ -201,6 +216,16 @@ class Park(ClientMessage, tag="park"):
     pid: Annotated[int, msgspec.Meta(ge=1)]
 
 
+class AttachRanks(ClientMessage, tag="attach_ranks"):
+    """The worker processes of gang ``lease_id`` started: ``pids[k]`` runs rank k.
+    Preemption, the memory watchdog and recovery act on those processes from now on.
+    Each must be a descendant of the asking process and belong to its user; answered
+    with ``ok``."""
+
+    lease_id: LeaseId
+    pids: Annotated[list[Annotated[int, msgspec.Meta(ge=1)]], msgspec.Meta(max_length=MAX_RANKS)]
+
+
 class Restore(ClientMessage, tag="restore"):
     """Give this session's parked memory back (before its next cell), or, ``cancel``,
     stop waiting for it.  Answered with ``ok``; the restore itself ends with ``resume``
@@ -259,6 +284,7 @@ ClientMessageUnion = (
     | CellActivity
     | Restore
     | Park
+    | AttachRanks
 )
 
 # ---------------------------------------------------------------- broker -> client

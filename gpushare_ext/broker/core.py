@@ -191,6 +191,18 @@ class LeaseReclaimed:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RanksAttached:
+    """The worker processes of a gang started: ``pids[k]`` (with its start time) runs
+    rank k, so preemption and the watchdog act on them (the server checked that each is
+    a descendant of the session's process, of its user)."""
+
+    now: float
+    session_id: str
+    gang: str
+    pids: tuple[tuple[int, int | None], ...]
+
+
+@dataclass(frozen=True, kw_only=True)
 class PreemptionApplied:
     now: float
     lease_id: str
@@ -287,6 +299,7 @@ Event = (
     | LeaseReleased
     | LeaseRestored
     | LeaseReclaimed
+    | RanksAttached
     | PreemptionApplied
     | PreemptionFailed
     | MemoryObserved
@@ -842,6 +855,32 @@ class Scheduler:
                 reason=lease.reason,
             )
         ]
+
+    def _on_RanksAttached(self, event: RanksAttached, now: float) -> list[Action]:
+        members = self.members(event.gang) if event.gang in self.gangs else []
+        if not members:
+            raise SchedulerError(ErrorCode.UNKNOWN_LEASE, f"there is no gang {event.gang}")
+        if members[0].session_id != event.session_id:
+            raise SchedulerError(ErrorCode.PERMISSION, f"gang {event.gang} is not yours")
+        pids = [pid for pid, _ in event.pids]
+        if len(pids) != len(members):
+            raise SchedulerError(
+                ErrorCode.INVALID,
+                f"gang {event.gang} has {len(members)} ranks; {len(pids)} processes were named",
+            )
+        if len(set(pids)) != len(pids):
+            raise SchedulerError(ErrorCode.INVALID, "each process can run one rank only")
+        if any(
+            m.state != LeaseState.RUNNING or m.pending_level is not None or m.applied_level
+            for m in members
+        ):
+            raise SchedulerError(
+                ErrorCode.OUT_OF_ORDER,
+                f"gang {event.gang} is paused or being paused; name its processes once it runs",
+            )
+        for member, (pid, ticks) in zip(members, event.pids, strict=True):
+            self._index.reidentify(member, replace(member.identity, pid=pid, start_ticks=ticks))
+        return []
 
     def _on_LeaseReleased(self, event: LeaseReleased, now: float) -> list[Action]:
         """A lease ends; a gang's id (or any of its members' ids) ends the whole gang."""

@@ -8,29 +8,18 @@ and ends all of them when one ends (a rank that dies takes its gang with it).  A
 member's id names its gang, so a journal read back after a restart knows the gangs
 without a column of its own.
 
-This module holds what is pure arithmetic about gangs: ids, and where N ranks go
-given a test of "k more ranks fit on this slot".  It must not hold scheduler state
-or decide priorities; the core does both.
+This module holds what is pure arithmetic about gangs: where N ranks go given a test
+of "k ranks fit on this slot" (the ids are the protocol's, since clients read them).
+It must not hold scheduler state or decide priorities; the core does both.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-RANK_SEPARATOR = "."
+from gpushare_ext.protocol import member_id, split_member_id
 
-
-def member_id(gang: str, rank: int) -> str:
-    """The lease id of ``gang``'s rank ``rank``."""
-    return f"{gang}{RANK_SEPARATOR}{rank}"
-
-
-def split_member_id(lease_id: str) -> tuple[str, int] | None:
-    """``("L7", 2)`` for ``"L7.2"``; None for a lease that is no gang's member."""
-    gang, separator, rank = lease_id.rpartition(RANK_SEPARATOR)
-    if not separator or not gang or not rank.isdigit():
-        return None
-    return gang, int(rank)
+__all__ = ["assign_ranks", "member_id", "most_ranks", "split_member_id"]
 
 
 def assign_ranks(

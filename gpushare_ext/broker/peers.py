@@ -76,6 +76,35 @@ def pid_as_seen_by_itself(pid: int) -> int | None:
     return pid  # kernels before 4.1 have no NSpid line: one namespace
 
 
+def _status_fields(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return dict(line.rstrip("\n").split(":\t", 1) for line in status if ":\t" in line)
+    except OSError:
+        return {}
+
+
+def descends_from(pid: int, ancestor: int, uid: int) -> bool:
+    """Whether ``pid`` is a live descendant of ``ancestor`` owned by ``uid`` (its real
+    uid), as ``/proc`` tells: only a notebook's own worker processes may run its ranks."""
+    fields = _status_fields(pid)
+    try:
+        if int(fields.get("Uid", "").split()[0]) != uid:
+            return False
+    except (IndexError, ValueError):
+        return False
+    seen = 0
+    while pid > 1 and seen < 64:  # a parent chain is short; a loop is no chain
+        try:
+            pid = int(_status_fields(pid).get("PPid", "0"))
+        except ValueError:
+            return False
+        if pid == ancestor:
+            return True
+        seen += 1
+    return False
+
+
 def claimed_pid_matches(peer_pid: int, claimed: int) -> bool:
     """Whether a client that says it is ``claimed`` is the process the kernel names."""
     return claimed == peer_pid or claimed == pid_as_seen_by_itself(peer_pid)

@@ -24,8 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 from gpushare_ext.broker import core, schema
 from gpushare_ext.broker.config import BrokerConfig, load_config, parse_config, restart_needed
-from gpushare_ext.broker.effects import Reply
-from gpushare_ext.broker.peers import Connection, claimed_pid_matches
+from gpushare_ext.broker.effects import Reply, journal_record
+from gpushare_ext.broker.peers import (
+    Connection,
+    claimed_pid_matches,
+    descends_from,
+    process_start_ticks,
+)
 from gpushare_ext.broker.policy import PolicyError, format_size
 from gpushare_ext.broker.recovery import placeholder_session
 from gpushare_ext.broker.views import snapshot
@@ -34,6 +39,7 @@ from gpushare_ext.protocol import (
     PROTOCOL_VERSION,
     Admin,
     AdminAction,
+    AttachRanks,
     CellActivity,
     ClientMessageUnion,
     ErrorCode,
@@ -77,6 +83,7 @@ class Requests:
             CellActivity: self.cell_activity,
             Restore: self.restore,
             Park: self.park,
+            AttachRanks: self.attach_ranks,
         }
 
     def handle(self, conn: Connection, message: ClientMessageUnion) -> None:
@@ -208,6 +215,29 @@ class Requests:
             ),
             Reply(to=release.seq, conn=conn),
         )
+
+    def attach_ranks(self, conn: Connection, message: AttachRanks) -> None:
+        """A gang's worker processes started; the core moves its ranks onto them."""
+        if conn.session_id is None:
+            raise ProtocolError(ErrorCode.OUT_OF_ORDER, "only a notebook session has gangs")
+        for pid in message.pids:
+            if not descends_from(pid, conn.pid, conn.uid):
+                raise ProtocolError(
+                    ErrorCode.PERMISSION,
+                    f"process {pid} is not one of yours started by this notebook",
+                )
+        broker = self.broker
+        broker.dispatch(
+            core.RanksAttached(
+                now=time.time(),
+                session_id=conn.session_id,
+                gang=message.lease_id,
+                pids=tuple((pid, process_start_ticks(pid)) for pid in message.pids),
+            )
+        )
+        for member in broker.scheduler.members(message.lease_id):
+            broker.journal.lease_recorded(journal_record(member))
+        broker.send(conn, Ok(reply_to=message.seq, detail=f"{len(message.pids)} ranks attached"))
 
     def cell_activity(self, conn: Connection, message: CellActivity) -> None:
         if conn.session_id is None:

@@ -8,6 +8,7 @@ import shutil
 import signal
 import threading
 
+import pytest
 from broker_wire import start_holder, status_of, wait_for
 from support import launch_broker
 
@@ -118,3 +119,54 @@ def test_a_gang_survives_a_broker_killed_with_kill_9_and_is_reclaimed_whole(tmp_
         if broker.process.poll() is None:
             broker.stop()
         shutil.rmtree(broker.directory, ignore_errors=True)
+
+
+def _sleepers(count: int) -> list:
+    import subprocess
+    import sys
+
+    return [
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        for _ in range(count)
+    ]
+
+
+def test_a_gangs_worker_processes_take_over_its_ranks_and_are_the_ones_paused(broker):
+    from gpushare_ext.client import BrokerError
+    from gpushare_ext.protocol import ErrorCode
+
+    workers = _sleepers(2)
+    try:
+        with BrokerClient(broker, notebook="ddp.ipynb") as trainer:
+            gang = trainer.request_lease(priority=50, memory_bytes=10 * GIB, ranks=2)
+            assert isinstance(gang, Granted)
+            pids = [w.pid for w in workers]
+
+            with pytest.raises(BrokerError) as wrong_count:
+                trainer.attach_ranks(gang.lease_id, pids[:1])
+            assert wrong_count.value.code == ErrorCode.INVALID
+            assert "has 2 ranks; 1 processes were named" in str(wrong_count.value)
+            with pytest.raises(BrokerError) as not_a_child:
+                trainer.attach_ranks(gang.lease_id, [pids[0], 1])
+            assert not_a_child.value.code == ErrorCode.PERMISSION
+
+            trainer.attach_ranks(gang.lease_id, pids)
+
+            views = {lease.lease_id: lease for lease in trainer.status().leases}
+            assert [views[r.lease_id].pid for r in gang.ranks] == pids
+            explorer, high = start_holder(broker, priority=250, memory_gib=8)
+            try:
+                assert high["granted"]
+                assert wait_for(
+                    lambda: {lease.state.value for lease in status_of(broker).leases
+                             if lease.lease_id in views} == {"paused"}
+                )  # fmt: skip
+                paused = [v for v in status_of(broker).leases if v.lease_id in views]
+                assert sorted(v.pid for v in paused) == sorted(pids)
+            finally:
+                explorer.kill()
+                explorer.wait(timeout=5)
+    finally:
+        for worker in workers:
+            worker.kill()
+            worker.wait(timeout=5)

@@ -244,3 +244,45 @@ def test_two_gangs_that_each_need_most_of_the_gpu_run_one_after_the_other():
     grant = only(hub.release(first, "L1"), core.Grant)
 
     assert grant.lease_id == "L2"
+
+
+# ------------------------------------------------------------------ worker processes
+
+
+def _attach(hub: Hub, session: str, gang: str, pids: list[int]) -> list[core.Action]:
+    return hub.handle(core.RanksAttached(now=hub.now, session_id=session, gang=gang,
+                                         pids=tuple((pid, None) for pid in pids)))  # fmt: skip
+
+
+def test_once_its_workers_are_named_a_gangs_ranks_are_stopped_in_those_processes():
+    hub = Hub()
+    trainer, explorer = hub.open("trainer"), hub.open("explorer")
+    hub.request(trainer, "L1", memory=10 * GIB, ranks=2, priority=LOW)
+
+    _attach(hub, trainer, "L1", [7001, 7002])
+
+    assert [hub.lease(m).identity.pid for m in ("L1.0", "L1.1")] == [7001, 7002]
+    assert hub.lease("L1.0").session_id == trainer  # still the notebook's to release
+    preempts = of_type(hub.request(explorer, "L2", priority=HIGH), core.Preempt)
+    assert sorted(p.pid for p in preempts) == [7001, 7002]
+
+
+def test_naming_workers_is_refused_while_the_gang_is_paused_or_for_the_wrong_count():
+    hub = Hub()
+    trainer, explorer, other = hub.open("trainer"), hub.open("explorer"), hub.open("other")
+    hub.request(trainer, "L1", memory=10 * GIB, ranks=2, priority=LOW)
+
+    with pytest.raises(core.SchedulerError) as wrong:
+        _attach(hub, trainer, "L1", [7001])
+    assert wrong.value.code == ErrorCode.INVALID
+    with pytest.raises(core.SchedulerError) as twice:
+        _attach(hub, trainer, "L1", [7001, 7001])
+    assert "one rank only" in twice.value.message
+    with pytest.raises(core.SchedulerError) as foreign:
+        _attach(hub, other, "L1", [7001, 7002])
+    assert foreign.value.code == ErrorCode.PERMISSION
+    hub.request(explorer, "L2", priority=HIGH)
+    with pytest.raises(core.SchedulerError) as paused:
+        _attach(hub, trainer, "L1", [7001, 7002])
+    assert paused.value.code == ErrorCode.OUT_OF_ORDER
+    assert hub.lease("L1.0").identity.pid == hub.pid_of(trainer)
