@@ -12,7 +12,11 @@
 SHELL := /bin/bash
 PYTHON ?= /usr/bin/python3
 VENV ?= .venv
-EXTRAS ?= notebook,lab,toolchain,hub,test,bench
+EXTRAS ?= notebook,lab,toolchain,hub,distributed,test,bench
+# The distributed-training tests train with torch.distributed (gloo) on the CPU; this
+# release's CPU build is the one a fresh machine of this kind has on its disk (a plain
+# "torch" would fetch a CUDA build of several GB).  An installed torch is kept.
+TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.gpushare-installed
 PYTEST_ARGS ?=
 
@@ -39,6 +43,7 @@ $(STAMP): pyproject.toml
 	@[ -x $(VENV)/bin/python ] || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q -e ".[$(EXTRAS)]"
+	@$(VENV)/bin/python -c 'import torch' 2>/dev/null || $(VENV)/bin/python -m pip install -q "$(TORCH)"
 	@touch $(STAMP)
 
 system-deps:

@@ -5,6 +5,8 @@ live here.  The user API is re-exported lazily (PEP 562) so that ``import
 gpushare_ext`` stays cheap inside every notebook kernel:
 
 * ``gpushare_ext.lease(priority=..., memory_bytes=...)`` -- a scoped lease outside magics;
+* ``gpushare_ext.launch(train, ranks=4, ...)`` -- a function trained across 4 slices, one
+  worker process per rank with ``torch.distributed`` set up, under one gang lease;
 * ``gpushare_ext.safe_point()`` -- where a long loop may be held for a higher-priority session;
 * ``gpushare_ext.stream()`` -- the session's CUDA stream (CuPy), gated by the broker;
 * ``gpushare_ext.device()`` -- the CUDA device of the current lease (for PyTorch);
@@ -41,6 +43,44 @@ def lease(**options: Any):
     from gpushare_ext.runtime.session import current_session
 
     return current_session().lease(**options)
+
+
+def launch(
+    target: Any,
+    *args: Any,
+    ranks: int,
+    priority: str | int | None = None,
+    memory_bytes: int | None = None,
+    sm_share: float | None = None,
+    device: str | None = None,
+    timeout_s: float | None = None,
+    port: int | None = None,
+    backend: str | None = None,
+    **kwargs: Any,
+) -> list:
+    """Run ``target(*args, **kwargs)`` in ``ranks`` worker processes, each on its own
+    slice of one gang lease (``memory_bytes`` and ``sm_share`` per rank), with
+    ``torch.distributed`` initialised among them; return each rank's result.
+
+    The gang is granted whole or waits whole; a higher-priority cell pauses all its
+    ranks together.  Every rank's output shows in the cell prefixed ``[rank N]``;
+    interrupting the kernel stops all of them, and an exception in one rank ends the
+    others and is raised here.  ``backend`` defaults to NCCL when every rank has a
+    whole GPU of its own and to gloo otherwise; ``port`` is the rendezvous port on this
+    host (a free one by default)."""
+    from gpushare_ext.runtime.session import CellOutput, current_session
+
+    options = {
+        "priority": priority,
+        "memory_bytes": memory_bytes,
+        "sm_share": sm_share,
+        "device": device,
+        "timeout_s": timeout_s,
+    }
+    return current_session().run_gang(
+        target, *args, ranks=ranks, output=CellOutput(), port=port, backend=backend,
+        lease_options=options, label=getattr(target, "__name__", "")[:120], **kwargs,
+    )  # fmt: skip
 
 
 def device() -> int | None:

@@ -857,9 +857,9 @@ class Scheduler:
         ]
 
     def _on_RanksAttached(self, event: RanksAttached, now: float) -> list[Action]:
-        members = self.members(event.gang) if event.gang in self.gangs else []
+        members = self.members(event.gang)  # a plain lease is a gang of one here
         if not members:
-            raise SchedulerError(ErrorCode.UNKNOWN_LEASE, f"there is no gang {event.gang}")
+            raise SchedulerError(ErrorCode.UNKNOWN_LEASE, f"there is no active lease {event.gang}")
         if members[0].session_id != event.session_id:
             raise SchedulerError(ErrorCode.PERMISSION, f"gang {event.gang} is not yours")
         pids = [pid for pid, _ in event.pids]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import shlex
 
 from gpushare_ext.errors import GpushareError
-from gpushare_ext.protocol import SliceWish, priority_value
+from gpushare_ext.protocol import MAX_RANKS, SliceWish, priority_value
 from gpushare_ext.units import parse_duration, parse_size
 
 KEYS = {
@@ -20,6 +20,7 @@ KEYS = {
     "slice": "auto | mig | shared | exclusive",
     "share": "SM share for transformed kernels, a number in (0, 1]",
     "instrumented": "yes if all GPU work of the cell goes through gpushare kernels",
+    "ranks": "run the cell in this many worker processes, one slice each (torch.distributed)",
 }
 ALIASES = {"memory": "mem", "prio": "priority", "sm_share": "share", "wait": "timeout"}
 
@@ -104,6 +105,11 @@ def parse_lease_arguments(line: str) -> dict:
                 if flag not in ("yes", "no", "true", "false", "1", "0"):
                     raise ValueError(f"{value!r} is not yes or no")
                 options["instrumented_only"] = flag in ("yes", "true", "1")
+            elif key == "ranks":
+                text = value.strip()
+                if not (text.isascii() and text.isdecimal()) or not 1 <= int(text) <= MAX_RANKS:
+                    raise ValueError(f"{value!r} is not a whole number from 1 to {MAX_RANKS}")
+                options["ranks"] = int(text)
         except ValueError as exc:
             raise ArgumentError(f"bad value for {key}: {exc} (expected {KEYS[key]})") from None
     return options

@@ -8,6 +8,7 @@ under the lease, and shows errors as one line.
 from __future__ import annotations
 
 import ast
+import sys
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
@@ -15,8 +16,10 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from gpushare_ext.errors import GpushareError
 from gpushare_ext.magics.arguments import KEYS, ArgumentError, parse_lease_arguments
 from gpushare_ext.protocol import describe_priority
+from gpushare_ext.runtime.ranks import RankFailed
 from gpushare_ext.runtime.session import (
     CellOutput,
+    GpuSession,
     current_session,
 )
 from gpushare_ext.units import format_size
@@ -46,6 +49,12 @@ class GpuMagics(Magics):
         higher-priority session").  The lease is released when the cell ends, also on
         errors and interrupts.
 
+        With ``ranks=N`` the cell runs in N worker processes instead of this kernel, each
+        on its own slice of one gang lease, with ``torch.distributed`` initialised among
+        them (``RANK``, ``WORLD_SIZE`` set; NCCL between whole GPUs, gloo otherwise).  The
+        cell's code is all a worker has: names defined in other cells are not there.
+        Each rank's output shows prefixed ``[rank N]``; interrupting stops every rank.
+
         Line magic::
 
             %gpu status     live occupancy view (widget, or a text table)
@@ -61,6 +70,9 @@ class GpuMagics(Magics):
         session = current_session()
         label = next((text.strip() for text in cell.splitlines() if text.strip()), "")[:120]
         output = CellOutput()
+        ranks = options.pop("ranks", 1)
+        if ranks > 1:
+            return self._run_ranks(session, cell, ranks, output, label, options)
         raised_by_cell: list[BaseException] = []
         try:
             with session.lease(output=output, label=label, **options):
@@ -75,6 +87,27 @@ class GpuMagics(Magics):
             raise UsageError(exc.in_cell()) from None
 
     gpu.__doc__ = (gpu.__doc__ or "").replace("{keys}", _KEY_HELP.strip())
+
+    def _run_ranks(
+        self,
+        session: GpuSession,
+        cell: str,
+        ranks: int,
+        output: CellOutput,
+        label: str,
+        options: dict,
+    ) -> None:
+        """The cell, in ``ranks`` worker processes under one gang lease."""
+        __tracebackhide__ = True
+        source = self.shell.transform_cell(cell)
+        try:
+            session.run_gang(source, ranks=ranks, output=output, label=label, lease_options=options)
+        except RankFailed as exc:
+            if exc.remote_traceback:
+                print(exc.remote_traceback, file=sys.stderr)
+            raise UsageError(exc.in_cell()) from None
+        except GpushareError as exc:
+            raise UsageError(exc.in_cell()) from None
 
     def _run_body(self, cell: str):
         __tracebackhide__ = True
@@ -133,6 +166,11 @@ class GpuMagics(Magics):
                 options = parse_lease_arguments(line)
             except ArgumentError as exc:
                 raise UsageError(f"%gpuconfig: {exc}") from None
+            if "ranks" in options:
+                raise UsageError(
+                    "%gpuconfig: ranks is a cell's own choice, not a default; "
+                    "use %%gpu ranks=N on the cell"
+                )
             session.defaults = session.merged(**options)
         d = session.defaults
         memory = format_size(d.memory_bytes) if d.memory_bytes else "policy default"

@@ -35,6 +35,7 @@ from gpushare_ext.lease_state import ACTIVE, STOPPED, IllegalMove, LeaseState, c
 from gpushare_ext.paths import SYSTEM_SOCKET, default_socket_path
 from gpushare_ext.protocol import (
     LEVEL_NAMES,
+    MAX_RANKS,
     PRIORITY_CLASSES,
     BrokerMessage,
     Capabilities,
@@ -46,6 +47,7 @@ from gpushare_ext.protocol import (
     Preempt,
     PreemptionLevel,
     Queued,
+    RankPlacement,
     Refused,
     Released,
     RequestLease,
@@ -55,6 +57,7 @@ from gpushare_ext.protocol import (
     applied_level,
     describe_priority,
     priority_value,
+    split_member_id,
 )
 from gpushare_ext.runtime import binding, interpose, memory, preemptible
 from gpushare_ext.runtime.embedded import broker_answers, ensure_embedded_broker
@@ -74,6 +77,10 @@ class LeaseTimeout(SessionError, TimeoutError):
     """No grant within the cell's timeout; the request was withdrawn."""
 
 
+class RankRequestError(SessionError, ValueError):
+    """A gang asked for in a way that cannot work (the number of ranks, say)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class LeaseOptions:
     """What a cell asks for; ``%gpuconfig`` changes the session's defaults."""
@@ -85,6 +92,7 @@ class LeaseOptions:
     slice: SliceWish = SliceWish.AUTO
     sm_share: float = 1.0
     instrumented_only: bool = False
+    ranks: int = 1  # more than one: a gang, one slice per worker process (run_gang)
 
     def request(self, capabilities: Capabilities, label: str = "") -> RequestLease:
         """What goes to the broker: the one request struct, sent and handed to its core
@@ -97,6 +105,7 @@ class LeaseOptions:
             sm_share=self.sm_share,
             capabilities=capabilities,
             label=label[:256],
+            ranks=self.ranks,
         )
 
 
@@ -158,6 +167,7 @@ class LeaseHandle:
     state: LeaseState = LeaseState.QUEUED
     bound: bool = False  # the process is bound to the placement (after a grant)
     placement: Placement | None = None
+    ranks: list[RankPlacement] = field(default_factory=list)  # a gang's, once granted
     queued: Queued | None = None
     queued_at: float = 0.0  # monotonic time of the last queue notice (its estimate's start)
     notice_said: bool = False  # the policy's word on the request was shown
@@ -442,6 +452,9 @@ class GpuSession:
             return
         with self._lock:
             handle = self.leases.get(lease_id)
+            membership = split_member_id(lease_id)
+            if handle is None and membership is not None:  # a rank's notice: its gang's
+                handle = self.leases.get(membership[0])
             if handle is None:
                 if message.reply_to == 0 and len(self._early) < 256:
                     self._early.setdefault(lease_id, []).append(message)
@@ -545,6 +558,7 @@ class GpuSession:
     def _apply_notice(self, handle: LeaseHandle, message: BrokerMessage) -> None:
         if isinstance(message, Granted):
             handle.placement = message.placement
+            handle.ranks = list(message.ranks)
             handle.move(LeaseState.RUNNING)
             handle.note("granted")
             self._say_grant_notice(handle, message)
@@ -640,13 +654,17 @@ class GpuSession:
         values = {k: v for k, v in overrides.items() if v is not None}
         return replace(self.defaults, **values)
 
-    def capabilities(self, options: LeaseOptions) -> Capabilities:
+    def capabilities(self, options: LeaseOptions, *, in_workers: bool = False) -> Capabilities:
         mps = bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")) or os.path.exists(
             "/tmp/nvidia-mps/control"
         )
         # A first lease has no flag yet: it is made and registered right after the grant
         # (a preemption that comes before that is escalated to the lock by the broker).
         will_have_flag = options.instrumented_only and not self.simulated
+        if options.ranks > 1 or in_workers:
+            # The work runs in worker processes (run_gang), which have neither this
+            # kernel's gate nor its flag: the broker stops them by locking each one.
+            return Capabilities(lockable=not mps)
         return Capabilities(
             gate=self.control_block is not None,
             yield_flag=self.yield_flag is not None or will_have_flag,
@@ -655,7 +673,12 @@ class GpuSession:
         )
 
     def acquire(
-        self, options: LeaseOptions, *, output: CellOutput | None = None, label: str = ""
+        self,
+        options: LeaseOptions,
+        *,
+        output: CellOutput | None = None,
+        label: str = "",
+        bind: bool = True,
     ) -> LeaseHandle:
         """Ask for a lease and wait for it, showing the queue; raises on refusal/timeout."""
         try:
@@ -667,7 +690,7 @@ class GpuSession:
             for line in self.announcements:
                 output.show("gpushare-announce", line)
             self.announcements.clear()
-        request = options.request(self.capabilities(options), label)
+        request = options.request(self.capabilities(options, in_workers=not bind), label)
         while True:
             reply, generation = self._request(request, output)
             if isinstance(reply, Refused):
@@ -675,6 +698,7 @@ class GpuSession:
             handle = LeaseHandle(lease_id=reply.lease_id, options=options, output=output)
             if isinstance(reply, Granted):
                 handle.placement = reply.placement
+                handle.ranks = list(reply.ranks)
                 handle.move(LeaseState.RUNNING)
             else:
                 handle.queued = reply
@@ -699,7 +723,8 @@ class GpuSession:
                 with contextlib.suppress(BrokerError):
                     current.release(handle.lease_id)
             raise
-        self._bind(handle)
+        if bind:  # worker processes (run_gang) bind themselves, not this kernel
+            self._bind(handle)
         return handle
 
     def _request(
@@ -890,6 +915,67 @@ class GpuSession:
                 yield handle
         finally:
             self.release(handle)
+
+    def run_gang(
+        self,
+        target: Any,
+        *args: Any,
+        ranks: int,
+        output: CellOutput | None = None,
+        label: str = "",
+        port: int | None = None,
+        backend: str | None = None,
+        lease_options: dict | None = None,
+        **kwargs: Any,
+    ) -> list:
+        """Run ``target`` (a function, or a cell's source) in ``ranks`` worker processes,
+        each bound to its own slice of one gang lease, with ``torch.distributed`` set up
+        between them; return each rank's result.  Waits (visibly) for the whole gang,
+        and releases it when the ranks end, whatever the ending."""
+        from gpushare_ext.runtime.ranks import build_payload, run_ranks
+
+        if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS:
+            raise RankRequestError(
+                f"gpushare: ranks must be a whole number from 1 to {MAX_RANKS}, not {ranks!r}"
+            )
+        build_payload(target, args, kwargs, ranks)  # bad input fails before any request
+        overrides = dict(lease_options or {})
+        if overrides.get("priority") is not None:
+            overrides["priority"] = priority_value(overrides["priority"])
+        options = self.merged(**overrides, ranks=ranks)
+        handle = self.acquire(options, output=output, label=label, bind=False)
+        try:
+            placements: list[Placement | None] = [r.placement for r in handle.ranks] or [
+                handle.placement
+            ]
+            if self.simulated:
+                # No GPU here: the inventory is simulated, so the ranks run on the CPU.
+                placements = [None] * len(placements)
+            return run_ranks(
+                target, *args, placements=placements, port=port, backend=backend,
+                on_started=lambda pids: self._attach_ranks(handle, pids), **kwargs,
+            )  # fmt: skip
+        finally:
+            self.release(handle)
+
+    def _attach_ranks(self, handle: LeaseHandle, pids: list[int]) -> None:
+        """Name a gang's worker processes to the broker, so that a pause stops them (and
+        not this kernel).  While the gang is being paused the broker says to wait: try
+        again once it runs."""
+        deadline = time.monotonic() + RECONNECT_DEADLINE_S
+        while True:
+            client = self.client
+            if client is None or client.closed.is_set():
+                return  # reconnecting: the pause then reaches the kernel's session only
+            try:
+                client.attach_ranks(handle.lease_id, pids)
+                handle.note(f"ranks attached to processes {pids}")
+                return
+            except BrokerError as exc:
+                if exc.code != ErrorCode.OUT_OF_ORDER or time.monotonic() > deadline:
+                    raise
+            handle.changed.clear()
+            handle.changed.wait(0.2)
 
     # ---- inside a running cell
 
