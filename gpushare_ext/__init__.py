@@ -7,6 +7,8 @@ gpushare_ext`` stays cheap inside every notebook kernel:
 * ``gpushare_ext.lease(priority=..., memory_bytes=...)`` -- a scoped lease outside magics;
 * ``gpushare_ext.launch(train, ranks=4, ...)`` -- a function trained across 4 slices, one
   worker process per rank with ``torch.distributed`` set up, under one gang lease;
+  inside it, ``gpushare_ext.distributed_model(model)`` is DDP with the fastest gradient
+  path the slices allow;
 * ``gpushare_ext.safe_point()`` -- where a long loop may be held for a higher-priority session;
 * ``gpushare_ext.stream()`` -- the session's CUDA stream (CuPy), gated by the broker;
 * ``gpushare_ext.device()`` -- the CUDA device of the current lease (for PyTorch);
@@ -26,6 +28,7 @@ _LAZY = {
     "widget": ("gpushare_ext.widgets", "widget"),
     "kernel": ("gpushare_ext.kernels", "kernel"),
     "jit": ("gpushare_ext.kernels", "jit"),
+    "distributed_model": ("gpushare_ext.runtime.rank_comm", "distributed_model"),
 }
 
 

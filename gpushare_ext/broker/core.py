@@ -880,6 +880,10 @@ class Scheduler:
             )
         for member, (pid, ticks) in zip(members, event.pids, strict=True):
             self._index.reidentify(member, replace(member.identity, pid=pid, start_ticks=ticks))
+            # What failed on the notebook's process (no CUDA context there to lock, say)
+            # says nothing of the rank's own: it may be stopped as its request said.
+            member.lockable = member.capabilities.lockable
+            member.evictable = True
         return []
 
     def _on_LeaseReleased(self, event: LeaseReleased, now: float) -> list[Action]:

@@ -196,6 +196,52 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
+def ready_name(rank: int) -> str:
+    return f"ready-{rank}"
+
+
+GO_NAME = "go"
+GO_POLL_S = 0.01
+
+
+def start_cuda() -> None:
+    """Make this rank's CUDA context now, before the broker is told which process runs
+    the rank: the checkpoint lock that pauses a rank cannot stop a process that has
+    none yet (CUDA_ERROR_NOT_INITIALIZED), and its work would then run unstopped."""
+    if not os.environ.get("CUDA_VISIBLE_DEVICES"):
+        return
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.zeros(1, device="cuda")
+        return
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return  # no CUDA library here: the target brings its own (and the lock may fail)
+    if driver.cuInit(0)[0] == driver.CUresult.CUDA_SUCCESS:
+        error, device = driver.cuDeviceGet(0)
+        if error == driver.CUresult.CUDA_SUCCESS:
+            driver.cuDevicePrimaryCtxRetain(device)
+
+
+def wait_for_go(directory: Path, rank: int) -> None:
+    """Say this rank is ready, then wait until the launcher has named every rank's
+    process to the broker (it then writes ``go``)."""
+    _write_private(directory / ready_name(rank), b"")
+    go = directory / GO_NAME
+    while not go.exists():
+        time.sleep(GO_POLL_S)
+
+
+def release_exchanges() -> None:
+    """After a target that ended well: every rank unmaps the others' gradient buffers
+    before any rank frees its own (on a failure the launcher stops every rank instead,
+    so no rank waits here for one that will never come)."""
+    comm = sys.modules.get("gpushare_ext.runtime.rank_comm")
+    if comm is not None:
+        comm.release()
+
+
 def run_target(payload: dict[str, Any]) -> Any:
     if payload["kind"] == "source":
         # A cell's functions and classes belong to __main__, as they do in the notebook,
@@ -219,7 +265,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         payload = load_payload(directory)
         joined = init_distributed(payload, world_size)
-        write_result(directory, rank, run_target(payload))
+        start_cuda()
+        wait_for_go(directory, rank)
+        result = run_target(payload)
+        release_exchanges()
+        write_result(directory, rank, result)
         return 0
     except KeyboardInterrupt as exc:
         print("interrupted", file=sys.stderr, flush=True)

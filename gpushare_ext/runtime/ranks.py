@@ -44,10 +44,12 @@ from gpushare_ext.protocol import Placement
 from gpushare_ext.runtime.errors import SessionError
 from gpushare_ext.runtime.rank_worker import (
     CELL_FILENAME,
+    GO_NAME,
     PAYLOAD_NAME,
     RankWorkerError,
     code_with_filename,
     error_name,
+    ready_name,
     result_name,
 )
 from gpushare_ext.safe_fs import fresh_private_directory, open_private_file, remove_own_directory
@@ -61,6 +63,7 @@ __all__ = [
     "RendezvousError",
     "UnknownBackend",
     "choose_backend",
+    "choose_comm",
     "mps_limits",
     "rank_environment",
     "run_ranks",
@@ -164,6 +167,19 @@ def choose_backend(placements: Sequence[Placement | None]) -> tuple[str, str]:
     return "nccl", "every rank has a GPU of its own"
 
 
+def choose_comm(placements: Sequence[Placement | None], backend: str) -> str:
+    """How the gang's gradients are averaged (:mod:`~gpushare_ext.runtime.rank_comm`):
+    ``nccl`` with the NCCL backend, ``cuda-ipc`` when every rank is a software slice of
+    one and the same GPU (they can map each other's memory), ``gloo`` otherwise."""
+    if backend == "nccl":
+        return "nccl"
+    devices = {p.device_uuid for p in placements if p is not None and not p.mig_uuid}
+    every_rank_on_a_gpu = all(p is not None and not p.mig_uuid for p in placements)
+    if len(placements) > 1 and every_rank_on_a_gpu and len(devices) == 1:
+        return "cuda-ipc"
+    return "gloo"
+
+
 def resolve_backend(placements: Sequence[Placement | None], backend: str | None) -> tuple[str, str]:
     if backend is None:
         return choose_backend(placements)
@@ -252,6 +268,7 @@ def rank_environment(
     backend: str,
     port: int,
     base: dict[str, str] | None = None,
+    comm: str = "gloo",
 ) -> dict[str, str]:
     """The environment of one worker: ``base`` (os.environ) with the rank's own settings."""
     inherited = dict(os.environ if base is None else base)
@@ -265,6 +282,7 @@ def rank_environment(
         MASTER_PORT=str(port),
         PYTHONUNBUFFERED="1",
         GPUSHARE_RANK_BACKEND=backend,
+        GPUSHARE_RANK_COMM=comm,
         GPUSHARE_RANK_PARENT=str(os.getpid()),
     )
     # Every rank is on this host: gloo over loopback never depends on how the host
@@ -449,6 +467,7 @@ class _Launch:
     directory: Path | None = None
     workers: list[_Worker] = field(default_factory=list)
     on_started: Callable[[list[int]], None] | None = None
+    comm: str = "gloo"
 
     @property
     def world_size(self) -> int:
@@ -461,9 +480,12 @@ class _Launch:
             self.out.write(start_line + "\n")
             try:
                 self._start_all()
-                if self.on_started is not None:
-                    self.on_started([worker.process.pid for worker in self.workers])
-                failed = self._wait_for_exits()
+                failed = self._wait_until_ready()
+                if not failed:
+                    if self.on_started is not None:
+                        self.on_started([worker.process.pid for worker in self.workers])
+                    self._let_go()
+                    failed = self._wait_for_exits()
             except KeyboardInterrupt:
                 self._stop((signal.SIGINT, signal.SIGTERM))
                 self.out.write(f"gpushare: stopped all {self.world_size} ranks\n")
@@ -499,7 +521,9 @@ class _Launch:
 
     def _start_all(self) -> None:
         for rank, placement in enumerate(self.placements):
-            env = rank_environment(rank, self.world_size, placement, self.backend, self.port)
+            env = rank_environment(
+                rank, self.world_size, placement, self.backend, self.port, comm=self.comm
+            )
             process = subprocess.Popen(
                 [sys.executable, "-m", WORKER_MODULE, str(self.directory), str(rank)],
                 env=env,
@@ -522,6 +546,22 @@ class _Launch:
                 )
                 reader.start()
                 worker.readers.append(reader)
+
+    def _wait_until_ready(self) -> list[_Worker]:
+        """Wait until every rank has joined the group and made its CUDA context (it then
+        waits for ``go``); return the ranks that failed first, if any did."""
+        assert self.directory is not None
+        while True:
+            failed = [w for w in self.workers if w.process.poll() not in (None, 0)]
+            if failed:
+                return failed
+            if all((self.directory / ready_name(w.rank)).exists() for w in self.workers):
+                return []
+            time.sleep(POLL_S / 5)
+
+    def _let_go(self) -> None:
+        assert self.directory is not None
+        os.close(open_private_file(self.directory / GO_NAME, os.O_WRONLY | os.O_CREAT))
 
     def _wait_for_exits(self) -> list[_Worker]:
         """Wait until every rank exited 0 (returns []) or some failed (returns those)."""
@@ -664,9 +704,13 @@ def run_ranks(
     payload = build_payload(target, args, kwargs, len(checked))
     master_port = rendezvous_port(port)
     count = f"{len(checked)} rank{'s' if len(checked) != 1 else ''}"
+    comm = choose_comm(checked, chosen)
+    through = {"cuda-ipc": "; distributed_model averages gradients in the GPU's memory"}
     start_line = (
-        f"gpushare: starting {count} ({chosen}: {reason}; rendezvous {MASTER_ADDR}:{master_port})"
+        f"gpushare: starting {count} ({chosen}: {reason}; rendezvous {MASTER_ADDR}:{master_port}"
+        f"{through.get(comm, '')})"
     )
     launch = _Launch(payload, checked, chosen, master_port, stdout, stderr, float(grace_s))
     launch.on_started = on_started
+    launch.comm = comm
     return launch.run(start_line)

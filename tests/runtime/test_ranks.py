@@ -11,6 +11,7 @@ workers never import this test module.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import signal
@@ -518,3 +519,51 @@ def test_a_worker_whose_launcher_is_gone_exits_at_once(tmp_path: Path):
     assert finished.returncode == ORPHANED_STATUS, finished.stderr
     assert list(tmp_path.iterdir()) == []  # it did not even look for its payload
     assert time.monotonic() - started < 10
+
+
+# ------------------------------------------------------------------ the gradient path
+
+
+def _gpu(uuid: str, mig: str | None = None) -> Placement:
+    return Placement(device_index=0, device_uuid=uuid, mig_uuid=mig, memory_bytes=1 << 30)
+
+
+def test_gradients_go_through_the_gpus_memory_only_when_every_rank_shares_one_gpu():
+    from gpushare_ext.runtime.ranks import choose_comm
+
+    same = [_gpu("GPU-a"), _gpu("GPU-a")]
+    assert choose_comm(same, "gloo") == "cuda-ipc"
+    assert choose_comm([_gpu("GPU-a"), _gpu("GPU-b")], "nccl") == "nccl"
+    assert choose_comm([_gpu("GPU-a", "MIG-1"), _gpu("GPU-a", "MIG-2")], "gloo") == "gloo"
+    assert choose_comm([_gpu("GPU-a"), None], "gloo") == "gloo"
+    assert choose_comm([None, None], "gloo") == "gloo"
+    assert choose_comm([_gpu("GPU-a")], "gloo") == "gloo"
+    env = rank_environment(0, 2, same[0], "gloo", 29500, base={}, comm="cuda-ipc")
+    assert env["GPUSHARE_RANK_COMM"] == "cuda-ipc"
+
+
+def _train_wrapped(steps: int) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    from gpushare_ext.runtime.rank_comm import comm_path, distributed_model
+
+    torch.manual_seed(3)
+    model = distributed_model(torch.nn.Linear(4, 1))
+    assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    assert comm_path() == "gloo"
+    generator = torch.Generator().manual_seed(5)
+    x, y = torch.randn(8, 4, generator=generator), torch.randn(8, 1, generator=generator)
+    half = slice(dist.get_rank() * 4, dist.get_rank() * 4 + 4)
+    optimiser = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(model(x[half]), y[half])
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
+    return [float(v) for v in model.module.weight.detach().flatten()]
+
+
+def test_distributed_model_on_cpu_ranks_is_ddp_over_gloo_and_keeps_ranks_in_step():
+    first, second = run_ranks(_train_wrapped, 3, placements=[None, None], out=io.StringIO())
+    assert first == second

@@ -1,0 +1,175 @@
+"""On a real GPU: a gang of ranks on software slices of one device, through a broker on
+NVML and the real ladder.
+
+* every rank runs on the device its placement names (checked through its CUDA UUID) and
+  gloo all-reduces CUDA tensors between ranks that share it;
+* a high-priority lease arriving while a low-priority gang trains locks every rank's
+  process (level 3) at once, the ranks stall together, resume, and end with the same
+  result as an undisturbed run.
+
+Skips cleanly without a usable GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+from runtime_helpers import BrokerProcess, gpu_missing_reason, short_tempdir, wait_for
+
+from gpushare_ext.client import BrokerClient
+from gpushare_ext.protocol import Granted
+from gpushare_ext.runtime.session import GpuSession
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(gpu_missing_reason() is not None, reason=str(gpu_missing_reason())),
+]
+GIB = 1024**3
+
+
+@pytest.fixture(scope="module")
+def gpu_broker():
+    running = BrokerProcess(short_tempdir("gps-gpu-ranks-"), simulate=None).start()
+    yield running
+    running.stop()
+
+
+def device_and_sum() -> tuple[str, float]:
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([dist.get_rank() + 1.0], device="cuda")
+    dist.all_reduce(value)
+    return str(torch.cuda.get_device_properties(0).uuid), float(value.item())
+
+
+def train_steadily(steps: int, seed: int) -> dict:
+    """A deterministic CUDA loop; when each step ended, and a checksum of the result."""
+    import torch
+    import torch.distributed as dist
+
+    torch.manual_seed(seed + dist.get_rank())
+    a = torch.randn(2048, 2048, device="cuda")
+    b = torch.randn(2048, 2048, device="cuda") / 64
+    ends = []
+    for _ in range(steps):
+        for _ in range(20):
+            a = torch.tanh(a @ b)
+        torch.cuda.synchronize()
+        ends.append(time.time())
+    total = a.double().sum()
+    dist.all_reduce(total)
+    return {"ends": ends, "checksum": float(total.item())}
+
+
+def test_ranks_run_on_their_placement_and_all_reduce_cuda_tensors(gpu_broker, capsys):
+    session = GpuSession(gpu_broker.socket)
+    try:
+        results = session.run_gang(
+            device_and_sum, ranks=2, lease_options={"memory_bytes": 4 * GIB, "sm_share": 0.5}
+        )
+    finally:
+        session.close()
+    uuid = gpu_broker.status().devices[0].info.uuid.removeprefix("GPU-")
+    assert results == [(uuid, 3.0), (uuid, 3.0)]
+    assert "gloo: ranks 0 and 1 share GPU 0" in capsys.readouterr().out
+    wait_for(lambda: not gpu_broker.leases(), "the gang to be released")
+
+
+def wrapped_steps(steps: int) -> dict:
+    """A small model trained by DDP through distributed_model, each rank on its half."""
+    import torch
+    import torch.distributed as dist
+
+    from gpushare_ext.runtime.rank_comm import comm_path, distributed_model
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.manual_seed(11)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Tanh(), torch.nn.Linear(512, 8))
+    model = distributed_model(model.cuda())
+    generator = torch.Generator().manual_seed(12)
+    x = torch.randn(64, 256, generator=generator).cuda()
+    y = torch.randn(64, 8, generator=generator).cuda()
+    share = 64 // world
+    optimiser = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(steps):
+        part = slice(rank * share, (rank + 1) * share)
+        loss = torch.nn.functional.mse_loss(model(x[part]), y[part])
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()]).cpu()
+    return {"comm": comm_path(), "weights": weights.tolist()}
+
+
+def test_ranks_on_one_gpu_average_gradients_in_its_memory_like_one_process(gpu_broker):
+    session = GpuSession(gpu_broker.socket)
+    options = {"memory_bytes": 4 * GIB, "sm_share": 0.5}
+    try:
+        (alone,) = session.run_gang(wrapped_steps, 5, ranks=1, lease_options=options)
+        first, second = session.run_gang(wrapped_steps, 5, ranks=2, lease_options=options)
+    finally:
+        session.close()
+    assert first["comm"] == second["comm"] == "cuda-ipc"
+    assert first["weights"] == second["weights"]  # every rank sums the same bits
+    worst = max(abs(a - b) for a, b in zip(first["weights"], alone["weights"], strict=True))
+    assert worst < 1e-5
+
+
+def test_a_high_lease_locks_every_rank_together_and_the_result_is_unchanged(gpu_broker):
+    steps = 400  # about 6 s on an H200: the pause comes in the middle
+    options = {"memory_bytes": 4 * GIB, "sm_share": 0.5, "priority": "low"}
+    session = GpuSession(gpu_broker.socket)
+    try:
+        undisturbed = session.run_gang(train_steadily, steps, 7, ranks=2, lease_options=options)
+        outcome: dict = {}
+
+        def disturbed() -> None:
+            outcome["results"] = session.run_gang(
+                train_steadily, steps, 7, ranks=2, lease_options=options
+            )
+
+        runner = threading.Thread(target=disturbed)
+        runner.start()
+        members = wait_for(
+            lambda: [lease for lease in gpu_broker.leases() if lease.pid != os.getpid()]
+            if len(gpu_broker.leases()) == 2 else None,
+            "both ranks to run in their own processes",
+        )  # fmt: skip
+        time.sleep(1.5)  # into the loop
+        with BrokerClient(gpu_broker.socket) as explorer:
+            high = explorer.request_lease(priority=250, memory_bytes=4 * GIB)
+            assert isinstance(high, Granted)
+
+            def locked() -> list | None:
+                views = [v for v in gpu_broker.leases() if v.lease_id != high.lease_id
+                         and v.state.value == "paused" and v.preemption_level == 3]  # fmt: skip
+                return views if len(views) == 2 else None
+
+            try:
+                paused = wait_for(locked, "both ranks to be locked")
+            except AssertionError as exc:
+                views = [(v.lease_id, v.pid, v.state.value, v.preemption_level, v.reason)
+                         for v in gpu_broker.leases()]  # fmt: skip
+                raise AssertionError(f"{exc}: {views}\n{gpu_broker.log_tail()}") from None
+            paused_at = time.time()
+            time.sleep(2.0)
+            explorer.release(high.lease_id)
+        resumed_at = time.time()
+        runner.join(timeout=120)
+        assert not runner.is_alive()
+    finally:
+        session.close()
+    results = outcome["results"]
+    assert [r["checksum"] for r in results] == [r["checksum"] for r in undisturbed]
+    assert {m.pid for m in members} == {v.pid for v in paused}
+    for rank in results:
+        # No step of either rank ended while the gang was locked.
+        assert not [t for t in rank["ends"] if paused_at + 0.2 < t < resumed_at - 0.2]
+        gaps = [b - a for a, b in zip(rank["ends"], rank["ends"][1:], strict=False)]
+        assert max(gaps) >= 1.5
+    wait_for(lambda: not gpu_broker.leases(), "the gang to be released")
