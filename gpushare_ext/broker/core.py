@@ -183,11 +183,14 @@ class LeaseRestored:
 
 @dataclass(frozen=True, kw_only=True)
 class LeaseReclaimed:
-    """A reconnected session takes back a detached lease of its own process."""
+    """A reconnected session takes back a detached lease of its own process, or, with
+    ``keep_process``, the rank of one of its gangs that a worker process it started runs
+    (the server checked that the worker descends from it); the rank stays that worker's."""
 
     now: float
     session_id: str
     lease_id: str
+    keep_process: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -794,13 +797,23 @@ class Scheduler:
             if self._reclaim_refusal(record, lease_id) is None
         ]
 
-    def _reclaim_refusal(self, record: SessionRecord, lease_id: str) -> SchedulerError | None:
+    def detached_ranks(self, gang: str) -> list[Lease]:
+        """The ranks of ``gang`` waiting to be reclaimed, if every active rank is."""
+        members = self.members(gang) if gang in self.gangs else []
+        return members if members and all(m.detached for m in members) else []
+
+    def _reclaim_refusal(
+        self, record: SessionRecord, lease_id: str, keep_process: bool = False
+    ) -> SchedulerError | None:
         lease = self.leases.get(lease_id)
         if lease is None or not lease.detached:
             return SchedulerError(
                 ErrorCode.UNKNOWN_LEASE, f"there is no lease {lease_id} waiting to be reclaimed"
             )
-        if (lease.identity.pid, lease.identity.uid) != (record.identity.pid, record.identity.uid):
+        owner = (lease.identity.pid, lease.identity.uid)
+        if keep_process:  # the server vouched for the process; the user must match
+            owner = (record.identity.pid, lease.identity.uid)
+        if owner != (record.identity.pid, record.identity.uid):
             return SchedulerError(
                 ErrorCode.PERMISSION, f"lease {lease_id} belongs to another process"
             )
@@ -808,7 +821,7 @@ class Scheduler:
 
     def _on_LeaseReclaimed(self, event: LeaseReclaimed, now: float) -> list[Action]:
         record = self._session(event.session_id)
-        refusal = self._reclaim_refusal(record, event.lease_id)
+        refusal = self._reclaim_refusal(record, event.lease_id, event.keep_process)
         if refusal is not None:
             raise refusal
         lease = self.leases[event.lease_id]
@@ -818,7 +831,8 @@ class Scheduler:
             if placeholder.detached and not placeholder.leases:
                 del self.sessions[lease.session_id]
         lease.session_id = event.session_id
-        self._index.reidentify(lease, record.identity)
+        if not event.keep_process:
+            self._index.reidentify(lease, record.identity)
         lease.detached = False
         record.leases.add(lease.lease_id)
         if lease.state == LeaseState.RUNNING:

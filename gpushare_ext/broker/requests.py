@@ -143,6 +143,8 @@ class Requests:
         # The welcome goes first: what reclaiming sets off (a resume, a pause again, a
         # grant) are notices about leases the session must know it holds.
         reclaimed = broker.scheduler.reclaimable(session_id, list(hello.reclaim))
+        ranks = self._reclaimable_ranks(conn, [g for g in hello.reclaim if g not in reclaimed])
+        reclaimed += list(ranks)
         broker.send(
             conn,
             Welcome(
@@ -161,9 +163,13 @@ class Requests:
             ),
         )
         for lease_id in reclaimed:
-            broker.dispatch(
-                core.LeaseReclaimed(now=time.time(), session_id=session_id, lease_id=lease_id)
-            )
+            for member in ranks.get(lease_id, [lease_id]):
+                broker.dispatch(
+                    core.LeaseReclaimed(
+                        now=time.time(), session_id=session_id, lease_id=member,
+                        keep_process=lease_id in ranks,
+                    )
+                )  # fmt: skip
             broker.journal.note("reclaimed", lease_id, {"pid": conn.pid})
         if hello.client == "kernel":
             # A notebook that is back and does not name a lease of its process has let it
@@ -179,6 +185,20 @@ class Requests:
                         reason="its notebook reconnected without it",
                     )
                 )
+
+    def _reclaimable_ranks(self, conn: Connection, gangs: list[str]) -> dict[str, list[str]]:
+        """Per gang named in a hello, its ranks' lease ids, when every rank waits to be
+        reclaimed and runs in a process the connecting one started (of its user)."""
+        found: dict[str, list[str]] = {}
+        for gang in dict.fromkeys(gangs):
+            ranks = self.broker.scheduler.detached_ranks(gang)
+            if ranks and all(
+                rank.identity.pid == conn.pid
+                or descends_from(rank.identity.pid, conn.pid, conn.uid)
+                for rank in ranks
+            ):
+                found[gang] = [rank.lease_id for rank in ranks]
+        return found
 
     def request_lease(self, conn: Connection, request: RequestLease) -> None:
         broker = self.broker

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 from broker_wire import start_holder, status_of, wait_for
-from support import launch_broker
+from support import launch_broker, run_as
 
 from gpushare_ext.client import BrokerClient
 from gpushare_ext.protocol import Granted, Preempt, Queued, Refused, Resume
@@ -121,6 +121,11 @@ def test_a_gang_survives_a_broker_killed_with_kill_9_and_is_reclaimed_whole(tmp_
         shutil.rmtree(broker.directory, ignore_errors=True)
 
 
+def _reclaimed_by_another_pid(socket_path, lease_id: str) -> list[str]:
+    with BrokerClient(socket_path, reclaim=[lease_id]) as client:
+        return list(client.welcome.reclaimed)
+
+
 def _sleepers(count: int) -> list:
     import subprocess
     import sys
@@ -170,3 +175,40 @@ def test_a_gangs_worker_processes_take_over_its_ranks_and_are_the_ones_paused(br
         for worker in workers:
             worker.kill()
             worker.wait(timeout=5)
+
+
+def test_a_gang_run_by_worker_processes_is_reclaimed_by_its_notebook_after_kill_9(tmp_path):
+    broker = launch_broker()
+    workers = _sleepers(2)
+    try:
+        trainer = BrokerClient(broker.socket, notebook="ddp.ipynb")
+        gang = trainer.request_lease(priority=150, memory_bytes=10 * GIB, ranks=2)
+        assert isinstance(gang, Granted)
+        trainer.attach_ranks(gang.lease_id, [w.pid for w in workers])
+        broker.process.send_signal(signal.SIGKILL)
+        broker.process.wait(timeout=10)
+        assert trainer.closed.wait(timeout=5)
+        trainer.close()
+
+        restarted = launch_broker(directory=broker.directory, journal=broker.journal)
+        try:
+            # Another process of the same user, not the workers' parent, gets nothing.
+            assert run_as(None, _reclaimed_by_another_pid, restarted.socket, gang.lease_id) == []
+            # The notebook names the gang, as it knows it; its ranks stay the workers'.
+            with BrokerClient(restarted.socket, reclaim=[gang.lease_id]) as again:
+                assert again.welcome.reclaimed == [gang.lease_id]
+                views = {v.lease_id: v for v in again.status().leases}
+                assert {k: (v.pid, v.state.value) for k, v in views.items()} == {
+                    r.lease_id: (w.pid, "running") for r, w in zip(gang.ranks, workers, strict=True)
+                }
+                again.release(gang.lease_id)
+                assert wait_for(lambda: status_of(restarted.socket).leases == [])
+        finally:
+            restarted.stop()
+    finally:
+        for worker in workers:
+            worker.kill()
+            worker.wait(timeout=5)
+        if broker.process.poll() is None:
+            broker.stop()
+        shutil.rmtree(broker.directory, ignore_errors=True)
