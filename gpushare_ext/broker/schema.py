@@ -540,7 +540,7 @@ LIMIT_SETTINGS: dict[str, Setting] = {
             key="max_leases",
             kind=Whole(1, 10_000),
             default=8,
-            meaning="leases one user may hold or wait for at once",
+            meaning="leases one user may hold or wait for at once (a gang of N ranks counts N)",
             applies="live",
         ),
         Setting(
