@@ -116,6 +116,12 @@ def shim_path() -> Path:
     return NATIVE
 
 
+def preloaded_here() -> bool:
+    """Whether this process runs with the shim preloaded (so the processes it starts,
+    which inherit ``LD_PRELOAD``, have it too)."""
+    return _preloaded() is not None
+
+
 def _preloaded() -> ctypes.CDLL | None:
     """The process's global scope, if a preloaded copy of the library is in it."""
     everything = ctypes.CDLL(None)

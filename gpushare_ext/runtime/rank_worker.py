@@ -202,6 +202,32 @@ def ready_name(rank: int) -> str:
 
 GO_NAME = "go"
 GO_POLL_S = 0.01
+CONTROL_BLOCK_ENV = "GPUSHARE_RANK_CONTROL_BLOCK"
+_followed: list[Any] = []  # the control block mapped for the shim: kept while the rank runs
+
+
+def follow_gate() -> str:
+    """With the launch shim preloaded (inherited from a kernel the server extension
+    started), hold this rank's launches while the notebook's session is paused: the gate
+    the shim follows is the session's control block.  Under MPS, where the checkpoint
+    lock does not work, that gate is what pauses a gang.  Returns what was done, in a
+    few words ("" when there is no shim or no block)."""
+    path = os.environ.get(CONTROL_BLOCK_ENV, "")
+    if not path:
+        return ""
+    from gpushare_ext.runtime import interpose
+
+    if not interpose.preloaded_here():
+        return ""
+    from gpushare_ext.control_block import ControlBlock, ControlBlockError
+
+    try:
+        block = ControlBlock.open(path)
+        attached = interpose.attach(block.address())
+    except (ControlBlockError, interpose.InterposerError) as exc:
+        return f"launches are not held on the host: {exc}"
+    _followed.append(block)
+    return attached.describe()
 
 
 def start_cuda() -> None:
@@ -216,12 +242,13 @@ def start_cuda() -> None:
         return
     try:
         from cuda.bindings import driver
-    except ImportError:
-        return  # no CUDA library here: the target brings its own (and the lock may fail)
-    if driver.cuInit(0)[0] == driver.CUresult.CUDA_SUCCESS:
-        error, device = driver.cuDeviceGet(0)
-        if error == driver.CUresult.CUDA_SUCCESS:
-            driver.cuDevicePrimaryCtxRetain(device)
+
+        if driver.cuInit(0)[0] == driver.CUresult.CUDA_SUCCESS:
+            error, device = driver.cuDeviceGet(0)
+            if error == driver.CUresult.CUDA_SUCCESS:
+                driver.cuDevicePrimaryCtxRetain(device)
+    except Exception:  # no usable CUDA library: the target brings its own, if any
+        return
 
 
 def wait_for_go(directory: Path, rank: int) -> None:
@@ -266,6 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         payload = load_payload(directory)
         joined = init_distributed(payload, world_size)
         start_cuda()
+        follow_gate()
         wait_for_go(directory, rank)
         result = run_target(payload)
         release_exchanges()

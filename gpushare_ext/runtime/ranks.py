@@ -44,6 +44,7 @@ from gpushare_ext.protocol import Placement
 from gpushare_ext.runtime.errors import SessionError
 from gpushare_ext.runtime.rank_worker import (
     CELL_FILENAME,
+    CONTROL_BLOCK_ENV,
     GO_NAME,
     PAYLOAD_NAME,
     RankWorkerError,
@@ -80,6 +81,7 @@ _INHERITED_LIMITS = (
     "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
     "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
     "GPUSHARE_RANK_MEMORY_BYTES",
+    "GPUSHARE_RANK_CONTROL_BLOCK",
 )
 _PLACEHOLDER_FILENAME = "<dynamic-code>"  # what cloudpickle writes instead of a file name
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
@@ -269,6 +271,7 @@ def rank_environment(
     port: int,
     base: dict[str, str] | None = None,
     comm: str = "gloo",
+    control_block: str | None = None,
 ) -> dict[str, str]:
     """The environment of one worker: ``base`` (os.environ) with the rank's own settings."""
     inherited = dict(os.environ if base is None else base)
@@ -297,6 +300,8 @@ def rank_environment(
         return env
     env["CUDA_VISIBLE_DEVICES"] = placement.cuda_visible_devices
     env["GPUSHARE_RANK_MEMORY_BYTES"] = str(placement.memory_bytes)
+    if control_block:
+        env[CONTROL_BLOCK_ENV] = control_block
     if placement.mps:
         env.update(mps_limits(placement))
     return env
@@ -468,6 +473,7 @@ class _Launch:
     workers: list[_Worker] = field(default_factory=list)
     on_started: Callable[[list[int]], None] | None = None
     comm: str = "gloo"
+    control_block: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -522,8 +528,9 @@ class _Launch:
     def _start_all(self) -> None:
         for rank, placement in enumerate(self.placements):
             env = rank_environment(
-                rank, self.world_size, placement, self.backend, self.port, comm=self.comm
-            )
+                rank, self.world_size, placement, self.backend, self.port, comm=self.comm,
+                control_block=self.control_block,
+            )  # fmt: skip
             process = subprocess.Popen(
                 [sys.executable, "-m", WORKER_MODULE, str(self.directory), str(rank)],
                 env=env,
@@ -681,6 +688,7 @@ def run_ranks(
     err: Any = None,
     grace_s: float = 5.0,
     on_started: Callable[[list[int]], None] | None = None,
+    control_block: str | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``target(*args, **kwargs)`` (or a cell's source) in one process per placement.
@@ -693,6 +701,8 @@ def run_ranks(
     stdout and stderr), one ``[rank N] `` line at a time, while they run.
     ``on_started`` is called with the workers' pids, in rank order, once all have
     started (the caller names them to the broker); if it raises, every rank is stopped.
+    GPU ranks that have the launch shim follow the gate of ``control_block`` (the
+    session's), so a pause holds their launches.
     """
     lock = threading.Lock()
     stdout = _LineWriter(sys.stdout if out is None else out, lock)
@@ -713,4 +723,5 @@ def run_ranks(
     launch = _Launch(payload, checked, chosen, master_port, stdout, stderr, float(grace_s))
     launch.on_started = on_started
     launch.comm = comm
+    launch.control_block = control_block
     return launch.run(start_line)

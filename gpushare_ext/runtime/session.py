@@ -662,9 +662,11 @@ class GpuSession:
         # (a preemption that comes before that is escalated to the lock by the broker).
         will_have_flag = options.instrumented_only and not self.simulated
         if options.ranks > 1 or in_workers:
-            # The work runs in worker processes (run_gang), which have neither this
-            # kernel's gate nor its flag: the broker stops them by locking each one.
-            return Capabilities(lockable=not mps)
+            # The work runs in worker processes (run_gang): the broker locks each one.
+            # They follow this session's gate too when they inherit the launch shim,
+            # which is what holds them under MPS, where the lock does not work.
+            gate = self.control_block is not None and interpose.preloaded_here()
+            return Capabilities(gate=gate, lockable=not mps)
         return Capabilities(
             gate=self.control_block is not None,
             yield_flag=self.yield_flag is not None or will_have_flag,
@@ -951,9 +953,11 @@ class GpuSession:
             if self.simulated:
                 # No GPU here: the inventory is simulated, so the ranks run on the CPU.
                 placements = [None] * len(placements)
+            block = self.control_block
             return run_ranks(
                 target, *args, placements=placements, port=port, backend=backend,
-                on_started=lambda pids: self._attach_ranks(handle, pids), **kwargs,
+                on_started=lambda pids: self._attach_ranks(handle, pids),
+                control_block=str(block.path) if block is not None else None, **kwargs,
             )  # fmt: skip
         finally:
             self.release(handle)

@@ -93,6 +93,16 @@ def test_a_high_cell_pauses_every_rank_and_they_all_resume(broker):
         assert states == {r.lease_id: "running" for r in gang.ranks}
 
 
+def _killed_and_restarted(broker, client: BrokerClient):
+    """The broker killed with ``kill -9`` under ``client``, and started again on its
+    journal."""
+    broker.process.send_signal(signal.SIGKILL)
+    broker.process.wait(timeout=10)
+    assert client.closed.wait(timeout=5)
+    client.close()
+    return launch_broker(directory=broker.directory, journal=broker.journal)
+
+
 def test_a_gang_survives_a_broker_killed_with_kill_9_and_is_reclaimed_whole(tmp_path):
     broker = launch_broker()
     try:
@@ -100,12 +110,7 @@ def test_a_gang_survives_a_broker_killed_with_kill_9_and_is_reclaimed_whole(tmp_
         gang = trainer.request_lease(priority=150, memory_bytes=10 * GIB, ranks=3)
         assert isinstance(gang, Granted)
         members = [r.lease_id for r in gang.ranks]
-        broker.process.send_signal(signal.SIGKILL)
-        broker.process.wait(timeout=10)
-        assert trainer.closed.wait(timeout=5)
-        trainer.close()
-
-        restarted = launch_broker(directory=broker.directory, journal=broker.journal)
+        restarted = _killed_and_restarted(broker, trainer)
         try:
             with BrokerClient(restarted.socket, reclaim=members) as again:
                 assert sorted(again.welcome.reclaimed) == sorted(members)
@@ -185,12 +190,7 @@ def test_a_gang_run_by_worker_processes_is_reclaimed_by_its_notebook_after_kill_
         gang = trainer.request_lease(priority=150, memory_bytes=10 * GIB, ranks=2)
         assert isinstance(gang, Granted)
         trainer.attach_ranks(gang.lease_id, [w.pid for w in workers])
-        broker.process.send_signal(signal.SIGKILL)
-        broker.process.wait(timeout=10)
-        assert trainer.closed.wait(timeout=5)
-        trainer.close()
-
-        restarted = launch_broker(directory=broker.directory, journal=broker.journal)
+        restarted = _killed_and_restarted(broker, trainer)
         try:
             # Another process of the same user, not the workers' parent, gets nothing.
             assert run_as(None, _reclaimed_by_another_pid, restarted.socket, gang.lease_id) == []

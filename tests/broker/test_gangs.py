@@ -286,3 +286,24 @@ def test_naming_workers_is_refused_while_the_gang_is_paused_or_for_the_wrong_cou
         _attach(hub, trainer, "L1", [7001, 7002])
     assert paused.value.code == ErrorCode.OUT_OF_ORDER
     assert hub.lease("L1.0").identity.pid == hub.pid_of(trainer)
+
+
+def test_a_gang_under_mps_is_held_at_the_gate_and_one_without_a_gate_time_slices():
+    from gpushare_ext.protocol import Capabilities
+
+    hub = Hub()
+    trainer, other, explorer = hub.open("trainer"), hub.open("other"), hub.open("explorer")
+    # MPS clients cannot be locked; workers that inherited the launch shim follow the gate.
+    hub.request(trainer, "L1", memory=10 * GIB, ranks=2, priority=LOW,
+                capabilities=Capabilities(gate=True, lockable=False))  # fmt: skip
+    hub.request(other, "L2", memory=10 * GIB, ranks=2, priority=LOW,
+                capabilities=Capabilities(lockable=False))  # fmt: skip
+
+    actions = hub.request(explorer, "L3", memory=8 * GIB, priority=HIGH)
+
+    preempts = of_type(actions, core.Preempt)
+    assert sorted((p.lease_id, p.level) for p in preempts) == [
+        ("L1.0", PreemptionLevel.GATE), ("L1.1", PreemptionLevel.GATE),
+    ]  # fmt: skip
+    assert states(hub, "L2") == [LeaseState.RUNNING] * 2  # nothing can stop it: it time-slices
+    assert only(actions, core.Grant).lease_id == "L3"

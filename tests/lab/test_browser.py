@@ -375,7 +375,11 @@ def test_panel_timeline_shows_a_pause_with_its_level_after_a_preemption(page, se
     box, inside = timeline.bounding_box(), panel.bounding_box()
     assert box and inside and box["x"] + box["width"] <= inside["x"] + inside["width"] + 1
     OUTPUT.mkdir(exist_ok=True)
-    panel.locator(".gpushare-device").screenshot(path=str(OUTPUT / "timeline.png"))
+    # A clip of the page, not an element screenshot: the panel redraws once a second,
+    # and an element replaced between its lookup and its capture would fail the shot.
+    device = panel.locator(".gpushare-device").bounding_box()
+    assert device is not None
+    page.screenshot(path=str(OUTPUT / "timeline.png"), clip=device)
 
 
 # ------------------------------------------------------------------ the README's tour

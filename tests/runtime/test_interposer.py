@@ -8,6 +8,7 @@ On a GPU host, tests/gpu/test_interposer_gpu.py attaches it to real CUPTI callba
 from __future__ import annotations
 
 import ctypes
+import io
 import json
 import os
 import signal
@@ -602,3 +603,72 @@ def test_the_shim_counts_memory_opened_from_another_process(fake_driver):
 
 def test_without_the_shim_preloaded_nobody_counts_imports():
     assert interpose.ipc_imports() is None
+
+
+# ------------------------------------------------------------------ a gang's worker processes
+
+
+def launch_until_stopped(flags: str) -> list[float]:
+    """A rank's work on the fake driver: a launch every 10 ms until ``flags/stop``; when
+    each launch went through."""
+    import ctypes
+    import time
+    from pathlib import Path
+
+    u, p = ctypes.c_uint, ctypes.c_void_p
+    cuda = ctypes.CDLL("libcuda.so.1")
+    get_proc = cuda.cuGetProcAddress_v2
+    get_proc.argtypes = [ctypes.c_char_p, ctypes.POINTER(p), ctypes.c_int, ctypes.c_uint64, p]
+    found = p()
+    assert get_proc(b"cuLaunchKernel", ctypes.byref(found), 12080, 0, None) == 0
+    launch = ctypes.CFUNCTYPE(ctypes.c_int, p, u, u, u, u, u, u, u, p, p, p)(found.value)
+    folder, times = Path(flags), []
+    deadline = time.time() + 60
+    while not (folder / "stop").exists() and time.time() < deadline:
+        launch(None, 1, 1, 1, 1, 1, 1, 0, None, None, None)
+        times.append(time.time())
+        (folder / "launched").touch()
+        time.sleep(0.01)
+    return times
+
+
+def test_a_gangs_rank_holds_its_launches_while_the_notebooks_session_is_paused(
+    fake_driver, tmp_path, monkeypatch
+):
+    import cloudpickle
+
+    from gpushare_ext.protocol import Placement
+    from gpushare_ext.runtime.ranks import run_ranks
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    monkeypatch.setenv("LD_PRELOAD", str(interpose.NATIVE))
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(fake_driver))
+    monkeypatch.delenv("GPUSHARE_INTERPOSER", raising=False)
+    session = ControlBlock.create(tmp_path / "session.cb")
+    session.publish(gate_closed=False, state=LeaseState.RUNNING)
+    rank = Placement(device_index=0, device_uuid="GPU-fake", memory_bytes=1 << 30)
+    results: list = []
+    runner = threading.Thread(
+        target=lambda: results.extend(
+            run_ranks(launch_until_stopped, str(tmp_path), placements=[rank],
+                      control_block=str(session.path), out=io.StringIO())
+        )
+    )  # fmt: skip
+    runner.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "launched").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        session.publish(gate_closed=True, state=LeaseState.PAUSED)  # the broker's gate
+        closed_at = time.time()
+        time.sleep(1.0)
+        opened_at = time.time()
+        session.publish(gate_closed=False, state=LeaseState.RUNNING)
+        time.sleep(0.3)
+    finally:
+        (tmp_path / "stop").touch()
+        runner.join(timeout=60)
+    (times,) = results
+    # At most the launch under way when the gate closed went through, none after.
+    assert len([t for t in times if closed_at + 0.05 < t < opened_at]) == 0
+    assert any(t < closed_at for t in times) and any(t > opened_at for t in times)
