@@ -105,6 +105,27 @@ def descends_from(pid: int, ancestor: int, uid: int) -> bool:
     return False
 
 
+def descendant_named(claimed: int, ancestor: int, uid: int) -> int | None:
+    """The pid, as this process sees it, of the descendant of ``ancestor`` (owned by
+    ``uid``) that a client names ``claimed``; None if there is none.
+
+    A client names its processes as it sees them.  In a container with a PID namespace
+    of its own that number is not the broker's, so the descendants are looked up by the
+    number each has in its own namespace (``NSpid``) too."""
+    if descends_from(claimed, ancestor, uid) and pid_as_seen_by_itself(claimed) == claimed:
+        return claimed
+    found = None
+    for entry in os.listdir("/proc"):
+        if not entry.isdecimal():
+            continue
+        pid = int(entry)
+        if pid_as_seen_by_itself(pid) == claimed and descends_from(pid, ancestor, uid):
+            if found is not None:
+                return None  # two candidates: naming it is ambiguous, so refuse
+            found = pid
+    return found
+
+
 def claimed_pid_matches(peer_pid: int, claimed: int) -> bool:
     """Whether a client that says it is ``claimed`` is the process the kernel names."""
     return claimed == peer_pid or claimed == pid_as_seen_by_itself(peer_pid)

@@ -28,6 +28,7 @@ from gpushare_ext.broker.effects import Reply, journal_record
 from gpushare_ext.broker.peers import (
     Connection,
     claimed_pid_matches,
+    descendant_named,
     descends_from,
     process_start_ticks,
 )
@@ -240,19 +241,22 @@ class Requests:
         """A gang's worker processes started; the core moves its ranks onto them."""
         if conn.session_id is None:
             raise ProtocolError(ErrorCode.OUT_OF_ORDER, "only a notebook session has gangs")
-        for pid in message.pids:
-            if not descends_from(pid, conn.pid, conn.uid):
+        pids = []
+        for claimed in message.pids:
+            pid = descendant_named(claimed, conn.pid, conn.uid)
+            if pid is None:
                 raise ProtocolError(
                     ErrorCode.PERMISSION,
-                    f"process {pid} is not one of yours started by this notebook",
+                    f"process {claimed} is not one of yours started by this notebook",
                 )
+            pids.append(pid)
         broker = self.broker
         broker.dispatch(
             core.RanksAttached(
                 now=time.time(),
                 session_id=conn.session_id,
                 gang=message.lease_id,
-                pids=tuple((pid, process_start_ticks(pid)) for pid in message.pids),
+                pids=tuple((pid, process_start_ticks(pid)) for pid in pids),
             )
         )
         for member in broker.scheduler.members(message.lease_id):

@@ -352,34 +352,13 @@ def play(script, policy: Policy) -> Run:
         elif kind == "close" and run.sessions:
             session = run.sessions.pop(op[2] % len(run.sessions))
             run.feed(core.SessionClosed(now=now, session_id=session))
-        elif kind == "request" and run.sessions:
-            _, _, pick, priority, memory, share, wish, device, capabilities = op
+        elif kind in ("request", "gang") and run.sessions:
             run.counter += 1
             lease_id = f"L{run.counter}"
             run.requested.append(lease_id)
-            run.feed(
-                core.LeaseRequested(
-                    now=now, session_id=run.sessions[pick % len(run.sessions)], lease_id=lease_id,
-                    request=RequestLease(
-                        priority=priority, memory_bytes=memory, slice=wish, device=device,
-                        sm_share=share, capabilities=capabilities,
-                    ),
-                )
-            )  # fmt: skip
-        elif kind == "gang" and run.sessions:
-            _, _, pick, priority, memory, share, wish, capabilities, ranks = op
-            run.counter += 1
-            lease_id = f"L{run.counter}"
-            run.requested.append(lease_id)
-            run.feed(
-                core.LeaseRequested(
-                    now=now, session_id=run.sessions[pick % len(run.sessions)], lease_id=lease_id,
-                    request=RequestLease(
-                        priority=priority, memory_bytes=memory, slice=wish, sm_share=share,
-                        capabilities=capabilities, ranks=ranks,
-                    ),
-                )
-            )  # fmt: skip
+            session = run.sessions[op[2] % len(run.sessions)]
+            run.feed(core.LeaseRequested(now=now, session_id=session, lease_id=lease_id,
+                                         request=_request_of(op)))  # fmt: skip
         elif kind == "release" and run.active():
             lease = run.active()[op[2] % len(run.active())]
             run.feed(
@@ -428,6 +407,17 @@ def play(script, policy: Policy) -> Run:
         else:
             run.feed(core.Tick(now=now))
     return run
+
+
+def _request_of(op: tuple) -> RequestLease:
+    """The request a generated "request" or "gang" operation makes."""
+    if op[0] == "gang":
+        _, _, _, priority, memory, share, wish, capabilities, ranks = op
+        return RequestLease(priority=priority, memory_bytes=memory, slice=wish, sm_share=share,
+                            capabilities=capabilities, ranks=ranks)  # fmt: skip
+    _, _, _, priority, memory, share, wish, device, capabilities = op
+    return RequestLease(priority=priority, memory_bytes=memory, slice=wish, device=device,
+                        sm_share=share, capabilities=capabilities)  # fmt: skip
 
 
 def _parks(run: Run) -> list[core.Lease]:

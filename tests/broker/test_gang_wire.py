@@ -4,6 +4,7 @@ and kept across a broker killed with ``kill -9``."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import threading
@@ -212,3 +213,43 @@ def test_a_gang_run_by_worker_processes_is_reclaimed_by_its_notebook_after_kill_
         if broker.process.poll() is None:
             broker.stop()
         shutil.rmtree(broker.directory, ignore_errors=True)
+
+
+def _own_pid(pid: int) -> int:
+    """The number ``pid`` has in its own PID namespace."""
+    with open(f"/proc/{pid}/status") as status:
+        return int(next(line for line in status if line.startswith("NSpid:")).split()[-1])
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None, reason="a PID namespace needs root"
+)
+def test_workers_in_a_pid_namespace_of_their_own_are_named_by_their_own_numbers(broker):
+    import subprocess
+    import sys
+
+    import psutil
+
+    # Two workers in a namespace of their own, as in a container: they are 2 and 3 there.
+    sleep = f"{sys.executable} -c 'import time; time.sleep(60)'"
+    box = subprocess.Popen(["unshare", "--pid", "--fork", "sh", "-c", f"{sleep} & {sleep} & wait"])
+
+    def pythons() -> list[int]:
+        found = psutil.Process(box.pid).children(recursive=True)
+        return sorted(p.pid for p in found if p.name().startswith("python"))
+
+    try:
+        workers = wait_for(lambda: pythons() if len(pythons()) == 2 else None)
+        inside = [_own_pid(pid) for pid in workers]
+        assert inside != workers  # the namespace numbers its processes its own way
+        with BrokerClient(broker) as trainer:
+            gang = trainer.request_lease(priority=150, memory_bytes=10 * GIB, ranks=2)
+            trainer.attach_ranks(gang.lease_id, inside)
+
+            views = {v.lease_id: v.pid for v in trainer.status().leases}
+            assert [views[r.lease_id] for r in gang.ranks] == workers
+    finally:
+        for child in psutil.Process(box.pid).children(recursive=True):
+            child.kill()
+        box.kill()
+        box.wait(timeout=5)
