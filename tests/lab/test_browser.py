@@ -372,14 +372,26 @@ def test_panel_timeline_shows_a_pause_with_its_level_after_a_preemption(page, se
     expect(timeline.locator(".gpushare-caption")).to_have_text(
         "last 1 min, now at the right: 2 leases", timeout=SETTLE_MS
     )
-    box, inside = timeline.bounding_box(), panel.bounding_box()
-    assert box and inside and box["x"] + box["width"] <= inside["x"] + inside["width"] + 1
+    # Measured in one pass in the page, and shot as a clip of the page: the panel redraws
+    # once a second, and an element replaced between two reads would read as absent.
+    boxes = page.evaluate(
+        """() => {
+          const panel = document.querySelector("#gpushare-panel");
+          const box = (node) => {
+            const b = node.getBoundingClientRect();
+            return { x: b.x, y: b.y, width: b.width, height: b.height };
+          };
+          return {
+            panel: box(panel),
+            timeline: box(panel.querySelector(".gpushare-timeline")),
+            device: box(panel.querySelector(".gpushare-device")),
+          };
+        }"""
+    )
+    box, inside = boxes["timeline"], boxes["panel"]
+    assert box["width"] > 0 and box["x"] + box["width"] <= inside["x"] + inside["width"] + 1
     OUTPUT.mkdir(exist_ok=True)
-    # A clip of the page, not an element screenshot: the panel redraws once a second,
-    # and an element replaced between its lookup and its capture would fail the shot.
-    device = panel.locator(".gpushare-device").bounding_box()
-    assert device is not None
-    page.screenshot(path=str(OUTPUT / "timeline.png"), clip=device)
+    page.screenshot(path=str(OUTPUT / "timeline.png"), clip=boxes["device"])
 
 
 # ------------------------------------------------------------------ the README's tour
