@@ -86,6 +86,8 @@ from gpushare_ext.protocol import (
 MIB = 1024 * 1024
 CONTEXT_ALLOWANCE = 1024 * MIB
 ACTIVE_STATES = ACTIVE  # queued, running, paused, evicted: the core still keeps it
+# What making room on a slot takes: leases to pause, leases to evict, idle sessions to park.
+RoomPlan = tuple[list["Lease"], list["Lease"], list[IdleSession]]
 CANDIDATE_MEMO = 256  # device wishes whose matching slots are remembered
 
 
@@ -1451,7 +1453,7 @@ class Scheduler:
         free = slot.memory_bytes - load.held - self.unleased_memory(key, lease)
         return (len(load.running), 1, -free, key)
 
-    def _preemption_plan(self, lease: Lease, key: str, now: float):
+    def _preemption_plan(self, lease: Lease, key: str, now: float) -> RoomPlan | None:
         """Victims to pause and to evict so ``lease`` can run on ``key``; None if impossible."""
         slot = self.slots[key]
         load = self._index.slots[key]
@@ -1593,18 +1595,12 @@ class Scheduler:
         for key in open_slots:
             plan = self._preemption_plan(lease, key, now)
             if plan is not None:
-                to_pause, to_evict, to_park = plan
-                cost = (
-                    len(to_evict) + len(to_park),
-                    sum(v.memory_bytes for v in to_evict) + sum(p.held_bytes for p in to_park),
-                    len(to_pause),
-                    self._slot_preference(lease, key),
-                )
+                cost = (*self._plan_cost(plan), self._slot_preference(lease, key))
                 plans.append((cost, key, plan))
         if plans:
-            _, key, (to_pause, to_evict, to_park) = min(plans, key=lambda p: p[0])
+            _, key, plan = min(plans, key=lambda p: p[0])
             reserved.add(key)
-            return self._preempt_for(lease, key, to_pause, to_evict, to_park, now, ahead)
+            return self._preempt_for(lease, key, plan, now, ahead)
         waited_for.update(candidates)
         return self._queue_notice(lease, candidates or wanted, now, ahead)
 
@@ -1715,11 +1711,11 @@ class Scheduler:
 
     def _gang_room_plan(
         self, leader: Lease, members: list[Lease], open_slots: list[str], now: float
-    ) -> tuple[list[str], dict[str, tuple]] | None:
+    ) -> tuple[list[str], dict[str, RoomPlan]] | None:
         """Where a queued gang could go by preempting, and what on each slot: one rank per
         slot where enough slots allow it, else all ranks on the one cheapest slot."""
         count = len(members)
-        single: dict[str, tuple] = {}
+        single: dict[str, RoomPlan] = {}
         for key in open_slots:
             plan = self._preemption_plan(self._gang_probe(leader, members[:1], key), key, now)
             if plan is not None:
@@ -1741,7 +1737,7 @@ class Scheduler:
         return [key] * count, {key: plan}
 
     @staticmethod
-    def _plan_cost(plan: tuple) -> tuple:
+    def _plan_cost(plan: RoomPlan) -> tuple:
         to_pause, to_evict, to_park = plan
         return (
             len(to_evict) + len(to_park),
@@ -1754,18 +1750,18 @@ class Scheduler:
         leader: Lease,
         members: list[Lease],
         assignment: list[str],
-        plans: dict[str, tuple],
+        plans: dict[str, RoomPlan],
         now: float,
         ahead: int,
     ) -> list[Action]:
         actions: list[Action] = []
         awaited: frozenset[str] = frozenset()
         evicting = False
-        for key, (to_pause, to_evict, to_park) in plans.items():
-            stopped, waiting_on = self._stop_victims(leader, key, to_pause, to_evict, to_park, now)
+        for key, plan in plans.items():
+            stopped, waiting_on = self._stop_victims(leader, key, plan, now)
             actions.extend(stopped)
             awaited |= waiting_on
-            evicting = evicting or bool(to_evict)
+            evicting = evicting or bool(plan[1])
         if not awaited:
             actions.extend(self._start_gang(members, assignment, now))
             return actions
@@ -1911,18 +1907,11 @@ class Scheduler:
         ]
 
     def _preempt_for(
-        self,
-        lease: Lease,
-        key: str,
-        to_pause: list[Lease],
-        to_evict: list[Lease],
-        to_park: list[IdleSession],
-        now: float,
-        ahead: int,
+        self, lease: Lease, key: str, plan: RoomPlan, now: float, ahead: int
     ) -> list[Action]:
-        actions, awaited = self._stop_victims(lease, key, to_pause, to_evict, to_park, now)
+        actions, awaited = self._stop_victims(lease, key, plan, now)
         if awaited:
-            self._await_room(lease, awaited, bool(to_evict))
+            self._await_room(lease, awaited, bool(plan[1]))
             lease.target_slot = key
             actions.extend(self._queue_notice(lease, [key], now, ahead, force_reason=lease.reason))
             return actions
@@ -1938,17 +1927,12 @@ class Scheduler:
         )
 
     def _stop_victims(
-        self,
-        lease: Lease,
-        key: str,
-        to_pause: list[Lease],
-        to_evict: list[Lease],
-        to_park: list[IdleSession],
-        now: float,
+        self, lease: Lease, key: str, plan: RoomPlan, now: float
     ) -> tuple[list[Action], frozenset[str]]:
         """Pause, evict and park what is in ``lease``'s way on ``key`` (a victim that is a
         gang's rank stops its whole gang); the actions, and the victims whose memory
         must leave before ``lease`` fits."""
+        to_pause, to_evict, to_park = plan
         actions: list[Action] = []
         slot = self.slots[key]
         who = f"{describe_priority(lease.base_priority)} lease {lease.gang or lease.lease_id}"

@@ -689,6 +689,7 @@ def run_ranks(
     grace_s: float = 5.0,
     on_started: Callable[[list[int]], None] | None = None,
     control_block: str | None = None,
+    payload: dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``target(*args, **kwargs)`` (or a cell's source) in one process per placement.
@@ -702,7 +703,9 @@ def run_ranks(
     ``on_started`` is called with the workers' pids, in rank order, once all have
     started (the caller names them to the broker); if it raises, every rank is stopped.
     GPU ranks that have the launch shim follow the gate of ``control_block`` (the
-    session's), so a pause holds their launches.
+    session's), so a pause holds their launches.  ``payload`` is what
+    :func:`build_payload` made of the same target and arguments, when the caller
+    already checked them that way (it is not pickled twice).
     """
     lock = threading.Lock()
     stdout = _LineWriter(sys.stdout if out is None else out, lock)
@@ -711,7 +714,8 @@ def run_ranks(
     if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or grace_s < 0:
         raise RankUsageError(f"gpushare: grace_s must be a number of seconds >= 0, not {grace_s!r}")
     chosen, reason = resolve_backend(checked, backend)
-    payload = build_payload(target, args, kwargs, len(checked))
+    if payload is None:
+        payload = build_payload(target, args, kwargs, len(checked))
     master_port = rendezvous_port(port)
     count = f"{len(checked)} rank{'s' if len(checked) != 1 else ''}"
     comm = choose_comm(checked, chosen)

@@ -940,7 +940,7 @@ class GpuSession:
             raise RankRequestError(
                 f"gpushare: ranks must be a whole number from 1 to {MAX_RANKS}, not {ranks!r}"
             )
-        build_payload(target, args, kwargs, ranks)  # bad input fails before any request
+        payload = build_payload(target, args, kwargs, ranks)  # bad input: before any request
         overrides = dict(lease_options or {})
         if overrides.get("priority") is not None:
             overrides["priority"] = priority_value(overrides["priority"])
@@ -957,7 +957,8 @@ class GpuSession:
             return run_ranks(
                 target, *args, placements=placements, port=port, backend=backend,
                 on_started=lambda pids: self._attach_ranks(handle, pids),
-                control_block=str(block.path) if block is not None else None, **kwargs,
+                control_block=str(block.path) if block is not None else None, payload=payload,
+                **kwargs,
             )  # fmt: skip
         finally:
             self.release(handle)
