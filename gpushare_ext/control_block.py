@@ -205,6 +205,20 @@ class ControlBlock:
         self._write(GATE_OFFSET, 1 if gate_closed else 0)  # last: the gate is what waiters watch
         self._write(GENERATION_OFFSET, (self.generation + 1) & 0xFFFFFFFF)
 
+    def publish_as(self, source: ControlBlock) -> None:
+        """Write what ``source`` holds from the broker (gate, state, level, reason) into
+        this block, for processes that map this one while the broker writes ``source``."""
+        self.publish(
+            gate_closed=source.gate_closed, state=source.state, level=source.level,
+            reason=source.reason,
+        )  # fmt: skip
+
+    def add_ipc_imports(self, count: int) -> None:
+        """Runtime side: count imports made by processes that map another block of this
+        session (the shim counts its own directly)."""
+        if count > 0:
+            self._write(IPC_IMPORTS_OFFSET, (self.ipc_imports + count) & 0xFFFFFFFF)
+
     def write_session_note(self, text: str) -> None:
         """Runtime side: a line for the broker's status (what the session's long kernels
         got), cut to fit."""

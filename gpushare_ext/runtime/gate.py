@@ -13,11 +13,15 @@ drain, and work held behind a closed gate would never drain).
 
 Without a GPU (simulated broker) a safe point blocks the calling thread on the host
 while the gate is closed -- the same contract, enforced on the CPU.
+
+A gang's workers map the control block the session had when they started
+(:class:`GateRelay` carries a new broker's word to them after a restart).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any
 
 from gpushare_ext.control_block import GATE_OFFSET, SIZE, ControlBlock
@@ -92,3 +96,61 @@ def open_device_gate(block: ControlBlock) -> tuple[DeviceGate | None, str]:
         return DeviceGate(block), "device gate: cuStreamWaitValue32 on the session stream"
     except Exception as exc:  # CUDA errors come in many types; any means "no device gate"
         return None, f"no device gate ({exc}); launch points wait on the host"
+
+
+RELAY_POLL_S = 0.001  # how late a relayed gate may close: one poll, next to a ~1 ms pause
+
+
+class GateRelay:
+    """Keeps the control block a gang's workers follow in step with the session's own.
+
+    The workers map the block the session had when the gang started: their launch shim
+    holds launches on its gate word.  A broker that restarts gives the session a new
+    block, and the old one is then written by nobody, so from :meth:`follow` on a thread
+    copies every change of the new block (gate, state, level, reason) into the old one,
+    and carries the workers' count of GPU memory imports back.  No thread runs until a
+    restart happened.  It must not write into the block it follows from except that
+    count: the rest of that block is the broker's.
+    """
+
+    def __init__(self, followed: ControlBlock, poll_s: float = RELAY_POLL_S) -> None:
+        self.followed = followed
+        self._poll_s = poll_s
+        self._source: ControlBlock | None = None
+        self._epoch = 0  # bumped by every follow(): a new source is copied at once
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def follow(self, source: ControlBlock | None) -> None:
+        """From now on the broker writes ``source`` (None: no block, nothing to copy)."""
+        with self._lock:
+            self._source = None if source is self.followed else source
+            self._epoch += 1
+            if self._source is not None and self._thread is None and not self._stop.is_set():
+                self._thread = threading.Thread(
+                    target=self._relay, name="gpushare-gate-relay", daemon=True
+                )
+                self._thread.start()
+
+    def _relay(self) -> None:
+        copied: tuple[int, int] | None = None  # (epoch, generation) last copied
+        imports = self.followed.ipc_imports
+        while not self._stop.wait(self._poll_s):
+            with self._lock:
+                source = self._source
+                if source is None or source.closed:
+                    continue
+                seen = (self._epoch, source.generation)
+                if seen != copied:
+                    self.followed.publish_as(source)
+                    copied = seen
+                now = self.followed.ipc_imports
+                source.add_ipc_imports((now - imports) & 0xFFFFFFFF)
+                imports = now
+
+    def close(self) -> None:
+        """Stop relaying (the gang ended); the blocks stay as they are."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)

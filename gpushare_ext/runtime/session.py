@@ -62,6 +62,7 @@ from gpushare_ext.protocol import (
 from gpushare_ext.runtime import binding, interpose, memory, preemptible
 from gpushare_ext.runtime.embedded import broker_answers, ensure_embedded_broker
 from gpushare_ext.runtime.errors import SessionError
+from gpushare_ext.runtime.gate import GateRelay
 from gpushare_ext.runtime.parking import ParkedMemory
 from gpushare_ext.units import format_size, priority_band
 
@@ -280,6 +281,7 @@ class GpuSession:
         self.interposer: interpose.Attached | None = None  # holds launches while paused
         self.interposer_note = ""  # why it is not attached, once tried
         self._retired: list = []
+        self._relays: set[GateRelay] = set()  # running gangs' workers map an older block
         self.parked: ParkedMemory | None = None  # the broker parked this idle session
 
     # ---- connection
@@ -368,6 +370,8 @@ class GpuSession:
             self._point_interposer(None)
             return
         self._point_interposer(self.control_block)
+        for relay in list(self._relays):
+            relay.follow(self.control_block)
         # Device gates are opened at the first grant: opening one starts CUDA, which must
         # wait until the lease has chosen the device.
         self.gate_note = (
@@ -954,14 +958,32 @@ class GpuSession:
                 # No GPU here: the inventory is simulated, so the ranks run on the CPU.
                 placements = [None] * len(placements)
             block = self.control_block
-            return run_ranks(
-                target, *args, placements=placements, port=port, backend=backend,
-                on_started=lambda pids: self._attach_ranks(handle, pids),
-                control_block=str(block.path) if block is not None else None, payload=payload,
-                **kwargs,
-            )  # fmt: skip
+            with self._relaying_to_workers(block):
+                return run_ranks(
+                    target, *args, placements=placements, port=port, backend=backend,
+                    on_started=lambda pids: self._attach_ranks(handle, pids),
+                    control_block=str(block.path) if block is not None else None,
+                    payload=payload, **kwargs,
+                )  # fmt: skip
         finally:
             self.release(handle)
+
+    @contextlib.contextmanager
+    def _relaying_to_workers(self, block: ControlBlock | None) -> Iterator[None]:
+        """While a gang runs, the block its workers map follows this session's current
+        one: after a broker restart the gate still reaches them."""
+        if block is None:
+            yield
+            return
+        relay = GateRelay(block)
+        self._relays.add(relay)
+        try:
+            if self.control_block is not block:  # a restart between the start and here
+                relay.follow(self.control_block)
+            yield
+        finally:
+            self._relays.discard(relay)
+            relay.close()
 
     def _attach_ranks(self, handle: LeaseHandle, pids: list[int]) -> None:
         """Name a gang's worker processes to the broker, so that a pause stops them (and

@@ -632,12 +632,16 @@ def launch_until_stopped(flags: str) -> list[float]:
     return times
 
 
+@pytest.mark.parametrize("restarted", [False, True], ids=["same-broker", "after-restart"])
 def test_a_gangs_rank_holds_its_launches_while_the_notebooks_session_is_paused(
-    fake_driver, tmp_path, monkeypatch
+    restarted, fake_driver, tmp_path, monkeypatch
 ):
+    """After a broker restart the session has a new block; the rank maps the old one,
+    which the session's relay keeps in step."""
     import cloudpickle
 
     from gpushare_ext.protocol import Placement
+    from gpushare_ext.runtime.gate import GateRelay
     from gpushare_ext.runtime.ranks import run_ranks
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -647,6 +651,7 @@ def test_a_gangs_rank_holds_its_launches_while_the_notebooks_session_is_paused(
     session = ControlBlock.create(tmp_path / "session.cb")
     session.publish(gate_closed=False, state=LeaseState.RUNNING)
     rank = Placement(device_index=0, device_uuid="GPU-fake", memory_bytes=1 << 30)
+    relay = GateRelay(session)
     results: list = []
     runner = threading.Thread(
         target=lambda: results.extend(
@@ -659,15 +664,20 @@ def test_a_gangs_rank_holds_its_launches_while_the_notebooks_session_is_paused(
         deadline = time.monotonic() + 60
         while not (tmp_path / "launched").exists() and time.monotonic() < deadline:
             time.sleep(0.02)
-        session.publish(gate_closed=True, state=LeaseState.PAUSED)  # the broker's gate
+        broker_writes = session
+        if restarted:
+            broker_writes = ControlBlock.create(tmp_path / "after-restart.cb")
+            relay.follow(broker_writes)
+        broker_writes.publish(gate_closed=True, state=LeaseState.PAUSED)  # the broker's gate
         closed_at = time.time()
         time.sleep(1.0)
         opened_at = time.time()
-        session.publish(gate_closed=False, state=LeaseState.RUNNING)
+        broker_writes.publish(gate_closed=False, state=LeaseState.RUNNING)
         time.sleep(0.3)
     finally:
         (tmp_path / "stop").touch()
         runner.join(timeout=60)
+        relay.close()
     (times,) = results
     # At most the launch under way when the gate closed went through, none after.
     assert len([t for t in times if closed_at + 0.05 < t < opened_at]) == 0

@@ -149,3 +149,73 @@ def test_interrupting_a_gang_cell_stops_every_rank_and_releases_the_gang(
     assert "gpushare: stopped all 2 ranks" in run.final_text()
     wait_for(lambda: not on_broker.leases(), "the interrupted gang to be released")
     wait_for(lambda: not any(psutil.pid_exists(pid) for pid in pids), "the ranks to be gone")
+
+
+def _gate_watching_cell(release: Path, seen: Path, block: str) -> str:
+    """A low-priority gang whose ranks record what ``block`` says: the session's control
+    block when the gang starts, which GPU ranks' launch shim holds launches on."""
+    return (
+        "%%gpu ranks=2 mem=2GiB priority=low\n"
+        "import os, time\n"
+        "import torch.distributed as dist\n"
+        "from gpushare_ext.control_block import ControlBlock\n"
+        f"block = ControlBlock.open({block!r})\n"
+        f"mine = {str(seen)!r} + str(dist.get_rank())\n"
+        "print('watching', flush=True)\n"
+        f"while not os.path.exists({str(release)!r}):\n"
+        "    state = block.state.value if block.state else 'none'\n"
+        "    open(mine + '.tmp', 'w').write(f'{int(block.gate_closed)} {state}')\n"
+        "    os.replace(mine + '.tmp', mine)\n"
+        "    time.sleep(0.02)\n"
+        "dist.barrier()\n"
+    )
+
+
+def _seen_by_ranks(seen: Path) -> set[str]:
+    texts = set()
+    for rank in (0, 1):
+        try:
+            texts.add(Path(f"{seen}{rank}").read_text())
+        except OSError:
+            texts.add("")
+    return texts
+
+
+def test_after_a_broker_restart_the_gate_still_reaches_a_running_gangs_workers(
+    extra_broker, kernels, monkeypatch, tmp_path
+):
+    import signal
+
+    broker = extra_broker()
+    monkeypatch.setenv("GPUSHARE_SOCKET", str(broker.socket))
+    trainer, explorer = _started(kernels, 2)
+    release, high_done, seen = tmp_path / "go", tmp_path / "high-done", tmp_path / "seen-"
+    trainer.run("%%gpu\npass\n").ok()  # connects: the session has its control block
+    block = (
+        trainer.run(
+            "import gpushare_ext\nprint(gpushare_ext.current_session().control_block.path)\n"
+        )
+        .ok()
+        .final_text()
+        .strip()
+    )
+    run = trainer.submit(_gate_watching_cell(release, seen, block))
+    run.wait_shown("watching")
+    wait_for(lambda: _seen_by_ranks(seen) == {"0 running"}, "both ranks to see the gang run")
+
+    assert broker.stop(signal.SIGKILL) == -signal.SIGKILL, broker.log_tail()
+    broker.start()  # same socket, same journal: the kernel reclaims its gang
+    wait_for(lambda: {lease.state.value for lease in _gang_leases(broker)} == {"running"},
+             "the gang to be reclaimed by the new broker", 30)  # fmt: skip
+
+    high = explorer.submit(holding_cell(high_done, priority="high"))
+    wait_for(lambda: {lease.state.value for lease in _gang_leases(broker)} == {"paused"},
+             "both ranks to be paused")  # fmt: skip
+    # The new broker writes the session's new block; the workers map the old one.
+    wait_for(lambda: _seen_by_ranks(seen) == {"1 paused"}, "the workers' gate to close")
+    high_done.touch()
+    high.ok()
+    wait_for(lambda: _seen_by_ranks(seen) == {"0 running"}, "the workers' gate to open")
+    release.touch()
+    run.ok()
+    wait_for(lambda: not broker.leases(), "the gang to be released")
