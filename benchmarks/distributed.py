@@ -8,6 +8,9 @@ own over the real GPU (``gpushare broker --inventory nvml``):
 * ``single``: one rank on the whole GPU (the baseline);
 * ``ranks-2``, ``ranks-4``: one model trained by 2 and 4 ranks, each a software slice of
   the one GPU (memory quota, SM share 1/N), gradients all-reduced by gloo;
+* ``ranks-2-host-shm``, ``ranks-4-host-shm``: the same, with the gradients averaged
+  through pinned host shared memory (the path of MIG instances) although the ranks
+  share one GPU, so that it can be measured on a host without MIG;
 * ``two-singles`` and ``two-gangs``: two trainings at once (two notebooks' worth: two
   processes asking the broker), as two single-rank jobs and as two gangs of 2;
 * with ``--mps``, each of those again with an MPS control daemon the run starts itself
@@ -68,8 +71,10 @@ def train(steps: int, warmup: int, global_batch: int, seed: int, size: int, comm
     if world > 1 and comm == "gloo":
         model = nn.parallel.DistributedDataParallel(model, device_ids=[0])
     elif world > 1:
-        from gpushare_ext.runtime.rank_comm import distributed_model
+        from gpushare_ext.runtime.rank_comm import COMM_ENV, distributed_model
 
+        if comm == "host-shm":
+            os.environ[COMM_ENV] = "host-shm"  # instead of the launcher's cuda-ipc
         model = distributed_model(model)
     # Plain SGD at a small rate: random labels make a larger one diverge, and a chaotic
     # run would hide whether the ranks compute the single process's gradient.
@@ -160,7 +165,7 @@ def _jobs_at_once(
 
 
 @contextlib.contextmanager
-def _mps_daemon() -> Iterator[dict[str, str]]:
+def mps_daemon() -> Iterator[dict[str, str]]:
     """An MPS control daemon of this run's own; its environment for the clients."""
     control = shutil.which("nvidia-cuda-mps-control")
     if control is None:
@@ -179,12 +184,12 @@ def _mps_daemon() -> Iterator[dict[str, str]]:
     finally:
         subprocess.run([control], input="quit\n", text=True, env=full, timeout=60)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and _mps_running():
+        while time.monotonic() < deadline and mps_running():
             time.sleep(0.2)
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _mps_running() -> bool:
+def mps_running() -> bool:
     found = subprocess.run(["pgrep", "-f", "nvidia-cuda-mps"], capture_output=True, text=True)
     return bool(found.stdout.strip())
 
@@ -212,18 +217,21 @@ def measure(args: argparse.Namespace, mps: bool) -> list[dict]:
     rows: list[dict] = []
     with contextlib.ExitStack() as stack:
         if mps:
-            os.environ.update(stack.enter_context(_mps_daemon()))
+            os.environ.update(stack.enter_context(mps_daemon()))
         socket = stack.enter_context(_broker(mps))
         single, *_ = _jobs_at_once(socket, [1], args)
         rows.append({"config": "single", **single})
         for ranks in (2, 4):
-            for comm in ("auto",) if args.skip_gloo else ("auto", "gloo"):
+            comms = ["auto"]
+            comms += [] if args.skip_gloo else ["gloo"]
+            comms += [] if args.skip_host_shm else ["host-shm"]
+            for comm in comms:
                 (gang,) = _jobs_at_once(socket, [ranks], args, comm)
                 gang["loss_max_rel_diff"] = _curve_difference(gang["losses"], single["losses"])
                 gang["loss_first_rel_diff"] = _curve_difference(
                     gang["losses"][:1], single["losses"][:1]
                 )
-                name = f"ranks-{ranks}" + ("-gloo" if comm == "gloo" else "")
+                name = f"ranks-{ranks}" + ("" if comm == "auto" else f"-{comm}")
                 rows.append({"config": name, **gang})
         for name, jobs in (("two-singles", [1, 1]), ("two-gangs", [2, 2])):
             together = _jobs_at_once(socket, jobs, args)
@@ -283,11 +291,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=512, help="global batch (default 512)")
     parser.add_argument("--size", type=int, default=64, help="image side in pixels (default 64)")
     parser.add_argument(
-        "--comm", choices=("auto", "gloo"), default="auto",
-        help="gradient all-reduce: the launcher's choice for the slices, or plain gloo",
+        "--comm", choices=("auto", "gloo", "host-shm"), default="auto",
+        help="gradient all-reduce: the launcher's choice for the slices, plain gloo, or "
+        "pinned host shared memory",
     )  # fmt: skip
     parser.add_argument(
         "--skip-gloo", action="store_true", help="leave out the rows that average through gloo"
+    )
+    parser.add_argument(
+        "--skip-host-shm",
+        action="store_true",
+        help="leave out the rows that average through pinned host shared memory",
     )
     parser.add_argument("--job", type=int, metavar="RANKS", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

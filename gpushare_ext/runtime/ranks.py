@@ -171,15 +171,20 @@ def choose_backend(placements: Sequence[Placement | None]) -> tuple[str, str]:
 
 def choose_comm(placements: Sequence[Placement | None], backend: str) -> str:
     """How the gang's gradients are averaged (:mod:`~gpushare_ext.runtime.rank_comm`):
-    ``nccl`` with the NCCL backend, ``cuda-ipc`` when every rank is a software slice of
-    one and the same GPU (they can map each other's memory), ``gloo`` otherwise."""
+    ``nccl`` with the NCCL backend; ``gloo`` for a gang of one or one with a CPU rank;
+    ``cuda-ipc`` when every rank is a software slice of one and the same GPU (they can
+    map each other's memory); ``host-shm`` when every rank has a GPU but they cannot
+    (MIG instances, or GPUs of this host under the gloo backend): through pinned host
+    shared memory, which every rank of a gang on one host can map."""
     if backend == "nccl":
         return "nccl"
-    devices = {p.device_uuid for p in placements if p is not None and not p.mig_uuid}
-    every_rank_on_a_gpu = all(p is not None and not p.mig_uuid for p in placements)
-    if len(placements) > 1 and every_rank_on_a_gpu and len(devices) == 1:
+    if len(placements) < 2 or any(p is None for p in placements):
+        return "gloo"
+    devices = {p.device_uuid for p in placements if p is not None}
+    on_mig = any(p is not None and p.mig_uuid for p in placements)
+    if not on_mig and len(devices) == 1:
         return "cuda-ipc"
-    return "gloo"
+    return "host-shm"
 
 
 def resolve_backend(placements: Sequence[Placement | None], backend: str | None) -> tuple[str, str]:
@@ -719,7 +724,10 @@ def run_ranks(
     master_port = rendezvous_port(port)
     count = f"{len(checked)} rank{'s' if len(checked) != 1 else ''}"
     comm = choose_comm(checked, chosen)
-    through = {"cuda-ipc": "; distributed_model averages gradients in the GPU's memory"}
+    through = {
+        "cuda-ipc": "; distributed_model averages gradients in the GPU's memory",
+        "host-shm": "; distributed_model averages gradients in pinned host shared memory",
+    }
     start_line = (
         f"gpushare: starting {count} ({chosen}: {reason}; rendezvous {MASTER_ADDR}:{master_port}"
         f"{through.get(comm, '')})"

@@ -534,7 +534,7 @@ def test_gradients_go_through_the_gpus_memory_only_when_every_rank_shares_one_gp
     same = [_gpu("GPU-a"), _gpu("GPU-a")]
     assert choose_comm(same, "gloo") == "cuda-ipc"
     assert choose_comm([_gpu("GPU-a"), _gpu("GPU-b")], "nccl") == "nccl"
-    assert choose_comm([_gpu("GPU-a", "MIG-1"), _gpu("GPU-a", "MIG-2")], "gloo") == "gloo"
+    assert choose_comm([_gpu("GPU-a", "MIG-1"), _gpu("GPU-a", "MIG-2")], "gloo") == "host-shm"
     assert choose_comm([_gpu("GPU-a"), None], "gloo") == "gloo"
     assert choose_comm([None, None], "gloo") == "gloo"
     assert choose_comm([_gpu("GPU-a")], "gloo") == "gloo"

@@ -5,16 +5,24 @@ NVML and the real ladder.
   gloo all-reduces CUDA tensors between ranks that share it;
 * a high-priority lease arriving while a low-priority gang trains locks every rank's
   process (level 3) at once, the ranks stall together, resume, and end with the same
-  result as an undisturbed run.
+  result as an undisturbed run;
+* under MPS (a control daemon of the test's own), where the lock does not work, the
+  same gang, started by a process with the launch shim preloaded, is held at the launch
+  gate (level 0) instead, with the same result.
 
 Skips cleanly without a usable GPU.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from runtime_helpers import BrokerProcess, gpu_missing_reason, short_tempdir, wait_for
@@ -173,3 +181,94 @@ def test_a_high_lease_locks_every_rank_together_and_the_result_is_unchanged(gpu_
         gaps = [b - a for a, b in zip(rank["ends"], rank["ends"][1:], strict=False)]
         assert max(gaps) >= 1.5
     wait_for(lambda: not gpu_broker.leases(), "the gang to be released")
+
+
+GATED_GANG = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import cloudpickle
+import test_ranks_gpu
+from gpushare_ext.runtime import interpose
+from gpushare_ext.runtime.session import GpuSession
+
+assert interpose.preloaded_here(), "the launch shim is not preloaded"
+cloudpickle.register_pickle_by_value(test_ranks_gpu)
+session = GpuSession(sys.argv[1])
+try:
+    results = session.run_gang(
+        test_ranks_gpu.train_steadily, int(sys.argv[2]), 7, ranks=2,
+        lease_options={{"memory_bytes": 4 << 30, "sm_share": 0.5, "priority": "low"}},
+    )
+finally:
+    session.close()
+print(json.dumps(results))
+"""
+
+
+def _gated_gang(socket, steps: int, environment: dict[str, str]) -> subprocess.Popen:
+    """A notebook-like process with the launch shim preloaded (as the server extension
+    starts kernels) running a low-priority gang of two ranks; its ranks inherit the shim."""
+    from gpushare_ext.runtime import interpose
+
+    script = GATED_GANG.format(tests=str(Path(__file__).parent))
+    env = {**os.environ, **environment, "LD_PRELOAD": str(interpose.shim_path())}
+    return subprocess.Popen(
+        [sys.executable, "-c", script, str(socket), str(steps)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def _results_of(process: subprocess.Popen) -> list[dict]:
+    out, _ = process.communicate(timeout=180)
+    assert process.returncode == 0, out[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(shutil.which("nvidia-cuda-mps-control") is None, reason="no MPS here")
+def test_under_mps_a_high_lease_holds_a_gang_at_its_launch_gate_and_the_result_is_unchanged():
+    from benchmarks.distributed import mps_daemon, mps_running
+
+    steps = 400
+    directory = short_tempdir("gps-gpu-mps-")
+    broker = BrokerProcess(directory, simulate=None, config_toml="[broker]\nmps = true\n")
+    with mps_daemon() as environment:
+        broker.start()
+        try:
+            undisturbed = _results_of(_gated_gang(broker.socket, steps, environment))
+            gang = _gated_gang(broker.socket, steps, environment)
+            members = wait_for(
+                lambda: [v for v in broker.leases() if v.pid != gang.pid]
+                if len(broker.leases()) == 2 else None,
+                "both ranks to run in their own processes", 60,
+            )  # fmt: skip
+            time.sleep(1.5)  # into the loop
+            with BrokerClient(broker.socket) as explorer:
+                high = explorer.request_lease(priority=250, memory_bytes=4 * GIB)
+                assert isinstance(high, Granted)
+
+                def gated() -> list | None:
+                    views = [v for v in broker.leases() if v.lease_id != high.lease_id
+                             and v.state.value == "paused" and v.preemption_level == 0]  # fmt: skip
+                    return views if len(views) == 2 else None
+
+                try:
+                    paused = wait_for(gated, "both ranks to be held at the gate")
+                except AssertionError as exc:
+                    views = [(v.lease_id, v.state.value, v.preemption_level, v.reason)
+                             for v in broker.leases()]  # fmt: skip
+                    raise AssertionError(f"{exc}: {views}\n{broker.log_tail()}") from None
+                paused_at = time.time()
+                time.sleep(2.0)
+                explorer.release(high.lease_id)
+            resumed_at = time.time()
+            results = _results_of(gang)
+        finally:
+            broker.stop()
+    assert not mps_running()
+    assert [r["checksum"] for r in results] == [r["checksum"] for r in undisturbed]
+    assert {m.pid for m in members} == {v.pid for v in paused}
+    for rank in results:
+        # At most the step under way when the gate closed ended during the pause.
+        assert len([t for t in rank["ends"] if paused_at + 0.2 < t < resumed_at - 0.2]) <= 1
+        gaps = [b - a for a, b in zip(rank["ends"], rank["ends"][1:], strict=False)]
+        assert max(gaps) >= 1.5
