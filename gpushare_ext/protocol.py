@@ -424,6 +424,10 @@ class LeaseView(msgspec.Struct, kw_only=True):
     notebook: str = ""  # only for your own leases and admins
     preemption_level: int | None = None
     estimate_s: float | None = None  # queued: seconds until the GPU is likely free, now
+    # A gang's rank: the request id ("L7") its ranks share, and its rank number; "" and
+    # None for a single lease.  Views group the ranks by ``gang`` into one request.
+    gang: str = ""
+    rank: int | None = None
 
 
 class TimelinePause(msgspec.Struct, kw_only=True):
@@ -442,6 +446,8 @@ class TimelineSpan(msgspec.Struct, kw_only=True):
     start: float
     end: float | None = None  # None: still held
     pauses: list[TimelinePause] = []
+    gang: str = ""  # as in LeaseView: the request id of a gang's rank, "" for one lease
+    rank: int | None = None
 
 
 class DeviceView(msgspec.Struct, kw_only=True):

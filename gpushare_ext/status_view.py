@@ -2,17 +2,32 @@
 
 Used by ``gpushare status`` and by ``%gpu status`` when no widget front end is
 available.  It only formats; the snapshot already carries what the viewer may see.
+A gang's ranks are shown as the one request they are (:func:`requests_of`,
+:func:`timeline_rows`), as the widget and the panel show them.
 """
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
 from io import StringIO
 
+import msgspec
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from gpushare_ext.protocol import PARKED_LABEL, LeaseState, Snapshot, describe_priority
+from gpushare_ext.protocol import (
+    PARKED_LABEL,
+    LeaseState,
+    LeaseView,
+    Snapshot,
+    TimelinePause,
+    TimelineSpan,
+    describe_priority,
+)
 from gpushare_ext.units import format_size
 
 _STATE_STYLE = {
@@ -21,6 +36,144 @@ _STATE_STYLE = {
     LeaseState.PAUSED: "magenta",
     LeaseState.EVICTED: "red",
 }
+
+
+# ---- a gang as one request (occupancy.js groups the same way for the widget and panel)
+
+# From furthest from running to running: a gang trains only while every rank runs, so a
+# gang's row takes the state of the rank that holds the others back.
+_HOLDING_BACK = (LeaseState.QUEUED, LeaseState.EVICTED, LeaseState.PAUSED, LeaseState.RUNNING)
+
+
+def _holding_back(state: LeaseState) -> int:
+    return _HOLDING_BACK.index(state) if state in _HOLDING_BACK else -1
+
+
+@dataclass(frozen=True)
+class Request:
+    """One row of the leases table: a single lease, or every rank of a gang under the
+    gang's id.  It only reads the views it was given; it must not hide a rank's state
+    or reason behind another's (ranks that differ are counted and named)."""
+
+    lease_id: str
+    leases: tuple[LeaseView, ...]  # a gang's ranks in the order the snapshot lists them
+
+    @property
+    def lease(self) -> LeaseView:
+        """The first rank: user, priority, queue position and label are the gang's."""
+        return self.leases[0]
+
+    @property
+    def state(self) -> LeaseState:
+        return min((lease.state for lease in self.leases), key=_holding_back)
+
+    def states(self) -> str:
+        """``running``, or, where the ranks differ, each state with its count."""
+        counts = Counter(lease.state for lease in self.leases)
+        if len(counts) == 1:
+            return self.state.value
+        return ", ".join(f"{s.value} {counts[s]}" for s in sorted(counts, key=_holding_back))
+
+    @property
+    def memory_bytes(self) -> int:
+        return sum(lease.memory_bytes for lease in self.leases)
+
+    def why(self) -> str:
+        """The reason (or label) to show.  Ranks in one state share the request's reason
+        (a queued gang's is its first rank's); ranks in different states each say why,
+        named by their rank."""
+        if len({lease.state for lease in self.leases}) == 1:
+            reasons = dict.fromkeys(lease.reason for lease in self.leases if lease.reason)
+            return "; ".join(reasons) or self.lease.label
+        return "; ".join(
+            f"rank {lease.rank}: {lease.reason}" for lease in self.leases if lease.reason
+        )
+
+
+def requests_of(leases: Iterable[LeaseView]) -> list[Request]:
+    """The leases as requests, in the order of each request's first lease: a gang's
+    ranks (same ``gang``) become one request under the gang's id."""
+    grouped: dict[str, list[LeaseView]] = {}
+    for lease in leases:
+        grouped.setdefault(lease.gang or lease.lease_id, []).append(lease)
+    return [Request(lease_id, tuple(members)) for lease_id, members in grouped.items()]
+
+
+def _common_pauses(spans: list[TimelineSpan]) -> list[TimelinePause]:
+    """When every one of ``spans`` was paused at once, at the highest level any was held.
+
+    The intersection, not the union: a rank that kept running (one that could not be
+    paused) still used the device, so a pause is drawn only where all of them gave it
+    up; the level is the costliest rung any of them paid."""
+    common = [(p.start, math.inf if p.end is None else p.end, p.level) for p in spans[0].pauses]
+    for span in spans[1:]:
+        theirs = [(p.start, math.inf if p.end is None else p.end, p.level) for p in span.pauses]
+        common = sorted(
+            (max(a, c), min(b, d), max(level, other))
+            for a, b, level in common
+            for c, d, other in theirs
+            if max(a, c) < min(b, d)
+        )
+    return [
+        TimelinePause(start=start, end=None if end == math.inf else end, level=level)
+        for start, end, level in common
+    ]
+
+
+def timeline_rows(spans: Iterable[TimelineSpan]) -> list[tuple[TimelineSpan, int]]:
+    """One device's timeline as requests: each span with its rank count (1 for a single
+    lease); a gang's spans become one, from its first rank's start to its last rank's
+    end (open while any is held), under the gang's id, paused where all were."""
+    # Keyed by place outside gangs: a lease granted twice keeps both its spans.
+    grouped: dict[str | int, list[TimelineSpan]] = {}
+    for place, span in enumerate(spans):
+        grouped.setdefault(span.gang or place, []).append(span)
+    rows = []
+    for members in grouped.values():
+        first = members[0]
+        if not first.gang:
+            rows.append((first, 1))
+            continue
+        ends = [span.end for span in members]
+        merged = msgspec.structs.replace(
+            first,
+            lease_id=first.gang,
+            start=min(span.start for span in members),
+            end=None if None in ends else max(e for e in ends if e is not None),
+            pauses=_common_pauses(members),
+            rank=None,
+        )
+        rows.append((merged, len(members)))
+    return rows
+
+
+def _span_name(span: TimelineSpan, ranks: int) -> str:
+    """``L7 ×2`` for a gang's ranks on one device, the lease id for a single lease."""
+    return f"{span.lease_id} ×{ranks}" if span.gang else span.lease_id
+
+
+def _where(request: Request) -> str:
+    """``GPU 0``; for a gang ``2 ranks on GPU 0, GPU 1`` (``2 ranks`` while queued)."""
+    places = []
+    for lease in request.leases:
+        if lease.device_index is None:
+            continue
+        place = f"GPU {lease.device_index}"
+        if lease.mig_uuid:
+            place += f" {lease.mig_uuid[:14]}…"
+        places.append(place)
+    unique = list(dict.fromkeys(places))
+    if len(request.leases) == 1:
+        return unique[0] if unique else "-"
+    return f"{len(request.leases)} ranks" + (f" on {', '.join(unique)}" if unique else "")
+
+
+def _share(request: Request) -> str:
+    """A lease's share of the SMs; a gang's per rank (``25% each``)."""
+    shares = sorted({lease.sm_share for lease in request.leases})
+    texts = ["all" if share >= 1.0 else f"{share:.0%}" for share in shares]
+    each = " each" if len(request.leases) > 1 and shares[0] < 1.0 else ""
+    return ", ".join(texts) + each
 
 
 def _sparkline(values: list[int]) -> str:
@@ -107,36 +260,34 @@ def _lease_table(snapshot: Snapshot, *, wide: bool) -> Table:
     columns = ["lease", "user", "priority", "state", "where", "memory", "SMs", "for"]
     for column in columns + (["why / label"] if wide else []):
         leases.add_column(column, no_wrap=column != "why / label")
-    for lease in snapshot.leases:
-        where = "-" if lease.device_index is None else f"GPU {lease.device_index}"
-        if lease.mig_uuid:
-            where += f" {lease.mig_uuid[:14]}…"
-        parked = lease.label == PARKED_LABEL and lease.state == LeaseState.EVICTED
-        state = "parked" if parked else lease.state.value
+    for request in requests_of(snapshot.leases):
+        lease = request.lease
+        parked = lease.label == PARKED_LABEL and request.state == LeaseState.EVICTED
+        state = "parked" if parked else request.states()
         state += f" #{lease.position}" if lease.position else ""
         user = Text(lease.user + (" (you)" if lease.own else ""), style="bold" if lease.own else "")
         row = [
-            lease.lease_id,
+            request.lease_id,
             user,
             describe_priority(lease.priority),
-            Text(state, style=_STATE_STYLE.get(lease.state, "")),
-            where,
-            format_size(lease.memory_bytes),
-            "all" if lease.sm_share >= 1.0 else f"{lease.sm_share:.0%}",
-            f"{lease.since_s:.1f}s",
+            Text(state, style=_STATE_STYLE.get(request.state, "")),
+            _where(request),
+            format_size(request.memory_bytes),
+            _share(request),
+            f"{min(member.since_s for member in request.leases):.1f}s",
         ]
-        leases.add_row(*row, *([lease.reason or lease.label] if wide else []))
+        leases.add_row(*row, *([request.why()] if wide else []))
     if not snapshot.leases:
         leases.add_row("-", "-", "-", "idle", "-", "-", "-", "-", *(["no leases"] if wide else []))
     return leases
 
 
 def reasons_below(snapshot: Snapshot) -> list[str]:
-    """Each lease's reason or label on a line of its own, for a narrow terminal."""
+    """Each request's reason or label on a line of its own, for a narrow terminal."""
     return [
-        f"{lease.lease_id}: {lease.reason or lease.label}"
-        for lease in snapshot.leases
-        if lease.reason or lease.label
+        f"{request.lease_id}: {request.why()}"
+        for request in requests_of(snapshot.leases)
+        if request.why()
     ]
 
 
@@ -150,10 +301,11 @@ def _ago(seconds: float) -> str:
 
 def recent_pauses(snapshot: Snapshot) -> list[str]:
     """The timeline as text: each pause of the last minutes, newest last, one line each
-    ("GPU 0: L1 (alice, low) paused 3 s at level 0 (gate), 2 min 5 s ago")."""
+    ("GPU 0: L1 (alice, low) paused 3 s at level 0 (gate), 2 min 5 s ago"; a gang's
+    ranks on a device are one line, "GPU 0: L7 ×2 (...) paused ...")."""
     lines = []
     for device in snapshot.devices:
-        for span in device.timeline:
+        for span, ranks in timeline_rows(device.timeline):
             for pause in span.pauses:
                 end = pause.end if pause.end is not None else snapshot.time
                 when = "still paused" if pause.end is None else _ago(snapshot.time - end)
@@ -161,7 +313,7 @@ def recent_pauses(snapshot: Snapshot) -> list[str]:
                 lines.append(
                     (
                         pause.start,
-                        f"GPU {device.info.index}: {span.lease_id} ({span.user}, "
+                        f"GPU {device.info.index}: {_span_name(span, ranks)} ({span.user}, "
                         f"{describe_priority(span.priority)}) paused {round(end - pause.start)} s "
                         f"at level {pause.level} ({level}), {when}",
                     )

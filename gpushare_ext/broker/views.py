@@ -31,6 +31,7 @@ from gpushare_ext.protocol import (
     TimelinePause,
     TimelineSpan,
     priority_class,
+    split_member_id,
 )
 
 if TYPE_CHECKING:
@@ -92,6 +93,8 @@ def _lease_view(
             if lease.estimate_s is not None and lease.state == LeaseState.QUEUED
             else None
         ),
+        gang=lease.gang or "",
+        rank=lease.rank if lease.gang else None,
     )
 
 
@@ -161,6 +164,8 @@ def _device_views(broker: Broker, viewer: Connection | None, now: float) -> list
 def _timeline(
     broker: Broker, device_index: int, viewer: Connection | None, now: float
 ) -> list[TimelineSpan]:
+    # A span outlives its lease (the panel shows ended ones too), so its gang is read
+    # from its id, which names it, rather than from the core's lease record.
     return [
         TimelineSpan(
             lease_id=span.lease_id,
@@ -177,8 +182,11 @@ def _timeline(
                 )
                 for p in span.pauses
             ],
+            gang=membership[0] if membership else "",
+            rank=membership[1] if membership else None,
         )
         for span in broker.timeline.spans(device_index, now)
+        for membership in [split_member_id(span.lease_id)]
     ]
 
 

@@ -58,6 +58,8 @@ export interface TimelineSpan {
   start: number;
   end?: number | null;
   pauses?: TimelinePause[];
+  gang?: string;
+  rank?: number | null;
 }
 
 export interface DeviceView {
@@ -100,6 +102,8 @@ export interface LeaseView {
   notebook?: string;
   preemption_level?: number | null;
   estimate_s?: number | null;
+  gang?: string;
+  rank?: number | null;
 }
 
 export interface Snapshot {
@@ -130,10 +134,24 @@ export interface RenderOptions {
   adminHint?: string;
 }
 
+/** A request as one row: a lease, or a gang's ranks under the gang's id (groupLeases). */
+export interface LeaseRow extends LeaseView {
+  ranks: number;
+  states: string;
+  devices: number[];
+}
+
+/** A request on a device's timeline: a lease's span, or a gang's ranks' (groupSpans). */
+export interface TimelineRow extends TimelineSpan {
+  ranks: number;
+}
+
 export const MEMORY_SLICES: number;
 export function describePriority(value: number): string;
 export function formatDuration(seconds: number): string;
 export function formatMiB(mib: number): string;
+export function groupLeases(leases: LeaseView[]): LeaseRow[];
+export function groupSpans(spans: TimelineSpan[]): TimelineRow[];
 export function packedPlacements(profile: MigProfile): number[];
 export function statusSummary(snapshot: Snapshot): string;
 export function renderMessage(

@@ -35,14 +35,15 @@ export const MEMORY_SLICES = 8;
  *   timeline?: TimelineSpan[]}} DeviceView
  * @typedef {{start: number, end?: number|null, level: number}} TimelinePause
  * @typedef {{lease_id: string, user: string, own: boolean, priority: number,
- *   start: number, end?: number|null, pauses?: TimelinePause[]}} TimelineSpan
+ *   start: number, end?: number|null, pauses?: TimelinePause[], gang?: string,
+ *   rank?: number|null}} TimelineSpan
  * @typedef {"queued"|"running"|"paused"|"evicted"|"released"|"refused"|"revoked"} LeaseState
  * @typedef {{lease_id: string, user: string, own: boolean, priority: number,
  *   state: LeaseState, device_index: number|null, mig_uuid: string|null,
  *   memory_bytes: number, sm_share: number, since_s: number, waited_s: number,
  *   position?: number|null, reason?: string, label?: string, pid?: number|null,
  *   notebook?: string, preemption_level?: number|null,
- *   estimate_s?: number|null}} LeaseView
+ *   estimate_s?: number|null, gang?: string, rank?: number|null}} LeaseView
  * @typedef {{host: string, node: string, broker_pid: number, mode: string,
  *   inventory: string, inventory_description: string, time: number, you: string,
  *   is_admin: boolean, devices: DeviceView[], leases: LeaseView[],
@@ -50,6 +51,8 @@ export const MEMORY_SLICES = 8;
  *   timeline_window_s?: number}} Snapshot
  * @typedef {{action: "drain"|"undrain"|"cancel", device?: number, lease_id?: string}} AdminRequest
  * @typedef {{onAdmin?: (request: AdminRequest) => void, adminHint?: string}} RenderOptions
+ * @typedef {LeaseView & {ranks: number, states: string, devices: number[]}} LeaseRow
+ * @typedef {TimelineSpan & {ranks: number}} TimelineRow
  */
 
 const MIB = 1024 * 1024;
@@ -139,13 +142,160 @@ export function formatMiB(mib) {
  */
 export function statusSummary(snapshot) {
   const own = snapshot.leases.filter((l) => l.own);
-  const queued = snapshot.leases.filter((l) => l.state === "queued").length;
+  const queued = groupLeases(snapshot.leases).filter(
+    (l) => l.state === "queued",
+  ).length;
   /** @type {LeaseState[]} */
   const order = ["running", "paused", "evicted", "queued"];
   const mine = order.find((state) => own.some((l) => l.state === state));
   const held = snapshot.leases.some((l) => ACTIVE_STATES.has(l.state));
   const head = mine ? mine : held ? "busy" : "idle";
   return queued ? `GPU: ${head}, ${queued} queued` : `GPU: ${head}`;
+}
+
+// ---- a gang as one request (status_view.requests_of and timeline_rows do the same)
+
+/**
+ * From furthest from running to running: a gang trains only while every rank runs, so
+ * a gang's row takes the state of the rank that holds the others back.
+ * @type {string[]}
+ */
+const HOLDING_BACK = ["queued", "evicted", "paused", "running"];
+
+/**
+ * The leases as requests, in the place of each request's first lease: a gang's ranks
+ * (same `gang`) become one row under the gang's id, with their count and devices, their
+ * memory and SM shares summed (pass one device's leases for what the gang holds there),
+ * the state of the rank furthest from running and, where the ranks differ, `states`
+ * counting them ("paused 1, running 1"). It must not drop a lease nor reorder requests.
+ * @param {LeaseView[]} leases
+ * @returns {LeaseRow[]}
+ */
+export function groupLeases(leases) {
+  /** @type {Map<string, LeaseView[]>} */
+  const requests = new Map();
+  for (const l of leases) {
+    const id = l.gang || l.lease_id;
+    requests.set(id, [...(requests.get(id) || []), l]);
+  }
+  return [...requests].map(([id, ranks]) => {
+    /** @type {Map<LeaseState, number>} */
+    const counts = new Map();
+    for (const l of ranks) counts.set(l.state, (counts.get(l.state) || 0) + 1);
+    const states = [...counts.keys()].sort(
+      (a, b) => HOLDING_BACK.indexOf(a) - HOLDING_BACK.indexOf(b),
+    );
+    const reasons = new Set(ranks.flatMap((l) => (l.reason ? [l.reason] : [])));
+    return {
+      ...ranks[0],
+      lease_id: id,
+      ranks: ranks.length,
+      state: states[0],
+      states:
+        states.length === 1
+          ? states[0]
+          : states.map((state) => `${state} ${counts.get(state)}`).join(", "),
+      devices: [
+        ...new Set(
+          ranks.flatMap((l) =>
+            l.device_index === null ? [] : [l.device_index],
+          ),
+        ),
+      ],
+      memory_bytes: ranks.reduce((total, l) => total + l.memory_bytes, 0),
+      sm_share: ranks.reduce((total, l) => total + l.sm_share, 0),
+      since_s: Math.min(...ranks.map((l) => l.since_s)),
+      // Ranks in one state share the request's reason (a queued gang's is its first
+      // rank's); ranks in different states each say why, named by their rank.
+      reason:
+        states.length === 1
+          ? [...reasons].join("; ")
+          : ranks
+              .filter((l) => l.reason)
+              .map((l) => `rank ${l.rank}: ${l.reason}`)
+              .join("; "),
+    };
+  });
+}
+
+/**
+ * When every span was paused at once, at the highest level any of them was held.
+ * The intersection, not the union: a rank that kept running (one that could not be
+ * paused) still used the device, so a pause is drawn only where all of them gave it
+ * up; the level is the costliest rung any of them paid.
+ * @param {TimelineSpan[]} spans
+ * @returns {TimelinePause[]}
+ */
+function commonPauses(spans) {
+  /** @param {TimelineSpan} span */
+  const open = (span) =>
+    (span.pauses || []).map((p) => ({ ...p, end: p.end ?? Infinity }));
+  let common = open(spans[0]);
+  for (const span of spans.slice(1)) {
+    const theirs = open(span);
+    common = common
+      .flatMap((a) =>
+        theirs.map((b) => ({
+          start: Math.max(a.start, b.start),
+          end: Math.min(a.end, b.end),
+          level: Math.max(a.level, b.level),
+        })),
+      )
+      .filter((p) => p.start < p.end)
+      .sort((a, b) => a.start - b.start);
+  }
+  return common.map((p) => ({ ...p, end: p.end === Infinity ? null : p.end }));
+}
+
+/**
+ * One device's timeline as requests: a gang's spans become one bar under its id, from
+ * its first rank's start to its last rank's end (open while any rank is held), paused
+ * where all of them were; `ranks` counts its ranks on this device (1 for a lease).
+ * @param {TimelineSpan[]} spans
+ * @returns {TimelineRow[]}
+ */
+export function groupSpans(spans) {
+  // Keyed by the span itself outside gangs: a lease granted twice keeps both its spans.
+  /** @type {Map<string|TimelineSpan, TimelineSpan[]>} */
+  const requests = new Map();
+  for (const span of spans) {
+    const key = span.gang || span;
+    requests.set(key, [...(requests.get(key) || []), span]);
+  }
+  return [...requests.values()].map((ranks) => {
+    const first = ranks[0];
+    if (!first.gang) return { ...first, ranks: 1 };
+    const ends = ranks.map((span) => span.end ?? null);
+    return {
+      ...first,
+      lease_id: first.gang,
+      ranks: ranks.length,
+      start: Math.min(...ranks.map((span) => span.start)),
+      end: ends.includes(null)
+        ? null
+        : Math.max(.../** @type {number[]} */ (ends)),
+      pauses: commonPauses(ranks),
+      rank: null,
+    };
+  });
+}
+
+/**
+ * How a request is named beside its holder: "L7 ×2" for a gang's ranks, "" for a lease.
+ * @param {LeaseRow|TimelineRow} row
+ * @returns {string}
+ */
+function gangName(row) {
+  return row.gang ? `${row.lease_id} ×${row.ranks}` : "";
+}
+
+/**
+ * Who holds a request, as the view names them: "alice", or "alice L7 ×2" for a gang.
+ * @param {LeaseRow|TimelineRow} row
+ * @returns {string}
+ */
+function holderName(row) {
+  return row.gang ? `${row.user} ${gangName(row)}` : row.user;
 }
 
 /**
@@ -215,16 +365,19 @@ function renderHeader(s) {
 function renderOwnSessions(s) {
   const own = s.leases.filter((l) => l.own && l.state !== "released");
   if (!own.length) return null;
-  const rows = own.map((l) => {
-    const where = l.device_index === null ? "" : ` on GPU ${l.device_index}`;
+  const rows = groupLeases(own).map((l) => {
+    const where = l.devices.length ? ` on GPU ${l.devices.join(", ")}` : "";
     const detail =
       l.state === "queued"
         ? `#${l.position ?? "?"} in queue, waiting ${formatDuration(l.since_s)}`
-        : `${l.state}${where} for ${formatDuration(l.since_s)}`;
+        : `${l.states}${where} for ${formatDuration(l.since_s)}`;
     const reason = l.reason ? ` (${l.reason})` : "";
+    const name = l.gang
+      ? [gangName(l), l.label].filter(Boolean).join(" · ")
+      : l.label || l.lease_id;
     return h("li", `gpushare-own gpushare-state-${l.state}`, undefined, [
       h("span", `gpushare-badge gpushare-badge-${l.state}`, l.state),
-      h("span", "gpushare-own-label", l.label || l.lease_id),
+      h("span", "gpushare-own-label", name),
       h(
         "span",
         "gpushare-own-detail",
@@ -280,7 +433,8 @@ const LEVEL_NAMES = ["gate", "yield", "abort", "lock", "evict"];
 /**
  * The last minutes of the device: one row per lease (newest at the bottom), a bar from
  * its grant to its end coloured by priority, its pauses hatched and labelled with the
- * ladder level that held it. Answers "why was my cell slow?".
+ * ladder level that held it. Answers "why was my cell slow?". A gang's ranks on the
+ * device are one row (groupSpans), its bar labelled "L7 ×2".
  * @param {DeviceView} d
  * @param {Snapshot} s
  * @returns {HTMLElement|null}
@@ -288,7 +442,7 @@ const LEVEL_NAMES = ["gate", "yield", "abort", "lock", "evict"];
 export function renderTimeline(d, s) {
   const spans = d.timeline || [];
   if (!spans.length) return null;
-  const rows = spans.slice(-8);
+  const rows = groupSpans(spans).slice(-8);
   // Zoom to what there is (at least a minute, at most what the broker keeps), so that
   // a few seconds of contention are wide enough to read.
   const earliest = Math.min(...rows.map((r) => r.start));
@@ -309,12 +463,15 @@ export function renderTimeline(d, s) {
     height,
     role: "img",
   });
+  /** @type {HTMLElement[]} */
+  const labels = [];
   rows.forEach((span, i) => {
     const y = i * row + 1;
     const end = span.end ?? s.time;
     const band = describePriority(span.priority).split(" ")[0];
+    const name = gangName(span) || span.lease_id;
     const bar = svg("rect", {
-      class: `gpushare-timeline-bar gpushare-priority-${band}${span.own ? " gpushare-timeline-own" : ""}`,
+      class: `gpushare-timeline-bar gpushare-priority-${band}${span.own ? " gpushare-timeline-own" : ""}${span.gang ? " gpushare-timeline-gang" : ""}`,
       x: x(span.start).toFixed(1),
       y,
       width: Math.max(1.5, x(end) - x(span.start)).toFixed(1),
@@ -329,11 +486,12 @@ export function renderTimeline(d, s) {
       .join("; ");
     const title = svg("title", {});
     title.textContent =
-      `${span.user} · ${span.lease_id} · ${describePriority(span.priority)} · ` +
+      `${span.user} · ${name} · ${describePriority(span.priority)} · ` +
       `${formatDuration(end - span.start)}${span.end == null ? " so far" : ""}` +
       (paused ? ` · ${paused}` : "");
     bar.appendChild(title);
     drawing.appendChild(bar);
+    if (span.gang) labels.push(timelineLabel(name, x(span.start) / width, y));
     for (const p of pauses) {
       const mark = svg("rect", {
         class: `gpushare-timeline-pause gpushare-level-${p.level}`,
@@ -344,7 +502,7 @@ export function renderTimeline(d, s) {
         "data-level": p.level,
       });
       const why = svg("title", {});
-      why.textContent = `${span.user} ${span.lease_id} paused at level ${p.level} (${LEVEL_NAMES[p.level] || "?"}) for ${formatDuration((p.end ?? s.time) - p.start)}`;
+      why.textContent = `${span.user} ${name} paused at level ${p.level} (${LEVEL_NAMES[p.level] || "?"}) for ${formatDuration((p.end ?? s.time) - p.start)}`;
       mark.appendChild(why);
       drawing.appendChild(mark);
     }
@@ -352,7 +510,7 @@ export function renderTimeline(d, s) {
   const legend = rows.flatMap((span) =>
     (span.pauses || []).map(
       (p) =>
-        `${span.user} ${span.lease_id} paused ${formatDuration((p.end ?? s.time) - p.start)} at level ${p.level} (${LEVEL_NAMES[p.level] || "?"})`,
+        `${span.user} ${gangName(span) || span.lease_id} paused ${formatDuration((p.end ?? s.time) - p.start)} at level ${p.level} (${LEVEL_NAMES[p.level] || "?"})`,
     ),
   );
   return h("div", "gpushare-timeline", undefined, [
@@ -361,11 +519,36 @@ export function renderTimeline(d, s) {
       "gpushare-caption",
       `last ${Math.round(windowS / 60)} min, now at the right: ${rows.length === 1 ? "1 lease" : `${rows.length} leases`}`,
     ),
-    drawing,
+    labels.length
+      ? h("div", "gpushare-timeline-track", undefined, [drawing, ...labels])
+      : drawing,
     legend.length
       ? h("div", "gpushare-timeline-pauses", legend.slice(-3).join("; "))
       : null,
   ]);
+}
+
+/**
+ * The name of a gang's bar, laid over the drawing in HTML: text inside the SVG would be
+ * stretched with it (the drawing takes the panel's width whatever its height). It sits
+ * on the bar's start, or, for a bar that starts in the right half (a recent one, too
+ * short to carry it), just before it, so that it stays inside the drawing.
+ * @param {string} text
+ * @param {number} start where the bar starts, as a fraction of the drawing's width
+ * @param {number} top the bar's top, in pixels
+ * @returns {HTMLElement}
+ */
+function timelineLabel(text, start, top) {
+  const label = h("span", "gpushare-timeline-label", text);
+  if (start <= 0.5) {
+    label.style.left = `${(100 * start).toFixed(1)}%`;
+    label.style.maxWidth = `${(100 * (1 - start)).toFixed(1)}%`;
+  } else {
+    label.style.right = `${(100 * (1 - start)).toFixed(1)}%`;
+    label.style.maxWidth = `${(100 * start).toFixed(1)}%`;
+  }
+  label.style.top = `${top + 1}px`; // below the drawing's 1 px border
+  return label;
 }
 
 /**
@@ -513,8 +696,10 @@ export function packedPlacements(p) {
  * @returns {HTMLElement|null}
  */
 function renderShares(info, leases) {
-  const shared = leases.filter(
-    (l) => l.sm_share < 1 && (l.state === "running" || l.state === "paused"),
+  const shared = groupLeases(
+    leases.filter(
+      (l) => l.sm_share < 1 && (l.state === "running" || l.state === "paused"),
+    ),
   );
   if (!shared.length) return null;
   const bar = h("div", "gpushare-shares");
@@ -522,13 +707,14 @@ function renderShares(info, leases) {
   for (const l of shared) {
     const pct = Math.min(100 - used, Math.round(l.sm_share * 100));
     used += pct;
+    const who = holderName(l);
     const cell = h(
       "div",
       `gpushare-share${l.own ? " gpushare-share-own" : ""} gpushare-state-${l.state}`,
-      `${l.user} · ${pct} %`,
+      `${who} · ${pct} %`,
     );
     cell.style.width = `${pct}%`;
-    cell.title = `${l.user}: ${pct} % of the ${info.multiprocessor_count} SMs (${Math.round(l.sm_share * info.multiprocessor_count)} SMs), ${l.state}`;
+    cell.title = `${who}: ${pct} % of the ${info.multiprocessor_count} SMs (${Math.round(l.sm_share * info.multiprocessor_count)} SMs), ${l.states}`;
     bar.appendChild(cell);
   }
   if (used < 100) {
@@ -586,7 +772,11 @@ function renderMemory(d, leases) {
     seg.title = title;
     bar.appendChild(seg);
   };
-  for (const l of leases) {
+  // A gang's ranks held on the device and on the host are grouped apart: each memory
+  // is drawn (or not) where it is.
+  const onDevice = leases.filter((l) => l.state !== "evicted");
+  const onHost = leases.filter((l) => l.state === "evicted");
+  for (const l of [...groupLeases(onDevice), ...groupLeases(onHost)]) {
     const mib = Math.round(l.memory_bytes / MIB);
     const parked = l.label === PARKED_LABEL;
     const where =
@@ -594,20 +784,21 @@ function renderMemory(d, leases) {
         ? parked
           ? "parked on the host"
           : "evicted to the host"
-        : l.state;
+        : l.states;
+    const who = holderName(l);
     if (l.state !== "evicted") {
       const cls = `gpushare-memseg ${l.own ? "gpushare-memseg-own" : "gpushare-memseg-other"}`;
       segment(
         `${cls} gpushare-state-${l.state}`,
         mib,
-        `${l.user}: ${formatMiB(mib)} (${where})`,
+        `${who}: ${formatMiB(mib)} (${where})`,
       );
     }
     legend.appendChild(
       h(
         "li",
         l.own ? "gpushare-legend-own" : "",
-        `${l.user} ${formatMiB(mib)} ${where}`,
+        `${who} ${formatMiB(mib)} ${where}`,
       ),
     );
   }
@@ -676,9 +867,12 @@ function renderUtilization(d) {
  */
 function renderHolders(d, s) {
   const byId = new Map(s.leases.map((l) => [l.lease_id, l]));
-  const holders = d.holders
-    .map((id) => byId.get(id))
-    .filter((l) => l !== undefined);
+  const holders = groupLeases(
+    d.holders.flatMap((id) => {
+      const lease = byId.get(id);
+      return lease ? [lease] : [];
+    }),
+  );
   if (!holders.length)
     return h(
       "div",
@@ -688,7 +882,7 @@ function renderHolders(d, s) {
   const text = holders
     .map(
       (l) =>
-        `${l.user} (${describePriority(l.priority)}, ${l.state} ${formatDuration(l.since_s)})`,
+        `${holderName(l)} (${describePriority(l.priority)}, ${l.states} ${formatDuration(l.since_s)})`,
     )
     .join("; ");
   return h("div", "gpushare-holder", `held by ${text}`);
@@ -701,12 +895,10 @@ function renderHolders(d, s) {
  * @returns {HTMLElement}
  */
 function renderQueue(s, options) {
-  const queued = s.leases
-    .filter((l) => l.state === "queued")
-    .sort(
-      (a, b) =>
-        (a.position ?? 1e9) - (b.position ?? 1e9) || b.priority - a.priority,
-    );
+  const queued = groupLeases(s.leases.filter((l) => l.state === "queued")).sort(
+    (a, b) =>
+      (a.position ?? 1e9) - (b.position ?? 1e9) || b.priority - a.priority,
+  );
   const title = h(
     "div",
     "gpushare-section-title",
@@ -729,7 +921,7 @@ function renderQueue(s, options) {
     const own = l.own ? " gpushare-queue-own" : "";
     const row = h("tr", `gpushare-queue-row${own}`, undefined, [
       h("td", undefined, String(l.position ?? "")),
-      h("td", undefined, l.user),
+      h("td", undefined, holderName(l)),
       h("td", undefined, describePriority(l.priority)),
       h("td", undefined, formatDuration(l.since_s)),
     ]);

@@ -394,6 +394,64 @@ def test_panel_timeline_shows_a_pause_with_its_level_after_a_preemption(page, se
     page.screenshot(path=str(OUTPUT / "timeline.png"), clip=boxes["device"])
 
 
+def test_panel_shows_a_gang_as_one_request_and_one_labelled_timeline_bar(page, sessions):
+    from playwright.sync_api import expect
+
+    page.locator('.jp-SideBar .lm-TabBar-tab[data-id="gpushare-panel"]').click()
+    panel = page.locator("#gpushare-panel")
+    expect(panel).to_be_visible()
+    widen_left_sidebar(page, by_px=160)
+
+    # A gang of two ranks runs; another waits for room behind it, as one request.
+    running = sessions().request_lease(priority=LOW, memory_bytes=20 << 30, ranks=2, label="ddp")
+    waiting = sessions().request_lease(priority=LOW, memory_bytes=60 << 30, ranks=2, label="sweep")
+    gang = f"{running.lease_id} ×2"
+    own = panel.locator(".gpushare-own")
+    expect(own).to_have_count(2, timeout=SETTLE_MS)
+    expect(own.nth(0).locator(".gpushare-own-label")).to_have_text(f"{gang} · ddp")
+    expect(own.nth(1).locator(".gpushare-own-label")).to_have_text(f"{waiting.lease_id} ×2 · sweep")
+    expect(panel.locator(".gpushare-queue-row")).to_have_count(1)
+    expect(panel.locator(".gpushare-queue .gpushare-section-title")).to_have_text(
+        "Queue: 1 waiting"
+    )
+    expect(page.locator(".gpushare-statusbar")).to_have_text("GPU: running, 1 queued")
+    expect(panel.locator(".gpushare-holder")).to_contain_text(f"{gang} (low, running")
+    expect(panel.locator(".gpushare-legend li")).to_have_count(1)
+
+    timeline = panel.locator(".gpushare-timeline")
+    expect(timeline.locator(".gpushare-timeline-bar")).to_have_count(1, timeout=SETTLE_MS)
+    expect(timeline.locator(".gpushare-timeline-gang")).to_have_count(1)
+    expect(timeline.locator(".gpushare-timeline-label")).to_have_text(gang)
+    expect(timeline.locator(".gpushare-caption")).to_have_text(
+        "last 1 min, now at the right: 1 lease"
+    )
+    # One pass in the page (it redraws each second): the label lies on its bar's row,
+    # inside the drawing.
+    boxes = page.evaluate(
+        """() => {
+          const timeline = document.querySelector("#gpushare-panel .gpushare-timeline");
+          const box = (node) => {
+            const b = node.getBoundingClientRect();
+            return { x: b.x, y: b.y, width: b.width, height: b.height };
+          };
+          return {
+            drawing: box(timeline.querySelector(".gpushare-timeline-svg")),
+            bar: box(timeline.querySelector(".gpushare-timeline-bar")),
+            label: box(timeline.querySelector(".gpushare-timeline-label")),
+            device: box(document.querySelector("#gpushare-panel .gpushare-device")),
+          };
+        }"""
+    )
+    drawing, bar, label = boxes["drawing"], boxes["bar"], boxes["label"]
+    assert label["width"] > 0 and drawing["x"] <= label["x"]
+    assert label["x"] + label["width"] <= drawing["x"] + drawing["width"] + 1, (label, drawing)
+    assert (
+        bar["y"] - 1 <= label["y"] and label["y"] + label["height"] <= bar["y"] + bar["height"] + 1
+    )
+    OUTPUT.mkdir(exist_ok=True)
+    page.screenshot(path=str(OUTPUT / "timeline-gang.png"), clip=boxes["device"])
+
+
 # ------------------------------------------------------------------ the README's tour
 # The panel at 250 px and 1400 px, light and dark: nothing clipped (every button and fold
 # inside the panel and clickable, no line past its right edge). The screenshots written
