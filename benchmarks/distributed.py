@@ -7,7 +7,10 @@ own over the real GPU (``gpushare broker --inventory nvml``):
 
 * ``single``: one rank on the whole GPU (the baseline);
 * ``ranks-2``, ``ranks-4``: one model trained by 2 and 4 ranks, each a software slice of
-  the one GPU (memory quota, SM share 1/N), gradients all-reduced by gloo;
+  the one GPU (memory quota, SM share 1/N), gradients averaged on the path the launcher
+  picks for them (through the GPU's memory: ``cuda-ipc``);
+* ``ranks-2-gloo``, ``ranks-4-gloo`` (left out with ``--skip-gloo``): the same through
+  DDP's gloo all-reduce;
 * ``ranks-2-host-shm``, ``ranks-4-host-shm``: the same, with the gradients averaged
   through pinned host shared memory (the path of MIG instances) although the ranks
   share one GPU, so that it can be measured on a host without MIG;

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 import platform
 import subprocess
 import sys
@@ -57,7 +58,9 @@ def describe() -> dict:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
         "host": platform.node(),
-        "cpu_count": __import__("os").cpu_count(),
+        # The cores this run may use (a run pinned with taskset has fewer than the host).
+        "cpu_count": _usable_cpus(),
+        "host_cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "commit": commit,
         "packages": versions,
@@ -76,3 +79,10 @@ def allow_numba_import() -> None:
 
     if not hasattr(numpy, "row_stack"):
         numpy.row_stack = numpy.vstack
+
+
+def _usable_cpus() -> int | None:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count()

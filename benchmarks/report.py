@@ -143,8 +143,11 @@ def _plots(folder: Path, documents: dict[str, dict]) -> list[str]:
 
 def _control_section(doc: dict) -> list[str]:
     gpu = "" if doc.get("gpu_count") else "no GPU, simulated H200 inventory; "
+    cpus = f"{doc.get('cpu_count', '?')} CPUs"
+    if doc.get("host_cpu_count") not in (None, doc.get("cpu_count")):
+        cpus = f"{doc['cpu_count']} of its {doc['host_cpu_count']} CPUs"
     lines = [
-        f"**Control plane** ({doc.get('host', '?')}, {doc.get('cpu_count', '?')} CPUs, {gpu}"
+        f"**Control plane** ({doc.get('host', '?')}, {cpus}, {gpu}"
         f"{doc.get('date', '?')[:10]}; request -> grant, each client its own connection)",
         "",
         "| clients | loop | p50 ms | p99 ms | messages/s | target | verdict |",
