@@ -21,6 +21,8 @@ pytestmark = [
     pytest.mark.skipif(gpu_missing_reason() is not None, reason=str(gpu_missing_reason())),
 ]
 GIB = 1024**3
+# Every rank on GPU 0, as software slices of it, also on a host with more GPUs (the
+# broker would otherwise give each rank a GPU of its own: test_ranks_two_gpus.py).
 # One byte: once DDP rebuilds its buckets after the first step, each of the model's four
 # parameters is a bucket of its own, so a step goes through both halves of the block.
 BUCKET_CAP_MB = 1e-6
@@ -73,7 +75,7 @@ def host_memory_steps(steps: int) -> dict:
 
 def test_two_ranks_through_pinned_host_memory_match_one_process(gpu_broker):
     session = GpuSession(gpu_broker.socket)
-    options = {"memory_bytes": 4 * GIB, "sm_share": 0.5}
+    options = {"memory_bytes": 4 * GIB, "sm_share": 0.5, "device": "0"}
     steps = 5
     try:
         (alone,) = session.run_gang(host_memory_steps, steps, ranks=1, lease_options=options)

@@ -36,6 +36,8 @@ pytestmark = [
     pytest.mark.skipif(gpu_missing_reason() is not None, reason=str(gpu_missing_reason())),
 ]
 GIB = 1024**3
+# Every rank on GPU 0, as software slices of it, also on a host with more GPUs (the
+# broker would otherwise give each rank a GPU of its own: test_ranks_two_gpus.py).
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +79,9 @@ def test_ranks_run_on_their_placement_and_all_reduce_cuda_tensors(gpu_broker, ca
     session = GpuSession(gpu_broker.socket)
     try:
         results = session.run_gang(
-            device_and_sum, ranks=2, lease_options={"memory_bytes": 4 * GIB, "sm_share": 0.5}
+            device_and_sum,
+            ranks=2,
+            lease_options={"memory_bytes": 4 * GIB, "sm_share": 0.5, "device": "0"},
         )
     finally:
         session.close()
@@ -116,7 +120,7 @@ def wrapped_steps(steps: int) -> dict:
 
 def test_ranks_on_one_gpu_average_gradients_in_its_memory_like_one_process(gpu_broker):
     session = GpuSession(gpu_broker.socket)
-    options = {"memory_bytes": 4 * GIB, "sm_share": 0.5}
+    options = {"memory_bytes": 4 * GIB, "sm_share": 0.5, "device": "0"}
     try:
         (alone,) = session.run_gang(wrapped_steps, 5, ranks=1, lease_options=options)
         first, second = session.run_gang(wrapped_steps, 5, ranks=2, lease_options=options)
@@ -130,7 +134,7 @@ def test_ranks_on_one_gpu_average_gradients_in_its_memory_like_one_process(gpu_b
 
 def test_a_high_lease_locks_every_rank_together_and_the_result_is_unchanged(gpu_broker):
     steps = 400  # about 6 s on an H200: the pause comes in the middle
-    options = {"memory_bytes": 4 * GIB, "sm_share": 0.5, "priority": "low"}
+    options = {"memory_bytes": 4 * GIB, "sm_share": 0.5, "priority": "low", "device": "0"}
     session = GpuSession(gpu_broker.socket)
     try:
         undisturbed = session.run_gang(train_steadily, steps, 7, ranks=2, lease_options=options)
@@ -197,7 +201,7 @@ session = GpuSession(sys.argv[1])
 try:
     results = session.run_gang(
         test_ranks_gpu.train_steadily, int(sys.argv[2]), 7, ranks=2,
-        lease_options={{"memory_bytes": 4 << 30, "sm_share": 0.5, "priority": "low"}},
+        lease_options={{"memory_bytes": 4 << 30, "sm_share": 0.5, "priority": "low", "device": "0"}},
     )
 finally:
     session.close()
