@@ -531,10 +531,13 @@ def cli_status_json(socket_path: Path) -> dict:
     return json.loads(done.stdout)
 
 
-@functools.lru_cache(maxsize=1)
-def gpu_missing_reason() -> str | None:
-    """Why the GPU tests here cannot run (None: a GPU with CuPy is there)."""
-    probe = "import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0"
+@functools.lru_cache(maxsize=2)
+def gpu_missing_reason(need: int = 1) -> str | None:
+    """Why the GPU tests here cannot run (None: ``need`` GPUs with CuPy are there)."""
+    probe = (
+        "import cupy, sys; count = cupy.cuda.runtime.getDeviceCount()\n"
+        f"if count < {need}: sys.exit(f'{{count}} GPU here: these tests need {need}')"
+    )
     try:
         done = subprocess.run(
             [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
@@ -543,5 +546,7 @@ def gpu_missing_reason() -> str | None:
         return f"no usable GPU: {exc}"
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["?"])[-1]
+        if "GPU here" in last:
+            return last
         return f"no usable GPU (CuPy could not count devices: {last})"
     return None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 from runtime_helpers import BrokerProcess, gpu_missing_reason, short_tempdir, wait_for
+from test_ranks_gpu import wrapped_steps
 
 from gpushare_ext.runtime.session import GpuSession
 
@@ -35,51 +36,17 @@ def gpu_broker():
     running.stop()
 
 
-def host_memory_steps(steps: int) -> dict:
-    """A small model trained through distributed_model with host-shm forced, each rank
-    on its half of every batch (one process alone: the whole batch)."""
-    import os
-
-    import torch
-    import torch.distributed as dist
-
-    from gpushare_ext.runtime import rank_comm
-
-    os.environ[rank_comm.COMM_ENV] = "host-shm"  # instead of the launcher's cuda-ipc
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    torch.manual_seed(11)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Tanh(), torch.nn.Linear(512, 8))
-    model = rank_comm.distributed_model(model.cuda(), bucket_cap_mb=BUCKET_CAP_MB)
-    exchanges = list(rank_comm._exchanges)
-    generator = torch.Generator().manual_seed(12)
-    x = torch.randn(64, 256, generator=generator).cuda()
-    y = torch.randn(64, 8, generator=generator).cuda()
-    share = 64 // world
-    optimiser = torch.optim.SGD(model.parameters(), lr=0.05)
-    for _ in range(steps):
-        part = slice(rank * share, (rank + 1) * share)
-        loss = torch.nn.functional.mse_loss(model(x[part]), y[part])
-        optimiser.zero_grad()
-        loss.backward()
-        optimiser.step()
-    weights = torch.cat([p.detach().flatten() for p in model.parameters()]).cpu()
-    return {
-        "comm": rank_comm.comm_path(),
-        "exchanges": [type(exchange).__name__ for exchange in exchanges],
-        "pinned": [exchange.pinned for exchange in exchanges],
-        "buckets_exchanged": sum(exchange._calls for exchange in exchanges),
-        "weights": weights.tolist(),
-    }
-
-
 def test_two_ranks_through_pinned_host_memory_match_one_process(gpu_broker):
     session = GpuSession(gpu_broker.socket)
     options = {"memory_bytes": 4 * GIB, "sm_share": 0.5, "device": "0"}
     steps = 5
     try:
-        (alone,) = session.run_gang(host_memory_steps, steps, ranks=1, lease_options=options)
-        first, second = session.run_gang(host_memory_steps, steps, ranks=2, lease_options=options)
+        (alone,) = session.run_gang(
+            wrapped_steps, steps, "host-shm", BUCKET_CAP_MB, ranks=1, lease_options=options
+        )
+        first, second = session.run_gang(
+            wrapped_steps, steps, "host-shm", BUCKET_CAP_MB, ranks=2, lease_options=options
+        )
     finally:
         session.close()
     assert alone["exchanges"] == []  # one process: no gang, nothing to average

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -91,18 +92,23 @@ def test_ranks_run_on_their_placement_and_all_reduce_cuda_tensors(gpu_broker, ca
     wait_for(lambda: not gpu_broker.leases(), "the gang to be released")
 
 
-def wrapped_steps(steps: int) -> dict:
-    """A small model trained by DDP through distributed_model, each rank on its half."""
+def wrapped_steps(steps: int, force_comm: str = "", bucket_cap_mb: float | None = None) -> dict:
+    """A small model trained by DDP through distributed_model, each rank on its half
+    (``force_comm``: a gradient path instead of the launcher's choice)."""
     import torch
     import torch.distributed as dist
 
-    from gpushare_ext.runtime.rank_comm import comm_path, distributed_model
+    from gpushare_ext.runtime import rank_comm
 
+    if force_comm:
+        os.environ[rank_comm.COMM_ENV] = force_comm
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(11)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Tanh(), torch.nn.Linear(512, 8))
-    model = distributed_model(model.cuda())
+    options = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    model = rank_comm.distributed_model(model.cuda(), **options)
+    exchanges = list(rank_comm._exchanges)
     generator = torch.Generator().manual_seed(12)
     x = torch.randn(64, 256, generator=generator).cuda()
     y = torch.randn(64, 8, generator=generator).cuda()
@@ -115,7 +121,13 @@ def wrapped_steps(steps: int) -> dict:
         loss.backward()
         optimiser.step()
     weights = torch.cat([p.detach().flatten() for p in model.parameters()]).cpu()
-    return {"comm": comm_path(), "weights": weights.tolist()}
+    return {
+        "comm": rank_comm.comm_path(),
+        "exchanges": [type(exchange).__name__ for exchange in exchanges],
+        "pinned": [getattr(exchange, "pinned", None) for exchange in exchanges],
+        "buckets_exchanged": sum(getattr(exchange, "_calls", 0) for exchange in exchanges),
+        "weights": weights.tolist(),
+    }
 
 
 def test_ranks_on_one_gpu_average_gradients_in_its_memory_like_one_process(gpu_broker):
@@ -147,44 +159,69 @@ def test_a_high_lease_locks_every_rank_together_and_the_result_is_unchanged(gpu_
 
         runner = threading.Thread(target=disturbed)
         runner.start()
-        members = wait_for(
-            lambda: [lease for lease in gpu_broker.leases() if lease.pid != os.getpid()]
-            if len(gpu_broker.leases()) == 2 else None,
-            "both ranks to run in their own processes",
-        )  # fmt: skip
-        time.sleep(1.5)  # into the loop
-        with BrokerClient(gpu_broker.socket) as explorer:
-            high = explorer.request_lease(priority=250, memory_bytes=4 * GIB)
-            assert isinstance(high, Granted)
-
-            def locked() -> list | None:
-                views = [v for v in gpu_broker.leases() if v.lease_id != high.lease_id
-                         and v.state.value == "paused" and v.preemption_level == 3]  # fmt: skip
-                return views if len(views) == 2 else None
-
-            try:
-                paused = wait_for(locked, "both ranks to be locked")
-            except AssertionError as exc:
-                views = [(v.lease_id, v.pid, v.state.value, v.preemption_level, v.reason)
-                         for v in gpu_broker.leases()]  # fmt: skip
-                raise AssertionError(f"{exc}: {views}\n{gpu_broker.log_tail()}") from None
-            paused_at = time.time()
-            time.sleep(2.0)
-            explorer.release(high.lease_id)
-        resumed_at = time.time()
+        held = hold_gang_with_high_lease(gpu_broker, os.getpid(), 3, "both ranks to be locked")
         runner.join(timeout=120)
         assert not runner.is_alive()
     finally:
         session.close()
-    results = outcome["results"]
+    # No step of either rank ended while the gang was locked.
+    assert_held_together(outcome["results"], undisturbed, held, ended=0)
+    wait_for(lambda: not gpu_broker.leases(), "the gang to be released")
+
+
+@dataclass
+class HeldGang:
+    """What :func:`hold_gang_with_high_lease` saw: the ranks before, the ranks paused,
+    and when the pause began and ended."""
+
+    members: list
+    paused: list
+    paused_at: float
+    resumed_at: float
+
+
+def hold_gang_with_high_lease(broker, not_pid: int, level: int | None, what: str) -> HeldGang:
+    """Once a gang's two ranks run (in processes other than ``not_pid``) and are into
+    their loop, take a high-priority lease, wait until both ranks are paused (at
+    ``level``, or any level for None), hold them 2 s and release it."""
+    members = wait_for(
+        lambda: [v for v in broker.leases() if v.pid != not_pid]
+        if len(broker.leases()) == 2 else None,
+        "both ranks to run in their own processes", 60,
+    )  # fmt: skip
+    time.sleep(1.5)  # into the loop
+    with BrokerClient(broker.socket) as explorer:
+        high = explorer.request_lease(priority=250, memory_bytes=4 * GIB)
+        assert isinstance(high, Granted)
+
+        def held() -> list | None:
+            views = [v for v in broker.leases() if v.lease_id != high.lease_id
+                     and v.state.value == "paused"
+                     and (level is None or v.preemption_level == level)]  # fmt: skip
+            return views if len(views) == 2 else None
+
+        try:
+            paused = wait_for(held, what)
+        except AssertionError as exc:
+            views = [(v.lease_id, v.pid, v.state.value, v.preemption_level, v.reason)
+                     for v in broker.leases()]  # fmt: skip
+            raise AssertionError(f"{exc}: {views}\n{broker.log_tail()}") from None
+        paused_at = time.time()
+        time.sleep(2.0)
+        explorer.release(high.lease_id)
+    return HeldGang(members, paused, paused_at, time.time())
+
+
+def assert_held_together(results: list, undisturbed: list, held: HeldGang, ended: int) -> None:
+    """Both ranks stalled together (at most ``ended`` steps of each ended during the
+    pause) and the gang's result is the undisturbed one."""
     assert [r["checksum"] for r in results] == [r["checksum"] for r in undisturbed]
-    assert {m.pid for m in members} == {v.pid for v in paused}
+    assert {m.pid for m in held.members} == {v.pid for v in held.paused}
     for rank in results:
-        # No step of either rank ended while the gang was locked.
-        assert not [t for t in rank["ends"] if paused_at + 0.2 < t < resumed_at - 0.2]
+        during = [t for t in rank["ends"] if held.paused_at + 0.2 < t < held.resumed_at - 0.2]
+        assert len(during) <= ended
         gaps = [b - a for a, b in zip(rank["ends"], rank["ends"][1:], strict=False)]
         assert max(gaps) >= 1.5
-    wait_for(lambda: not gpu_broker.leases(), "the gang to be released")
 
 
 GATED_GANG = """
@@ -240,39 +277,12 @@ def test_under_mps_a_high_lease_holds_a_gang_at_its_launch_gate_and_the_result_i
         try:
             undisturbed = _results_of(_gated_gang(broker.socket, steps, environment))
             gang = _gated_gang(broker.socket, steps, environment)
-            members = wait_for(
-                lambda: [v for v in broker.leases() if v.pid != gang.pid]
-                if len(broker.leases()) == 2 else None,
-                "both ranks to run in their own processes", 60,
-            )  # fmt: skip
-            time.sleep(1.5)  # into the loop
-            with BrokerClient(broker.socket) as explorer:
-                high = explorer.request_lease(priority=250, memory_bytes=4 * GIB)
-                assert isinstance(high, Granted)
-
-                def gated() -> list | None:
-                    views = [v for v in broker.leases() if v.lease_id != high.lease_id
-                             and v.state.value == "paused" and v.preemption_level == 0]  # fmt: skip
-                    return views if len(views) == 2 else None
-
-                try:
-                    paused = wait_for(gated, "both ranks to be held at the gate")
-                except AssertionError as exc:
-                    views = [(v.lease_id, v.state.value, v.preemption_level, v.reason)
-                             for v in broker.leases()]  # fmt: skip
-                    raise AssertionError(f"{exc}: {views}\n{broker.log_tail()}") from None
-                paused_at = time.time()
-                time.sleep(2.0)
-                explorer.release(high.lease_id)
-            resumed_at = time.time()
+            held = hold_gang_with_high_lease(
+                broker, gang.pid, 0, "both ranks to be held at the gate"
+            )
             results = _results_of(gang)
         finally:
             broker.stop()
     assert not mps_running()
-    assert [r["checksum"] for r in results] == [r["checksum"] for r in undisturbed]
-    assert {m.pid for m in members} == {v.pid for v in paused}
-    for rank in results:
-        # At most the step under way when the gate closed ended during the pause.
-        assert len([t for t in rank["ends"] if paused_at + 0.2 < t < resumed_at - 0.2]) <= 1
-        gaps = [b - a for a, b in zip(rank["ends"], rank["ends"][1:], strict=False)]
-        assert max(gaps) >= 1.5
+    # At most the step under way when the gate closed ended during the pause.
+    assert_held_together(results, undisturbed, held, ended=1)

@@ -14,39 +14,25 @@ Skips cleanly on a host with fewer than two GPUs (the one-GPU runs are in
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
-import time
 
 import pytest
-from runtime_helpers import BrokerProcess, short_tempdir, wait_for
-from test_ranks_gpu import device_and_sum, train_steadily
+from runtime_helpers import BrokerProcess, gpu_missing_reason, short_tempdir, wait_for
+from test_ranks_gpu import (
+    assert_held_together,
+    device_and_sum,
+    hold_gang_with_high_lease,
+    train_steadily,
+)
 
-from gpushare_ext.client import BrokerClient
-from gpushare_ext.protocol import Granted
 from gpushare_ext.runtime.session import GpuSession
 
 GIB = 1024**3
 
 
-def _gpus_missing() -> str | None:
-    probe = "import cupy; print(cupy.cuda.runtime.getDeviceCount())"
-    try:
-        done = subprocess.run(
-            [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"no usable GPU: {exc}"
-    if done.returncode != 0:
-        return "no usable GPU (CuPy could not count devices)"
-    count = int(done.stdout.strip() or 0)
-    return None if count >= 2 else f"{count} GPU here: these tests need two"
-
-
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(_gpus_missing() is not None, reason=str(_gpus_missing())),
+    pytest.mark.skipif(gpu_missing_reason(2) is not None, reason=str(gpu_missing_reason(2))),
 ]
 
 
@@ -85,31 +71,11 @@ def test_a_high_single_gpu_lease_stops_both_ranks_together(gpu_broker):
             )
         )
         runner.start()
-        wait_for(
-            lambda: len([v for v in gpu_broker.leases() if v.pid != os.getpid()]) == 2,
-            "both ranks to run in their own processes",
-        )
-        time.sleep(1.5)
-        with BrokerClient(gpu_broker.socket) as explorer:
-            high = explorer.request_lease(priority=250, memory_bytes=4 * GIB)
-            assert isinstance(high, Granted)
-            paused = wait_for(
-                lambda: [v for v in gpu_broker.leases()
-                         if v.lease_id != high.lease_id and v.state.value == "paused"]
-                if len(gpu_broker.leases()) == 3 else None,
-                "a paused gang",
-            )  # fmt: skip
-            assert len(paused) == 2  # never one rank alone
-            paused_at = time.time()
-            time.sleep(2.0)
-            explorer.release(high.lease_id)
-        resumed_at = time.time()
+        # The high lease shares one of the GPUs with one rank: both ranks must stop.
+        held = hold_gang_with_high_lease(gpu_broker, os.getpid(), None, "the whole gang paused")
         runner.join(timeout=120)
         assert not runner.is_alive()
     finally:
         session.close()
-    results = outcome["results"]
-    assert [r["checksum"] for r in results] == [r["checksum"] for r in undisturbed]
-    for rank in results:
-        assert len([t for t in rank["ends"] if paused_at + 0.2 < t < resumed_at - 0.2]) <= 1
+    assert_held_together(outcome["results"], undisturbed, held, ended=1)
     wait_for(lambda: not gpu_broker.leases(), "the gang to be released")
