@@ -200,12 +200,17 @@ def _notes(broker: Broker) -> list[str]:
         notes.append(
             "simulated GPU: preemption gates the session's launch points; no process is locked"
         )
+    unpausable: dict[str, int] = {}  # request (a gang's id for its ranks) -> leases
     for lease in broker.scheduler.active_leases():
         if not lease.lockable:
-            notes.append(
-                f"lease {lease.lease_id} cannot be paused (checkpoint lock unsupported, "
-                "e.g. an MPS client): it time-slices"
-            )
+            request = lease.gang or lease.lease_id
+            unpausable[request] = unpausable.get(request, 0) + 1
+    for request, count in unpausable.items():
+        what = f"lease {request}" if count == 1 else f"gang {request} ({count} ranks)"
+        notes.append(
+            f"{what} cannot be paused (checkpoint lock unsupported, e.g. an MPS client): "
+            "it time-slices"
+        )
     return notes
 
 

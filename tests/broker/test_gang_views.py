@@ -167,3 +167,23 @@ def test_a_gangs_bar_spans_all_its_ranks_and_is_paused_where_all_of_them_were():
         (112.0, 120.0, 3),  # both paused, the costlier rung named
         (135.0, 140.0, 3),
     ]
+
+
+def test_a_gang_that_cannot_be_paused_is_one_note_naming_it_and_its_ranks(broker):
+    from gpushare_ext.protocol import Capabilities
+
+    unlockable = Capabilities(lockable=False)  # MPS clients, with no gate to hold them
+    with BrokerClient(broker) as trainer, BrokerClient(broker) as other:
+        gang = trainer.request_lease(
+            priority=LOW, memory_bytes=4 * GIB, ranks=2, capabilities=unlockable
+        )
+        single = other.request_lease(priority=LOW, memory_bytes=4 * GIB, capabilities=unlockable)
+        assert isinstance(gang, Granted) and isinstance(single, Granted)
+        notes = [n for n in trainer.status().notes if "cannot be paused" in n]
+
+    assert sorted(notes) == [
+        f"gang {gang.lease_id} (2 ranks) cannot be paused (checkpoint lock unsupported, "
+        "e.g. an MPS client): it time-slices",
+        f"lease {single.lease_id} cannot be paused (checkpoint lock unsupported, "
+        "e.g. an MPS client): it time-slices",
+    ]
