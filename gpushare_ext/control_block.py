@@ -249,12 +249,14 @@ class ControlBlock:
         return address
 
     def release_locally(self, reason: str) -> None:
-        """Runtime side, when the broker is gone: open the gate and mark the session running.
+        """Runtime side, when the broker is gone: open the gate and mark the session running
+        (or idle, if it held no lease).
 
         Streams that wait on this page and loops in :meth:`wait_running` go on; the next
         broker starts from its journal, and nobody else may hold this session paused.
         """
-        self.publish(gate_closed=False, state=LeaseState.RUNNING, reason=reason)
+        state = None if self.state is None else LeaseState.RUNNING
+        self.publish(gate_closed=False, state=state, reason=reason)
 
     @property
     def paused(self) -> bool:

@@ -361,8 +361,13 @@ class Ladder:
                 notes.append(f"the session says: {said}")
             return "; ".join(notes)
 
-    async def undo(self, target: Target, level: PreemptionLevel | None) -> None:
-        """Resume ``target`` from ``level``: restore, unlock, clear the flag, open the gate."""
+    async def undo(
+        self, target: Target, level: PreemptionLevel | None, *, lease_ended: bool = False
+    ) -> None:
+        """Resume ``target`` from ``level``: restore, unlock, clear the flag, open the gate.
+        The state word then says running, or no lease at all where the lease ended (the
+        launch shim runs long kernels preemptibly only inside a lease)."""
+        after = None if lease_ended else LeaseState.RUNNING
         async with self._serial(target.pid):
             alive = pid_alive(target.pid)
             checkpointed = target.pid in self._checkpointed
@@ -387,10 +392,10 @@ class Ladder:
                         )
                 if failure is not None:
                     if target.control_block is not None:
-                        target.control_block.publish(gate_closed=False, state=LeaseState.RUNNING)
+                        target.control_block.publish(gate_closed=False, state=after)
                     raise failure
             if target.control_block is not None:
-                target.control_block.publish(gate_closed=False, state=LeaseState.RUNNING)
+                target.control_block.publish(gate_closed=False, state=after)
 
     def undo_blocking(self, pid: int, device_index: int, level: int) -> None:
         """Crash recovery (no event loop yet): undo what the journal says was applied."""

@@ -371,11 +371,16 @@ class Effects:
             target = self.target(
                 action.lease_id, action.pid, None, device_index=action.device_index
             )
-            if conn is None:
-                target.control_block = None
+            # The lease has left the core, so the target names no session: the block is
+            # the connection's.  Left as it was, it would say "paused" to the session for
+            # ever, and the shim would hold every later launch of the process.
+            target.control_block = conn.control_block if conn is not None else None
             self.spawn(
                 self._undo_preemption(
-                    target, action.undo_level, self._last_actuation.pop(action.lease_id, None)
+                    target,
+                    action.undo_level,
+                    self._last_actuation.pop(action.lease_id, None),
+                    lease_ended=True,
                 )
             )
         else:
@@ -506,10 +511,12 @@ class Effects:
         level: PreemptionLevel | None,
         up_to: int | None,
         resume: core.ResumeLease | None = None,
+        *,
+        lease_ended: bool = False,
     ) -> None:
         broker = self.broker
         try:
-            await broker.ladder.undo(target, level)
+            await broker.ladder.undo(target, level, lease_ended=lease_ended)
         except ActuatorError as exc:
             log.error("could not undo level %s for %s: %s", level, target.lease_id, exc)
             if resume is not None and resume.restores_park:

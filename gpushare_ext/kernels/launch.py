@@ -75,34 +75,63 @@ def _no_gate(stream_handle: int) -> None:
     """Nothing to hold before a launch (no session gate)."""
 
 
-def poll_until_resumed(flag: YieldFlag) -> None:
-    """Wait until the yield flag is clear again (polling, up to 5 ms between reads)."""
+def _never() -> bool:
+    return False
+
+
+def _nothing(exempt: bool) -> None:
+    """No host-side hold to be exempt from (no launch shim)."""
+
+
+def poll_until_resumed(flag: YieldFlag, interrupted: Callable[[], bool] = _never) -> None:
+    """Wait until whoever raised the yield flag lowers it (polling, up to 5 ms between
+    reads), or until ``interrupted()``.  Only for a caller that owns the flag's other
+    writer (a test or benchmark standing in for the broker): nobody else lowers it."""
     delay = 1e-4
-    while flag.read() != 0:
+    while flag.read() != 0 and not interrupted():
         time.sleep(delay)
         delay = min(delay * 2, 5e-3)
 
 
-def _never_paused() -> bool:
-    return False
+def resume_without_owner(flag: YieldFlag, interrupted: Callable[[], bool] = _never) -> None:
+    """After a yield with no session: no broker can have raised the flag, so it is this
+    process's own (a launch stopped for Ctrl-C, or one left raised): lower it and go on.
+    Waiting here would be a wait nobody ends."""
+    if flag.read() != 0:
+        flag.set(0)
 
 
 @dataclass(frozen=True)
 class LaunchHooks:
     """What the runtime adds around a transactional launch. ``before_launch(stream)``
     runs before every launch and relaunch (the session's gate enqueues its wait there);
-    ``wait_for_resume(flag)`` runs after a yield or an abort and returns when the launch
-    may go on; ``pause_requested()`` is asked while a slice runs (about once a
-    millisecond), and when it says yes the launch raises its own yield flag.
+    ``wait_for_resume(flag, interrupted)`` runs after a yield or an abort and returns
+    when the launch may go on, or as soon as ``interrupted()`` says yes; it must only
+    wait for something its owner (the broker) will end; ``pause_requested()`` is asked
+    while a slice runs (about once a millisecond), and when it says yes the launch raises
+    its own yield flag.
 
-    Why the last: the broker raises the flag from its own CUDA context, and on a
+    Why that: the broker raises the flag from its own CUDA context, and on a
     time-sliced GPU that write waits for a time slice of its own while the kernel it
     should stop keeps running. The session's host thread sees the broker's control
-    block change at once, and its write goes out in the kernel's own context."""
+    block change at once, and its write goes out in the kernel's own context.
+
+    ``interrupted()`` says a Ctrl-C came (the launch shim's hook notes it rather than
+    raising it): the launch then ends whole at once, rolled back where it has a snapshot,
+    else finished without pausing, with ``exempt_from_hold(True)`` so the shim does not
+    hold those last launches either.  ``on_interrupt()`` runs first, once: the session
+    gives up its lease there if the broker holds it paused, so that nothing it needs (a
+    locked process, a closed gate) stays held.  ``cuda_blocked()`` says the broker locks
+    the process: a CUDA call would block until it lets go, so the wait for a running
+    slice polls on the host meanwhile, where a Ctrl-C can still be noticed."""
 
     before_launch: Callable[[int], None] = _no_gate
-    wait_for_resume: Callable[[YieldFlag], None] = poll_until_resumed
-    pause_requested: Callable[[], bool] = _never_paused
+    wait_for_resume: Callable[[YieldFlag, Callable[[], bool]], None] = resume_without_owner
+    pause_requested: Callable[[], bool] = _never
+    interrupted: Callable[[], bool] = _never
+    exempt_from_hold: Callable[[bool], None] = _nothing
+    cuda_blocked: Callable[[], bool] = _never
+    on_interrupt: Callable[[], object] = _never
 
 
 _session_hooks = LaunchHooks()
@@ -402,6 +431,26 @@ def _as_flag(flag: Any) -> YieldFlag:
     return view
 
 
+# A flag nobody raises, per context: the rest of a launch Ctrl-C interrupted runs with it.
+_zero_flags: dict[int, YieldFlag] = {}
+
+
+def _zero_flag(context: Any) -> YieldFlag:
+    key = int(context) if context is not None else 0
+    flag = _zero_flags.get(key)
+    if flag is None:
+        flag = _zero_flags[key] = YieldFlag()
+    return flag
+
+
+class _Interrupted(KernelError):
+    """Ctrl-C during a launch that has a snapshot: roll it back (never leaves the
+    transaction: :meth:`LaunchTransaction.run` catches it)."""
+
+    def __init__(self) -> None:
+        super().__init__("interrupted", "Ctrl-C: the launch is rolled back", step="launch")
+
+
 # ---------------------------------------------------------------------------------------
 # Arguments
 # ---------------------------------------------------------------------------------------
@@ -566,6 +615,7 @@ class LaunchReport:
     last_exit_ns: int | None = None
     chunk: int = 1  # logical blocks claimed per atomic
     saves: int = 0  # aborts whose threads saved their state (nothing to undo)
+    interrupted: str = ""  # Ctrl-C ended it: "rolled back" (untouched) or "finished"
     notes: list[str] = field(default_factory=list)
 
 
@@ -1024,6 +1074,8 @@ class LaunchTransaction:
         self._head: list[bytes] = []
         self._tail: list[bytes] = []
         self._raised = False  # this launch raised its own flag (pause_requested)
+        self._finishing = False  # Ctrl-C came and there is no snapshot: run to the end
+        self._let_go_done = False  # on_interrupt ran (the session gave up a paused lease)
 
     # -- plan --------------------------------------------------------------------------
 
@@ -1122,7 +1174,18 @@ class LaunchTransaction:
             addr, n = self.bound.extents[p]
             if n == 0:
                 continue
-            copy = cupy.empty(n, dtype=cupy.uint8)
+            try:
+                copy = cupy.empty(n, dtype=cupy.uint8)
+            except cupy.cuda.memory.OutOfMemoryError:
+                if self.cls.verdict is not Idempotence.IDEMPOTENT:
+                    raise
+                # Idempotent: the snapshot was only for Ctrl-C; without the memory for it a
+                # Ctrl-C finishes the launch instead of rolling it back.
+                self.snapshots.clear()
+                self.out.snapshot_bytes = 0
+                self.mode = self.out.mode = LaunchMode.RESTART
+                self.out.notes.append("no memory for a snapshot: restart mode")
+                return
             cupy.cuda.runtime.memcpyAsync(copy.data.ptr, addr, n, 3, self.shape.stream)
             self.snapshots.append((addr, copy, n))
             self.out.snapshot_bytes += n
@@ -1170,7 +1233,7 @@ class LaunchTransaction:
             shape.shared_mem,
             shape.stream,
             [*self._head, struct.pack("<I", stop), *self._tail],
-            self.hooks.before_launch,
+            _no_gate if self._finishing else self.hooks.before_launch,
         )
         self.out.launches += 1
         self.slot.enqueue_read(int(self.record.data.ptr), shape.stream)  # covered by the wait
@@ -1180,10 +1243,57 @@ class LaunchTransaction:
 
     def _watch_for_pause(self) -> None:
         """Raise the yield flag as soon as the session is asked to pause (see
-        :class:`LaunchHooks`); once per slice, the resume hook lowers it."""
-        if not self._raised and self.hooks.pause_requested():
+        :class:`LaunchHooks`), or as soon as a Ctrl-C comes to a launch that will be
+        rolled back; once per slice, the resume hook (or the rollback) lowers it.  While
+        the broker locks the process, wait on the host (no CUDA call) until it lets go or
+        a Ctrl-C comes."""
+        self._while_cuda_blocked()
+        if self._raised or self._finishing:
+            return
+        if self.hooks.pause_requested() or (self.snapshots and self.hooks.interrupted()):
             self._raised = True
             self.flag.set(1)
+        self._while_cuda_blocked()
+
+    def _while_cuda_blocked(self) -> None:
+        delay = 1e-4
+        while self.hooks.cuda_blocked():
+            if self.hooks.interrupted():
+                self._let_go()
+                return
+            time.sleep(delay)
+            delay = min(delay * 2, 2e-3)
+
+    def _let_go(self) -> None:
+        if not self._let_go_done:
+            self._let_go_done = True
+            self.hooks.on_interrupt()
+
+    def _wait_resume(self) -> None:
+        """After a yield or an abort: wait for the resume, unless a Ctrl-C ends the launch
+        (then the rollback is raised, or the rest runs without stopping)."""
+        if not self._finishing:
+            self.hooks.wait_for_resume(self.flag, self.hooks.interrupted)
+        self._check_interrupt()
+
+    def _check_interrupt(self) -> None:
+        if self._finishing or not self.hooks.interrupted():
+            return
+        self._let_go()
+        if self.snapshots:
+            raise _Interrupted()
+        self._finish_without_stopping()
+
+    def _finish_without_stopping(self) -> None:
+        """Ctrl-C with nothing to roll back to: the rest of the launch runs at once, not
+        stopped by the session's flag nor held by its gate, so the buffers end fully
+        written and the cell gets control back within the kernel's own time."""
+        assert self.out is not None
+        self._finishing = True
+        self.out.interrupted = "finished"
+        zero = _zero_flag(self.shape.context)
+        self._head[len(self.bound.values) + 1] = struct.pack("<Q", zero.device_ptr)
+        self.hooks.exempt_from_hold(True)
 
     def _without_abort_checks(self) -> None:
         """Go on with yields between logical blocks only (after ``max_aborts``)."""
@@ -1199,15 +1309,18 @@ class LaunchTransaction:
         assert self.out is not None
         if self.variant.saves_state:
             self.out.saves += 1
-            self.hooks.wait_for_resume(self.flag)
+            self._wait_resume()
             return min(state["next"], stop)
+        if self.mode is LaunchMode.SNAPSHOT and self.hooks.interrupted():
+            self._let_go()
+            raise _Interrupted()  # rolled back once, by run()
         self.undo()
         # A logical block longer than the gaps between preemptions would be aborted for
         # ever (a rollback loses everything, a restart the blocks in flight): after
         # max_aborts the launch only yields between blocks.
         if self.max_aborts is not None and self.out.aborts == self.max_aborts:
             self._without_abort_checks()
-        self.hooks.wait_for_resume(self.flag)
+        self._wait_resume()
         if self.mode is LaunchMode.RESTART:
             return min(state["lowest_aborted"], state["next"], stop)
         self.out.fenced_accesses = 0
@@ -1239,12 +1352,31 @@ class LaunchTransaction:
                 self.run_slice(cut)
                 self.undo()
             self._slices(total, cuts, fixed_chunk)
+        except _Interrupted:
+            self._roll_back_interrupted()
         except BaseException:
             self.abandon()
             raise
+        finally:
+            if self._finishing:
+                self.hooks.exempt_from_hold(False)
+        if self._raised:
+            # Raised by this launch for a pause its last slice outran: lowered, so the next
+            # launch is not stopped at once (the shim's hold or the gate holds it instead).
+            self.flag.set(0)
         self.kernel.last_launch = self.out
         self.slot.release()
         return self.out
+
+    def _roll_back_interrupted(self) -> None:
+        """Ctrl-C, with a snapshot: the kernel has drained (a slice ended), so put the
+        write-set back as it was before the launch and lower the flag this launch raised."""
+        assert self.out is not None
+        self.roll_back()
+        _wait(self.shape.stream)
+        if self._raised:
+            self.flag.set(0)
+        self.out.interrupted = "rolled back"
 
     def _slices(self, total: int, cuts: list[int], fixed_chunk: bool) -> None:
         assert self.out is not None
@@ -1273,21 +1405,26 @@ class LaunchTransaction:
                 )  # fmt: skip
             if done_to < stop:  # the flag was seen: a real yield
                 self.out.yields += 1
-                self.hooks.wait_for_resume(self.flag)
+                self._wait_resume()
             elif stop < total:
                 self.out.yields += 1  # a deterministic cut
+            self._check_interrupt()
             start = done_to
             if start < total:
                 self.write_record(start)
 
     def abandon(self) -> None:
-        """Ctrl-C or an error: stop the kernel, wait for it to drain, undo its writes."""
+        """An error (or a Ctrl-C raised in the middle of it): stop the kernel, wait for it
+        to drain, undo its writes.  The flag is lowered again whatever happens: one left
+        raised would stop every later launch of the session at once."""
         with contextlib.suppress(BaseException):
-            before = self.flag.read()
-            self.flag.set(1)
-            _wait(self.shape.stream)
-            self.drained = True
-            self.flag.set(before)
+            try:
+                self.flag.set(1)
+                if not self.drained:
+                    _wait(self.shape.stream)
+                self.drained = True
+            finally:
+                self.flag.set(0)
         if self.snapshots:
             with contextlib.suppress(BaseException):
                 self.roll_back()

@@ -169,6 +169,9 @@ def native_library() -> ctypes.CDLL:
     library.gps_function_state.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_float)]
     library.gps_function_state.restype = ctypes.c_int
     library.gps_ipc_imports.restype = ctypes.c_ulonglong
+    library.gps_interrupts.restype = ctypes.c_ulonglong
+    library.gps_launch_answer.argtypes = [ctypes.c_int]
+    library.gps_set_exempt.argtypes = [ctypes.c_int]
     _library = library
     return library
 
@@ -380,6 +383,39 @@ def clear_kernel_hooks() -> None:
             MODULE_HOOK(), FUNCTION_HOOK(), UNLOAD_HOOK(), LAUNCH_HOOK(), DEFAULT_LONG_US
         )
     _hooks = None
+
+
+def watch_interrupts() -> int | None:
+    """Put the shim's SIGINT handler in front of Python's and return how many Ctrl-Cs it
+    has counted so far; None where the shim is not loaded (nothing counts them)."""
+    if _library is None and _preloaded() is None:
+        return None
+    library = native_library()
+    library.gps_chain_sigint()
+    return int(library.gps_interrupts())
+
+
+def interrupts_seen() -> int:
+    """How many Ctrl-Cs the shim's handler has counted (see :func:`watch_interrupts`)."""
+    return int(native_library().gps_interrupts())
+
+
+def answer_launch(answer: int) -> None:
+    """Inside the launch hook: the launch was run (0), or the original must run
+    (``LAUNCH_NOT_HANDLED``).  The shim reads this, never the hook's return value."""
+    native_library().gps_launch_answer(answer)
+
+
+def reraise_interrupt() -> None:
+    """Inside the launch hook: a Ctrl-C came; the shim raises SIGINT again once the hook
+    has returned, so the cell stops right after the launch, outside the callback."""
+    native_library().gps_reraise_interrupt()
+
+
+def exempt_from_hold(exempt: bool) -> None:
+    """This thread's launches are not held while the session is paused (the launches that
+    finish a transaction Ctrl-C interrupted); reset by the shim when the hook returns."""
+    native_library().gps_set_exempt(1 if exempt else 0)
 
 
 def track_function(function: int, state: int = TRACK_TIMING) -> bool:

@@ -27,10 +27,15 @@ transaction:
   the original runs unmodified, under the shim and the checkpoint lock, and the cell
   says so once, with the reason.
 
+Only while the session holds a lease: outside one nobody could ever end a yield, so
+the shim runs the original (held while paused, like every launch).
+
 The launch returns when the kernel is done (paused meanwhile, perhaps): the caller's
 stream order is kept because nothing is launched behind it until then.  A Ctrl-C during
-it is delivered when it returns (the shim defers it), so a kernel is never left half
-done.
+it ends it whole at once: rolled back where it has a snapshot (every launch that is not
+idempotent, and idempotent ones of kernels that run ``FINISH_BOUND_US`` or more), else
+run to its end without stopping; the shim raises the Ctrl-C once the hook has returned.
+So a buffer is either untouched or fully written, and the cell gets control back.
 
 What it must not do: decide when to preempt (the broker raises the session's yield flag
 and writes the control block), import CUDA or CuPy at import time, or let an exception
@@ -45,6 +50,7 @@ import ctypes
 import importlib.abc
 import importlib.util
 import os
+import signal
 import struct
 import sys
 import threading
@@ -68,6 +74,9 @@ MAX_MODULES = 4096  # PTX texts kept; older ones are forgotten (their kernels ru
 # Aborts of one launch before it goes on with yields between logical blocks only: a
 # launch whose logical blocks outlast the gaps between preemptions must still finish.
 MAX_ABORTS = 3
+# Kernels at least this long (microseconds per launch, as the shim timed them) get a
+# snapshot even when idempotent, so that a Ctrl-C never waits for the rest of one.
+FINISH_BOUND_US = 250_000
 
 
 @dataclass
@@ -104,6 +113,7 @@ class Registry:
     aborts: int = 0  # undone: restarted or rolled back
     saves: int = 0  # aborts whose threads saved their state and went on
     fallbacks: int = 0  # launches given back to run unmodified
+    interrupted: int = 0  # launches Ctrl-C ended whole (rolled back or finished)
     said: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -153,40 +163,59 @@ class Registry:
             interpose.track_function(function, interpose.TRACK_OFF)
 
     def on_launch(self, function: int, dims: Any, shared: int, stream: int, params: Any) -> int:
+        """The shim's launch hook.  Nothing may leave it: an exception that escapes a
+        ctypes callback reaches C as an undefined result, so the shim reads the answer
+        given through ``interpose.answer_launch`` instead, and a Ctrl-C is noted here
+        (the launch ends whole) and raised by the shim once this has returned."""
+        ctrl_c = _CtrlC()
+        try:
+            with ctrl_c:
+                self._launch(function, dims, shared, stream, params, ctrl_c)
+        except BaseException as exc:  # a KeyboardInterrupt the note could not catch
+            if isinstance(exc, KeyboardInterrupt):
+                ctrl_c.pressed = True
+        if ctrl_c.pressed:
+            with contextlib.suppress(BaseException):
+                interpose.reraise_interrupt()
+        return 0
+
+    def _launch(
+        self, function: int, dims: Any, shared: int, stream: int, params: Any, ctrl_c: _CtrlC
+    ) -> None:
         twin = self.twins.get(int(function or 0))
         if twin is None:
-            return interpose.LAUNCH_NOT_HANDLED
+            return
         try:
             twin.analyse()
         except Exception as exc:  # the analysis itself failed: the original runs
             twin.ptx, twin.reason = b"", _reason_of(exc)
         if twin.kernel is None:
             self._give_up(function, twin, twin.reason)
-            return interpose.LAUNCH_NOT_HANDLED
+            return
         try:
             grid = (int(dims[0]), int(dims[1]), int(dims[2]))
             block = (int(dims[3]), int(dims[4]), int(dims[5]))
             _report(f"running `{twin.name}` preemptibly; {summary()}")
-            report = run_launch(twin.kernel, grid, block, int(shared), int(stream or 0), params)
-        except KeyboardInterrupt:  # the shim could not defer it: run whole, then stop
-            import _thread
-
-            _thread.interrupt_main()
-            self.fallbacks += 1
-            return interpose.LAUNCH_NOT_HANDLED
+            longest_us = interpose.function_state(int(function))[1]
+            report = run_launch(
+                twin.kernel, grid, block, int(shared), int(stream or 0), params,
+                interrupted=ctrl_c.is_pressed, longest_us=longest_us,
+            )  # fmt: skip
         except Exception as exc:  # the original kernel runs instead
             self._give_up(function, twin, _reason_of(exc))
-            return interpose.LAUNCH_NOT_HANDLED
+            return
         if report is None:  # this launch's buffers could not be told apart
             self.fallbacks += 1
-            return interpose.LAUNCH_NOT_HANDLED
+            return
+        interpose.answer_launch(0)  # done: the shim must not launch the original too
         twin.launches += 1
         self.launched += 1
         self.yields += report.yields
         self.aborts += report.aborts
         self.saves += report.saves
+        if report.interrupted:
+            self.interrupted += 1
         _report(summary())
-        return 0
 
     def _give_up(self, function: int, twin: Twin, reason: str) -> None:
         self.fallbacks += 1
@@ -202,6 +231,40 @@ class Registry:
             self.said.append(line)
             _to_stderr(line)  # the cell's stderr: the note lands in the cell that ran it
         _report(f"`{twin.name}` runs unmodified ({reason}); {summary()}")
+
+
+class _CtrlC:
+    """While a launch runs inside the shim's hook, a Ctrl-C is noted, not raised.
+
+    Python raises KeyboardInterrupt in the main thread at the next bytecode, which inside
+    the hook would be in the middle of a transaction (or escape into C).  So for the
+    hook's length the main thread's SIGINT handler only notes the press; the transaction
+    asks :meth:`is_pressed` and ends the launch whole, and the shim raises the signal
+    again once the hook has returned.  Other threads never see KeyboardInterrupt."""
+
+    def __init__(self) -> None:
+        self.pressed = False
+        self._previous: Any = None
+
+    def is_pressed(self) -> bool:
+        return self.pressed
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self.pressed = True
+
+    def __enter__(self) -> _CtrlC:
+        if threading.current_thread() is threading.main_thread():
+            with contextlib.suppress(ValueError, TypeError, OSError):
+                previous = signal.getsignal(signal.SIGINT)
+                if previous is not None:  # None: not Python's to swap
+                    signal.signal(signal.SIGINT, self._note)
+                    self._previous = previous
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
 
 
 def _to_stderr(line: str) -> None:
@@ -265,34 +328,45 @@ def raw_arguments(kernel: Any, params: Any) -> Any:
     return BoundArgs(values, extents, {})
 
 
-def choose_mode(kernel: Any, extents: dict[str, tuple[int, int]]) -> Any:
-    """restart for a launch that is idempotent with these buffers, else snapshot."""
+def choose_mode(kernel: Any, extents: dict[str, tuple[int, int]], longest_us: float = 0.0) -> Any:
+    """restart for a launch that is idempotent with these buffers, else snapshot.  An
+    idempotent launch of a kernel whose launches take ``FINISH_BOUND_US`` or more gets a
+    snapshot too: a Ctrl-C during it is then rolled back at once, where without one the
+    rest of the kernel would have to run before the cell got control back."""
     from gpushare_ext.kernels import Idempotence, classify_launch
     from gpushare_ext.kernels.launch import LaunchMode
 
     verdict = classify_launch(kernel.report, extents).verdict
     if verdict is Idempotence.IDEMPOTENT:
-        return LaunchMode.RESTART
+        return LaunchMode.RESTART if longest_us < FINISH_BOUND_US else LaunchMode.SNAPSHOT
     if verdict is Idempotence.NON_IDEMPOTENT:
         return LaunchMode.SNAPSHOT
     return None
 
 
 def run_launch(
-    kernel: Any, grid: tuple, block: tuple, shared: int, stream: int, params: Any
-) -> Any:
-    """Run one launch taken by the shim as a transaction; None if it must run as it is."""
-    from gpushare_ext.kernels.launch import launch_kernel
+    kernel: Any, grid: tuple, block: tuple, shared: int, stream: int, params: Any,
+    *, interrupted: Callable[[], bool] | None = None, longest_us: float = 0.0,
+) -> Any:  # fmt: skip
+    """Run one launch taken by the shim as a transaction; None if it must run as it is.
+    ``interrupted()`` says a Ctrl-C came: the launch then ends whole at once."""
+    from dataclasses import replace
+
+    from gpushare_ext.kernels.launch import launch_kernel, session_hooks
 
     bound = raw_arguments(kernel, params)
     if bound is None:
         return None
-    mode = choose_mode(kernel, bound.extents)
+    mode = choose_mode(kernel, bound.extents, longest_us)
     if mode is None:
         return None
+    hooks = session_hooks()
+    if interrupted is not None:
+        hooks = replace(hooks, interrupted=interrupted, exempt_from_hold=interpose.exempt_from_hold)
     return launch_kernel(
         kernel, grid, block, (), stream=stream, shared_mem=shared, mode=mode,
         abort_checks=bool(kernel.report.loops), bound=bound, max_aborts=MAX_ABORTS,
+        hooks=hooks,
     )  # fmt: skip
 
 

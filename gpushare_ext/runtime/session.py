@@ -68,6 +68,10 @@ from gpushare_ext.units import format_size, priority_band
 
 OPEN_STATES = ACTIVE  # what a reconnect reclaims: queued, running, paused, evicted
 RECONNECT_DEADLINE_S = 120.0
+PAUSE_WATCH_S = 0.02  # how often a paused session looks for a Ctrl-C (see let_go_for_interrupt)
+# How long a Ctrl-C while paused waits for the broker to let the process go (an unlock
+# takes milliseconds; a restore of evicted memory about a second per 5 GiB).
+LET_GO_WAIT_S = 30.0
 
 
 class LeaseRefused(SessionError):
@@ -168,6 +172,7 @@ class LeaseHandle:
     state: LeaseState = LeaseState.QUEUED
     bound: bool = False  # the process is bound to the placement (after a grant)
     placement: Placement | None = None
+    granted_priority: int | None = None  # what the broker granted (a policy may lower it)
     ranks: list[RankPlacement] = field(default_factory=list)  # a gang's, once granted
     queued: Queued | None = None
     queued_at: float = 0.0  # monotonic time of the last queue notice (its estimate's start)
@@ -283,6 +288,8 @@ class GpuSession:
         self._retired: list = []
         self._relays: set[GateRelay] = set()  # running gangs' workers map an older block
         self.parked: ParkedMemory | None = None  # the broker parked this idle session
+        self._pause_watch: threading.Thread | None = None  # Ctrl-C while paused: see there
+        self._paused_now = threading.Event()
 
     # ---- connection
 
@@ -421,6 +428,10 @@ class GpuSession:
         for handle in list(self.leases.values()):
             with contextlib.suppress(BrokerError):
                 self.release(handle)
+        if self.control_block is not None:
+            # Nobody will write this block again: streams waiting on its gate (which the
+            # gates' close below waits for) and held launches must go on.
+            self.control_block.release_locally("the session closed")
         for gate in self.gates.values():
             gate.close()
         self.gates = {}
@@ -562,6 +573,7 @@ class GpuSession:
     def _apply_notice(self, handle: LeaseHandle, message: BrokerMessage) -> None:
         if isinstance(message, Granted):
             handle.placement = message.placement
+            handle.granted_priority = message.priority
             handle.ranks = list(message.ranks)
             handle.move(LeaseState.RUNNING)
             handle.note("granted")
@@ -578,6 +590,7 @@ class GpuSession:
             if not handle.move(state_after_preempt(handle.state, message.level)):
                 handle.changed.set()
                 return
+            self._watch_interrupts_while_paused()
             handle.paused_since = time.time()
             handle.note(f"paused at level {int(message.level)} for {message.for_user}")
             handle.pause_text = pause_line(message, self.simulated, self.protection())
@@ -704,6 +717,7 @@ class GpuSession:
             handle = LeaseHandle(lease_id=reply.lease_id, options=options, output=output)
             if isinstance(reply, Granted):
                 handle.placement = reply.placement
+                handle.granted_priority = reply.priority
                 handle.ranks = list(reply.ranks)
                 handle.move(LeaseState.RUNNING)
             else:
@@ -841,9 +855,7 @@ class GpuSession:
             self._attach_interposer(handle)
             # Only work that can be paused needs a short queue (a high-band lease has
             # nobody above it to make room for).
-            interpose.bound(
-                priority_band(handle.options.priority) < priority_band(PRIORITY_CLASSES["high"])
-            )
+            interpose.bound(queue_is_bounded(handle))
             self._connect_kernels(handle)
         memory.apply_quota(placement.memory_bytes)
         handle.bound = True  # a pause that came meanwhile stands: the state is the broker's
@@ -867,6 +879,8 @@ class GpuSession:
                     else launch.LaunchHooks.before_launch,
                     wait_for_resume=self._wait_for_resume,
                     pause_requested=self._asked_to_yield,
+                    cuda_blocked=self._cuda_blocked,
+                    on_interrupt=self.let_go_for_interrupt,
                 )
             )
             assert handle.placement is not None and self.client is not None
@@ -880,8 +894,67 @@ class GpuSession:
     def _asked_to_yield(self) -> bool:
         return asked_to_yield(self.control_block)
 
-    def _wait_for_resume(self, flag: Any) -> None:
-        wait_until_resumed(lambda: self.control_block, flag)
+    def _cuda_blocked(self) -> bool:
+        return cuda_blocked(self.control_block)
+
+    # ---- Ctrl-C while paused
+
+    def _watch_interrupts_while_paused(self) -> None:
+        """From the first pause on, a thread watches for Ctrl-C while the broker holds
+        this session paused (see :meth:`let_go_for_interrupt`).  It is needed because at
+        the lock level the kernel's main thread may sit inside a CUDA call that returns
+        only once the process is unlocked: Python's own handler would never run."""
+        self._paused_now.set()
+        if self._pause_watch is not None or interpose.watch_interrupts() is None:
+            return
+        self._pause_watch = threading.Thread(
+            target=self._pause_watch_loop, name="gpushare-pause-watch", daemon=True
+        )
+        self._pause_watch.start()
+
+    def _pause_watch_loop(self) -> None:
+        while not self._closed:
+            if not self._paused_now.wait(1.0):
+                continue
+            block = self.control_block
+            if block is None or not block.paused:
+                self._paused_now.clear()
+                continue
+            seen = interpose.watch_interrupts()
+            while seen is not None and not self._closed and block.paused and not block.closed:
+                time.sleep(PAUSE_WATCH_S)
+                # Put the shim's handler in front again each time: Python code may have set
+                # its own meanwhile (the launch hook does, for the length of a launch).
+                if interpose.watch_interrupts() != seen:
+                    self.let_go_for_interrupt()
+                    break
+            self._paused_now.clear()
+
+    def let_go_for_interrupt(self, wait_s: float = LET_GO_WAIT_S) -> bool:
+        """Ctrl-C while the broker holds this session paused: the interrupted cell is
+        ending, so its leases end now.  The broker then unlocks the process (or restores
+        it) and opens the gate, so whatever the cell was blocked in returns and the
+        KeyboardInterrupt reaches the user.  Waits up to ``wait_s`` for that; True if the
+        session runs again."""
+        block = self.control_block
+        if block is None or not block.paused:
+            return True
+        with self._lock:
+            handles = [h for h in self.leases.values() if h.state in OPEN_STATES]
+        for handle in handles:
+            handle.note("Ctrl-C while paused: the lease was given up")
+            if handle.output is not None:
+                handle.output.show(
+                    handle.display_key + "-pause",
+                    "gpushare: interrupted while paused; the lease is given up so that "
+                    "this cell can stop",
+                )
+            with contextlib.suppress(BrokerError, BrokerUnavailable, OSError):
+                self.release(handle)
+        return block.wait_running(timeout=wait_s)
+
+    def _wait_for_resume(self, flag: Any, interrupted: Callable[[], bool]) -> None:
+        wait_until_resumed(lambda: self.control_block, flag, interrupted)
 
     def release(self, handle: LeaseHandle) -> None:
         self.leases.pop(handle.lease_id, None)
@@ -1084,6 +1157,16 @@ __all__ = [
 ]
 
 
+def queue_is_bounded(handle: LeaseHandle) -> bool:
+    """Whether the lease's work in flight is kept short: below the high band someone may
+    pause it.  The priority the broker granted counts, not the one asked for: a "high"
+    request the policy lowered can be paused like any other."""
+    granted = handle.granted_priority
+    if granted is None:
+        granted = handle.options.priority
+    return priority_band(granted) < priority_band(PRIORITY_CLASSES["high"])
+
+
 def asked_to_yield(block: ControlBlock | None) -> bool:
     """The broker's control block asks the session to stop its kernels (a pause at the
     yield level or above). It is read on the host, so the session knows before the
@@ -1094,12 +1177,28 @@ def asked_to_yield(block: ControlBlock | None) -> bool:
     return level is not None and level >= int(PreemptionLevel.YIELD)
 
 
-def wait_until_resumed(block_of: Callable[[], ControlBlock | None], flag: Any) -> None:
-    """After a yield: wait until neither the control block nor the flag holds the launch.
-    A flag still raised once the broker has published the resume is the session's own
+def cuda_blocked(block: ControlBlock | None) -> bool:
+    """The broker locks (or has evicted) this process: a CUDA call would block until it
+    lets go, so waits must stay on the host meanwhile."""
+    if block is None or block.closed or not block.paused:
+        return False
+    level = block.level
+    return level is not None and level >= int(PreemptionLevel.LOCK)
+
+
+def wait_until_resumed(
+    block_of: Callable[[], ControlBlock | None],
+    flag: Any,
+    interrupted: Callable[[], bool] = lambda: False,
+) -> None:
+    """After a yield: wait until neither the control block nor the flag holds the launch,
+    or until ``interrupted()`` (Ctrl-C).  The only thing waited for is the broker's word
+    in the block, and every way the broker can go ends it: a resume, the lease ending (the
+    state word goes to 0), the broker gone (the session opens the block itself), the
+    session closed.  A flag still raised once nothing asks to yield is the session's own
     (the broker lowers its before it publishes), so it is lowered here."""
     delay = 1e-4
-    while True:
+    while not interrupted():
         block = block_of()
         if not asked_to_yield(block):
             if flag.read() == 0:

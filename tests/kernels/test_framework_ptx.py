@@ -16,7 +16,7 @@ import pytest
 from gpushare_ext.kernels import Idempotence, Kernel, TransformOptions, assemble
 from gpushare_ext.kernels.analysis import struct_pointer_fields
 from gpushare_ext.kernels.transform import RecordLayout
-from gpushare_ext.runtime.preemptible import choose_mode
+from gpushare_ext.runtime.preemptible import FINISH_BOUND_US, choose_mode
 
 CUPY = Path(__file__).with_name("fixtures") / "cupy"
 
@@ -85,6 +85,10 @@ def test_the_launch_mode_follows_the_buffers_actually_passed():
     same = {x: (0x1000, 4096), y: (0x1000, 4096)}  # loopy(a, out=a): in place
     assert choose_mode(kernel, apart).value == "restart"
     assert choose_mode(kernel, same).value == "snapshot"
+    # A kernel long enough that finishing it after a Ctrl-C would keep the user waiting
+    # gets a snapshot even where it is idempotent: the Ctrl-C rolls it back at once.
+    assert choose_mode(kernel, apart, longest_us=FINISH_BOUND_US).value == "snapshot"
+    assert choose_mode(kernel, apart, longest_us=FINISH_BOUND_US - 1).value == "restart"
     assert (
         choose_mode(cupy_kernel("inplace_loopy"), {"inplace_loopy_param_1@0": (0x1000, 64)}).value
         == "snapshot"

@@ -4,12 +4,16 @@
 * ``on_broker`` -- the module's broker, with ``GPUSHARE_SOCKET`` set for the kernels the test
   starts (they inherit ``os.environ``; restored afterwards) and no lease left from before;
 * ``extra_broker`` -- a factory for brokers with their own config, stopped after the test;
-* ``kernels`` -- a factory of real ipykernel kernels, shut down after the test.
+* ``kernels`` -- a factory of real ipykernel kernels, shut down after the test;
+* ``fake_driver`` -- a folder holding a stand-in ``libcuda.so.1`` (``fake_libcuda.c``) for
+  processes that preload the launch shim on a machine without a GPU.
 """
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from runtime_helpers import (
@@ -68,3 +72,16 @@ def kernels() -> Iterator[Callable[..., list[NotebookKernel]]]:
     yield start
     for kernel in started:
         kernel.shutdown()
+
+
+@pytest.fixture(scope="session")
+def fake_driver(tmp_path_factory) -> Path:
+    """A folder with a stand-in CUDA driver built from ``fake_libcuda.c`` (no GPU here)."""
+    directory = tmp_path_factory.mktemp("fake-driver")
+    source = Path(__file__).with_name("fake_libcuda.c")
+    subprocess.run(
+        ["cc", "-O1", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1",
+         "-o", str(directory / "libcuda.so.1"), str(source)],
+        check=True,
+    )  # fmt: skip
+    return directory

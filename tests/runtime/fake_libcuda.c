@@ -141,3 +141,15 @@ CUresult cuModuleUnload(void *module) {
     unloads++;
     return 0;
 }
+
+/* A process lock stand-in: once pointed at a control block's state word, cuCtxSynchronize
+ * blocks while that word says paused (3) or evicted (4), as every CUDA call of a process
+ * the broker locked with cuCheckpointProcessLock blocks until it is unlocked. */
+#include <time.h>
+static volatile uint32_t *lock_word;
+void fake_lock_follows(volatile uint32_t *state_word) { lock_word = state_word; }
+CUresult cuCtxSynchronize(void) {
+    struct timespec nap = {0, 1000000};
+    while (lock_word != 0 && (*lock_word == 3 || *lock_word == 4)) nanosleep(&nap, 0);
+    return 0;
+}

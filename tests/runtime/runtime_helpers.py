@@ -242,7 +242,11 @@ class CellRun:
             elif text is not None:
                 entry = {"kind": "error" if msg_type == "error" else "data", "text": text}
                 if msg_type == "error":
-                    entry.update(ename=content.get("ename"), evalue=content.get("evalue"))
+                    entry.update(
+                        ename=content.get("ename"),
+                        evalue=content.get("evalue"),
+                        traceback="\n".join(content.get("traceback", [])),
+                    )
                 if display_id:
                     entry["display_id"] = display_id
                 self.outputs.append(entry)

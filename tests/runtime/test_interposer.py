@@ -364,18 +364,6 @@ print(json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def fake_driver(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("fake-driver")
-    source = Path(__file__).with_name("fake_libcuda.c")
-    subprocess.run(
-        ["cc", "-O1", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1",
-         "-o", str(directory / "libcuda.so.1"), str(source)],
-        check=True,
-    )  # fmt: skip
-    return directory
-
-
 def run_preloaded(script: str, fake_driver: Path, *args: str) -> dict:
     """Run ``script`` in a fresh interpreter with the shim preloaded in front of the fake
     driver (as a kernel the server extension starts); its last line of output, as JSON."""
@@ -410,6 +398,9 @@ def test_preloaded_the_shim_wraps_what_the_driver_hands_out_and_holds_it(fake_dr
 
 PTX_SCRIPT = r"""
 import ctypes, json, os, signal, sys, time
+from pathlib import Path
+from gpushare_ext.control_block import ControlBlock
+from gpushare_ext.lease_state import LeaseState
 from gpushare_ext.runtime import interpose
 
 u, p = ctypes.c_uint, ctypes.c_void_p
@@ -433,9 +424,12 @@ launch = entry(b"cuLaunchKernel", LAUNCH)
 library = interpose.native_library()
 message = ctypes.create_string_buffer(256)
 assert library.gps_activate_preload(message, 256) == 0, message.value
+block = ControlBlock.create(Path(sys.argv[1]) / "session.cb")
+block.publish(gate_closed=False, state=None)  # a session, no lease yet
+interpose.point_at(block.address())
 
 seen = {"modules": [], "functions": [], "unloads": [], "launches": []}
-answer = {"code": 0, "interrupt": False}
+how = {"answer": 0, "interrupt": False, "fail": False}
 
 def on_module(module, image):
     seen["modules"].append(ctypes.string_at(image)[:12].decode())
@@ -446,14 +440,13 @@ def on_unload(module):
     seen["unloads"].append(module)
 def on_launch(function, dims, shared, stream, params):
     seen["launches"].append([dims[i] for i in range(6)] + [ctypes.cast(params[0], ctypes.POINTER(ctypes.c_int))[0]])
-    if answer["interrupt"]:
-        os.kill(os.getpid(), signal.SIGINT)
-        try:
-            time.sleep(0.2)
-            seen["interrupted_inside"] = False
-        except KeyboardInterrupt:
-            seen["interrupted_inside"] = True
-    return answer["code"]
+    if how["fail"]:
+        raise ValueError("a hook that fails must not reach C")
+    if how["interrupt"]:
+        interpose.reraise_interrupt()
+        seen["still_inside_after_reraise"] = True  # no KeyboardInterrupt in here
+    interpose.answer_launch(how["answer"])
+    return 0x7FFFFFFF  # never read: the answer is what counts
 
 interpose.set_kernel_hooks(on_module, on_function, on_unload, on_launch, 2000)
 module, cubin_module = p(), p()
@@ -467,32 +460,49 @@ params = (p * 1)(ctypes.addressof(arg))
 out = {"seen_first": json.loads(json.dumps(seen))}
 
 def run(f, times=1):
+    results = []
     for _ in range(times):
-        launch(f, 8, 1, 1, 128, 1, 1, 0, None, params, None)
+        results.append(launch(f, 8, 1, 1, 128, 1, 1, 0, None, params, None))
         cuda.fake_gpu_catch_up()
+    return results
 
-base = cuda.fake_launches()
 cuda.fake_set_elapsed_ms(5.0)     # 5 ms: long
 run(fn)                          # timed, then launched as it is
 out["state_after_one_long"] = interpose.function_state(fn.value)
-run(fn, 2)                       # handed to the hook: the original never runs
-out["originals_of_long"] = cuda.fake_launches() - base
+base, hooked = cuda.fake_launches(), len(seen["launches"])
+run(fn, 2)                       # long, but no lease: nobody could end a yield
+out["originals_without_lease"] = cuda.fake_launches() - base
+out["hooked_without_lease"] = len(seen["launches"]) - hooked
+block.publish(gate_closed=False, state=LeaseState.RUNNING)
+base = cuda.fake_launches()
+out["results_in_lease"] = run(fn, 2)  # handed to the hook: the original never runs
+out["originals_in_lease"] = cuda.fake_launches() - base
 cuda.fake_set_elapsed_ms(0.05)
 base = cuda.fake_launches()
 run(short_fn, 5)
 out["short_state"] = interpose.function_state(short_fn.value)[0]
 out["originals_of_short"] = cuda.fake_launches() - base
-answer["code"] = interpose.LAUNCH_NOT_HANDLED
+how["answer"] = interpose.LAUNCH_NOT_HANDLED
 base = cuda.fake_launches()
 run(fn)
 out["declined_ran_original"] = cuda.fake_launches() - base
-answer["code"], answer["interrupt"] = 0, True
+how["answer"], how["fail"] = 0, True
+base = cuda.fake_launches()
+out["result_of_failed_hook"] = run(fn)
+out["failed_hook_ran_original"] = cuda.fake_launches() - base
+how["fail"], how["interrupt"] = False, True
 try:
     run(fn)
     time.sleep(0.5)
     out["interrupted_after"] = False
 except KeyboardInterrupt:
     out["interrupted_after"] = True
+how["interrupt"] = False
+block.publish(gate_closed=False, state=None)  # the lease ended
+base, hooked = cuda.fake_launches(), len(seen["launches"])
+run(fn)
+out["after_lease_original"] = cuda.fake_launches() - base
+out["after_lease_hooked"] = len(seen["launches"]) - hooked
 unload(module)
 out["seen"] = seen
 out["stats"] = interpose.stats()
@@ -501,25 +511,32 @@ print(json.dumps(out))
 
 
 def test_the_shim_hands_long_kernels_loaded_from_ptx_to_the_runtime(fake_driver, tmp_path):
-    out = run_preloaded(PTX_SCRIPT, fake_driver)
+    out = run_preloaded(PTX_SCRIPT, fake_driver, str(tmp_path))
 
     # Only the PTX text is reported (not the ELF image), and each function taken from it.
     assert out["seen_first"]["modules"] == ["//\n// Genera"]
     assert out["seen_first"]["functions"] == ["long_kernel", "k"]
-    # One 5 ms launch makes a kernel long; its later launches go to the hook, with the
-    # launch's grid, block and parameters, and the original does not run.
+    # One 5 ms launch makes a kernel long.
     assert out["state_after_one_long"][0] == interpose.TRACK_LONG
     assert out["state_after_one_long"][1] == pytest.approx(5000, rel=0.01)
-    assert out["originals_of_long"] == 1
+    # Outside a lease nobody could end a yield: the original runs, the hook is not asked.
+    assert out["originals_without_lease"] == 2 and out["hooked_without_lease"] == 0
+    # In a lease the hook gets the launch's grid, block and parameters, and the original
+    # does not run; the caller sees success whatever the hook's own return value was.
+    assert out["originals_in_lease"] == 0 and out["results_in_lease"] == [0, 0]
     assert out["seen"]["launches"][0] == [8, 1, 1, 128, 1, 1, 42]
     # Short kernels are left alone after a few timed launches.
     assert out["short_state"] == interpose.TRACK_SHORT
     assert out["originals_of_short"] == 5
     # A hook that declines gets the original launched.
     assert out["declined_ran_original"] == 1
-    # Ctrl-C during a hooked launch waits until it returns, then reaches Python.
-    assert out["seen"]["interrupted_inside"] is False
+    # A hook that raises: the original runs and the caller gets the driver's own answer.
+    assert out["failed_hook_ran_original"] == 1 and out["result_of_failed_hook"] == [0]
+    # A Ctrl-C the hook noted is raised once the hook has returned, never inside it.
+    assert out["seen"]["still_inside_after_reraise"] is True
     assert out["interrupted_after"] is True
+    # After the lease the original runs again.
+    assert out["after_lease_original"] == 1 and out["after_lease_hooked"] == 0
     assert len(out["seen"]["unloads"]) == 1
     assert out["stats"]["ptx_modules"] == 1
     assert out["stats"]["preemptible"] == 3

@@ -67,6 +67,25 @@ def test_a_priority_the_policy_lowered_is_one_line_in_the_cell_granted_at_once_o
     assert "ran" in waiting.final_text()
 
 
+def test_a_request_the_policy_lowered_keeps_its_work_in_flight_short(
+    extra_broker, kernels, monkeypatch
+):
+    """The launch shim's queue bound follows the priority granted, not the one asked for:
+    a high request lowered to normal can be paused, so it must drain fast."""
+    broker = extra_broker(LOWERING_POLICY)
+    monkeypatch.setenv("GPUSHARE_SOCKET", str(broker.socket))
+    (kernel,) = kernels(1)
+    kernel.run("%load_ext gpushare_ext").ok()
+    run = kernel.run(
+        "%%gpu priority=high\n"
+        "from gpushare_ext.runtime.session import current_session, queue_is_bounded\n"
+        "(handle,) = current_session().leases.values()\n"
+        "print(handle.options.priority, handle.granted_priority, queue_is_bounded(handle))"
+    ).ok()
+    high, normal = PRIORITY_CLASSES["high"], PRIORITY_CLASSES["normal"]
+    assert f"{high} {normal} True" in run.final_text(), run.describe()
+
+
 def test_with_the_built_in_policy_a_299_cell_runs_at_250_and_says_so(on_broker, kernels, tmp_path):
     (kernel,) = kernels(1)
     kernel.run("%load_ext gpushare_ext").ok()

@@ -175,7 +175,11 @@ static struct sigaction g_previous_sigint;
 static void *g_cupti;
 static CUpti_SubscriberHandle g_subscriber;
 static __thread int t_inside; /* our own driver calls must not re-enter us */
+/* Set by the runtime around the launches that finish a transaction Ctrl-C interrupted:
+ * those are not held (the cell must get control back within a second). */
+static __thread int t_exempt;
 
+#define STATE_RUNNING 2
 #define STATE_PAUSED 3
 #define STATE_EVICTED 4
 
@@ -203,15 +207,15 @@ static int session_paused(void) {
     return __atomic_load_n(gate, __ATOMIC_ACQUIRE) != 0 || s == STATE_PAUSED || s == STATE_EVICTED;
 }
 
-static volatile int g_defer_sigint;            /* preemptible launches running now */
-static volatile sig_atomic_t g_sigint_deferred; /* a Ctrl-C that came meanwhile */
+static void install_sigint(void);
+
+/* Ctrl-C while a launch is held: the hold ends (the launch goes on, so no framework sees
+ * a failed launch) and Python's own handler still runs, so the cell stops right after. */
+static volatile uint64_t g_interrupts; /* every Ctrl-C the shim's handler saw */
 
 static void on_sigint(int sig, siginfo_t *info, void *context) {
-    if (g_defer_sigint > 0) { /* delivered once the launch is whole (see redirected) */
-        g_sigint_deferred = 1;
-        return;
-    }
     g_interrupt = 1;
+    __atomic_add_fetch(&g_interrupts, 1, __ATOMIC_RELAXED);
     if (g_previous_sigint.sa_flags & SA_SIGINFO) {
         if (g_previous_sigint.sa_sigaction) g_previous_sigint.sa_sigaction(sig, info, context);
     } else if (g_previous_sigint.sa_handler != SIG_IGN && g_previous_sigint.sa_handler != SIG_DFL) {
@@ -229,7 +233,10 @@ int gps_launch_enter(CUstream stream, int ptsz) {
     (void)stream;
     (void)ptsz;
     __atomic_add_fetch(&g_stats.launches, 1, __ATOMIC_RELAXED);
-    if (!session_paused()) return 0;
+    if (!session_paused() || t_exempt) return 0;
+    /* Python puts its own SIGINT handler back at every cell (ipykernel does): chain ours
+     * in front of it again, or Ctrl-C could not end this hold. */
+    install_sigint();
     void *saved = NULL;
     if (py_gil_check && py_save_thread && py_gil_check()) saved = py_save_thread();
     uint64_t started = now_ns();
@@ -782,8 +789,8 @@ static void install_sigint(void) {
  * which runs the preemptible twin and returns when it is done.  Short kernels stay
  * untouched: the queue bound already drains them within a few microseconds.  Numba,
  * which links to a cubin itself, tells the runtime of its kernels' PTX from Python.
- * A Ctrl-C during such a launch is delivered when it returns, so a kernel is never
- * left half done. */
+ * A Ctrl-C during such a launch reaches the runtime, which ends the launch whole (rolled
+ * back, or finished) and has it raised here once the hook has returned. */
 
 typedef CUresult (*ModLoadFn)(void **, const void *);
 typedef CUresult (*ModLoadExFn)(void **, const void *, unsigned, void *, void **);
@@ -822,6 +829,25 @@ static unsigned g_long_us = 2000;
 static Tracked g_tracked[MAX_TRACKED];
 static unsigned g_tracked_count;
 static __thread int t_redirecting; /* the hook's own launches and loads are plain ones */
+static __thread int t_answer;      /* what the hook did with the launch (gps_launch_answer) */
+static __thread int t_reraise;     /* Ctrl-C came during the hook: raise it once it returns */
+
+/* Only while a lease is held (the broker's state word: running, paused or evicted). */
+static int lease_active(void) {
+    volatile uint32_t *state = g_state;
+    if (state == NULL) return 0;
+    uint32_t s = __atomic_load_n(state, __ATOMIC_ACQUIRE);
+    return s == STATE_RUNNING || s == STATE_PAUSED || s == STATE_EVICTED;
+}
+
+/* The runtime, inside the launch hook: the launch was run (0) or must run as it is (-1). */
+void gps_launch_answer(int answer) { t_answer = answer; }
+
+/* The runtime, inside the launch hook: a Ctrl-C came; deliver it when the hook returns. */
+void gps_reraise_interrupt(void) { t_reraise = 1; }
+
+/* The runtime: launches of this thread are (1) or are not (0) held while paused. */
+void gps_set_exempt(int exempt) { t_exempt = exempt; }
 
 static int looks_like_ptx(const void *image) {
     const unsigned char *c = (const unsigned char *)image;
@@ -969,6 +995,9 @@ static void sample_end(void *f, CUstream stream, int token) {
 static int redirected(void *f, const unsigned *dims, unsigned shared, CUstream stream,
                       void **params, void **extra, CUresult *result) {
     if (g_on_launch == NULL || t_redirecting || params == NULL || extra != NULL) return 0;
+    /* Only a session that holds a lease can be asked to stop: outside one nobody would
+     * ever end a yield, so the original runs (under the hold, like every launch). */
+    if (!lease_active()) return 0;
     Tracked *t = find_tracked(f);
     if (t == NULL) return 0;
     if (t->pending) {
@@ -979,13 +1008,18 @@ static int redirected(void *f, const unsigned *dims, unsigned shared, CUstream s
     if (__atomic_load_n(&t->state, __ATOMIC_ACQUIRE) != TRACK_LONG) return 0;
     if (!g_driver_ready || capturing(stream)) return 0;
     t_redirecting = 1;
-    __atomic_add_fetch(&g_defer_sigint, 1, __ATOMIC_SEQ_CST);
-    int r = g_on_launch(f, dims, shared, stream, params);
-    int others = __atomic_sub_fetch(&g_defer_sigint, 1, __ATOMIC_SEQ_CST);
+    t_answer = LAUNCH_NOT_HANDLED;
+    t_reraise = 0;
+    /* The hook's own return value is not trusted: a Python exception that escapes a ctypes
+     * callback leaves it undefined.  The runtime says what happened through
+     * gps_launch_answer, once the launch is whole. */
+    g_on_launch(f, dims, shared, stream, params);
+    int r = t_answer;
     t_redirecting = 0;
-    if (others == 0 && g_sigint_deferred) {
-        g_sigint_deferred = 0;
-        raise(SIGINT); /* now the caller's Python sees it, after a whole launch */
+    t_exempt = 0;
+    if (t_reraise) {
+        t_reraise = 0;
+        raise(SIGINT); /* Ctrl-C came during the launch: the caller's Python sees it now */
     }
     if (r == LAUNCH_NOT_HANDLED) return 0;
     __atomic_add_fetch(&g_stats.preemptible, 1, __ATOMIC_RELAXED);
@@ -1044,6 +1078,14 @@ int gps_function_state(void *f, float *longest_us) {
 }
 
 /* ---- what the runtime calls (ctypes) */
+
+/* The session, while the broker holds it paused: put the shim's SIGINT handler in front
+ * of Python's (ipykernel puts Python's back at every cell), so that a Ctrl-C is counted
+ * even while the main thread is blocked in a CUDA call of a locked process. */
+void gps_chain_sigint(void) { install_sigint(); }
+
+/* How many Ctrl-Cs the shim's handler has seen (the session compares two readings). */
+unsigned long long gps_interrupts(void) { return __atomic_load_n(&g_interrupts, __ATOMIC_RELAXED); }
 
 /* Point at the session's control block words (NULL, NULL: never hold). */
 void gps_set_block(volatile uint32_t *gate, volatile uint32_t *state) {
