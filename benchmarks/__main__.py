@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.stopping import exit_on_signals, run_to_end
+
 SUITES = {
     "control": [
         "benchmarks.control_plane",
@@ -75,12 +77,11 @@ def run(args: argparse.Namespace) -> int:
         started = time.monotonic()
         print(f"[{name}] {' '.join(command[1:])}", flush=True)
         with open(out / f"{name}.log", "w") as log:
-            process = subprocess.run(
-                command, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout
-            )
+            # A suite past its time is stopped with SIGTERM, so that it stops its broker.
+            code = run_to_end(command, args.timeout, stdout=log, stderr=subprocess.STDOUT)
         took = time.monotonic() - started
-        status = "ok" if process.returncode == 0 else f"failed ({process.returncode})"
-        if process.returncode != 0:
+        status = "ok" if code == 0 else "timed out" if code is None else f"failed ({code})"
+        if code != 0:
             failed.append(name)
         summary.append((name, status, took))
         print(f"[{name}] {status} in {took:.0f} s; log {out / (name + '.log')}", flush=True)
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     report_parser.add_argument("--readme", help="README to update between the bench markers")
     args = parser.parse_args(argv)
     if args.command == "run":
+        exit_on_signals()  # ended by a signal, it stops the suite it runs (and so its broker)
         return run(args)
     from benchmarks.report import build_report
 

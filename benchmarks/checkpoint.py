@@ -55,7 +55,11 @@ def _process_memory_mib(pid: int) -> int | None:
 def measure(size_gib: float, control, workdir: Path) -> dict:
     ready = workdir / f"ready-{size_gib}"
     done = workdir / f"done-{size_gib}"
-    tenant = subprocess.Popen([sys.executable, "-c", TENANT, str(size_gib), str(ready), str(done)])
+    from benchmarks.stopping import track
+
+    tenant = track(
+        subprocess.Popen([sys.executable, "-c", TENANT, str(size_gib), str(ready), str(done)])
+    )
     try:
         deadline = time.monotonic() + 300
         while not ready.exists():
@@ -102,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks.environment import describe
+    from benchmarks.stopping import exit_on_signals
+
+    exit_on_signals()  # ended by a signal, it still stops the tenant
     from gpushare_ext.broker.actuators import CudaProcessControl
 
     out = Path(args.out)

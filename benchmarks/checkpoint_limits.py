@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 TARGET = r"""
 import sys, cupy as cp
@@ -80,12 +81,16 @@ def checkpoint_cycle(pid: int) -> dict:
 
 
 def start(mode: str, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-c", TARGET, mode, *extra],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    from benchmarks.stopping import track
+
+    return track(
+        subprocess.Popen(
+            [sys.executable, "-c", TARGET, mode, *extra],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
     )
 
 
@@ -103,6 +108,10 @@ def finish(process: subprocess.Popen) -> tuple[str, int | None]:
 
 
 def main() -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
+    from benchmarks.stopping import exit_on_signals
+
+    exit_on_signals()  # ended by a signal, it still stops the processes it checkpoints
     results: dict = {}
     for mode in ("plain", "managed"):
         target = start(mode)

@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.stopping import exit_on_signals, stop, track
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -64,7 +66,7 @@ def start_broker(workdir: Path, config: str | None = None) -> tuple[subprocess.P
         path.write_text(config)
         command += ["--config", str(path)]
     log = open(workdir / "broker.log", "ab")  # noqa: SIM115
-    process = subprocess.Popen(command, stdout=log, stderr=log, env=_env(None))
+    process = track(subprocess.Popen(command, stdout=log, stderr=log, env=_env(None)))
     from gpushare_ext.runtime.embedded import broker_answers
 
     deadline = time.monotonic() + 60
@@ -74,6 +76,7 @@ def start_broker(workdir: Path, config: str | None = None) -> tuple[subprocess.P
         if process.poll() is not None:
             break
         time.sleep(0.1)
+    stop(process)  # it may run without answering: it must not stay behind
     raise RuntimeError("broker did not start: " + (workdir / "broker.log").read_text()[-3000:])
 
 
@@ -85,7 +88,9 @@ def _tenant(args: list[str], socket_path: Path | None) -> subprocess.Popen:
         from gpushare_ext.server_ext import preload_for_kernels
 
         preload_for_kernels(env)  # as the server extension starts kernels
-    return subprocess.Popen([sys.executable, "-m", "benchmarks.tenant", *args], cwd=ROOT, env=env)
+    return track(
+        subprocess.Popen([sys.executable, "-m", "benchmarks.tenant", *args], cwd=ROOT, env=env)
+    )
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -260,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lows", default="cupy,torch,instrumented")
     parser.add_argument("--modes", default="timeslice,levels03,full")
     args = parser.parse_args(argv)
+    exit_on_signals()  # ended by a signal, it still stops the broker and the tenants
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="gpushare-contention-"))

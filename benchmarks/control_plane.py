@@ -22,7 +22,14 @@ Three parts, each optional:
 * **core** (``--core-leases 1,64,256,1000``): the scheduler core alone, in this
   process, with that many leases: µs per event for a release, a request and a tick,
   with every lease running (time-sliced on one GPU) and with 1 GiB leases, where ~140
-  run and the rest wait.
+  run and the rest wait (each release lets the first waiter in, so every waiter behind
+  it is told its new place: the notices per event are reported too).
+* **core, waiting** (``--core-waiters 1,64,256,1000``): the core alone on two simulated
+  H200s, with that many requests waiting for GPU 0 (which one high lease fills) while
+  GPU 1 serves 64 small time-sliced leases.  A cycle is five events that leave the
+  waiters' places alone: a lease on GPU 1 released and asked for again, a request
+  joining the back of the queue and withdrawn, a tick.  ``--core-repeats`` runs every
+  core row that many times; the row gives the median and each run's figure.
 
 The core runs first; the closed loop and the open loop each get a fresh broker.
 
@@ -58,6 +65,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from benchmarks.environment import describe
+from benchmarks.stopping import exit_on_signals, stop, track
 from gpushare_ext.broker.launch import BrokerProcess
 
 MIB = 1024 * 1024
@@ -268,7 +276,7 @@ def _run_clients(worker, sock: Path, plans: list, workers: int, start_in: float 
     go = context.Event()
     results = context.Queue()
     processes = [
-        context.Process(target=worker, args=(sock, share, ready_count, go, start, results))
+        track(context.Process(target=worker, args=(sock, share, ready_count, go, start, results)))
         for share in shares
     ]
     for process in processes:
@@ -376,16 +384,40 @@ def measure_open_loop(
 # ------------------------------------------------------------------ the core alone
 
 
+def _h200s(count: int) -> list:
+    """``count`` simulated H200s (the fixture's device, numbered and named anew)."""
+    from gpushare_ext.broker.inventory import fixture_path, parse_inventory
+
+    document = json.loads(fixture_path("h200").read_text())
+    first = document["devices"][0]
+    devices = [
+        {**first, "index": n, "uuid": f"GPU-00000000-0000-0000-0000-{n:012d}"} for n in range(count)
+    ]
+    return parse_inventory({**document, "devices": devices}, simulated=True)
+
+
+def _scheduler(devices: list):
+    from gpushare_ext.broker import core
+    from gpushare_ext.broker.policy import parse_policy
+
+    return core.Scheduler(devices, parse_policy("[defaults]\nmax_leases = 10000\n"))
+
+
+def _notices(actions: list) -> int:
+    from gpushare_ext.broker import core
+
+    return sum(isinstance(action, core.NotifyQueued) for action in actions)
+
+
 def _core_run(leases: int, memory: int, cycles: int) -> dict:
     """µs per event of the scheduler core with ``leases`` leases on one simulated H200."""
     from gpushare_ext.broker import core
     from gpushare_ext.broker.inventory import fixture_path, parse_inventory
-    from gpushare_ext.broker.policy import parse_policy
     from gpushare_ext.protocol import LeaseState, RequestLease
 
     devices = parse_inventory(json.loads(fixture_path("h200").read_text()), simulated=True)
     devices = devices[:1]
-    scheduler = core.Scheduler(devices, parse_policy("[defaults]\nmax_leases = 10000\n"))
+    scheduler = _scheduler(devices)
     now = 1000.0
     sessions = []
     for i in range(leases):
@@ -407,7 +439,7 @@ def _core_run(leases: int, memory: int, cycles: int) -> dict:
         request(i, ids[i])
     running = sum(1 for lease in scheduler.leases.values() if lease.state == LeaseState.RUNNING)
     owner = {lease_id: i for i, lease_id in enumerate(ids)}
-    events = 0
+    events = notices = 0
     elapsed = 0.0  # in the core only: finding a lease to release is the harness's work
     for r in range(cycles):
         # Release a running lease (the next in line takes its place), ask again, tick.
@@ -418,7 +450,7 @@ def _core_run(leases: int, memory: int, cycles: int) -> dict:
         ids[i] = f"L{i}x{r}"
         owner[ids[i]] = i
         started = time.perf_counter()
-        scheduler.handle(
+        actions = scheduler.handle(
             core.LeaseReleased(now=now, session_id=sessions[i], lease_id=lease.lease_id)
         )
         request(i, ids[i])
@@ -426,6 +458,7 @@ def _core_run(leases: int, memory: int, cycles: int) -> dict:
         scheduler.handle(core.Tick(now=now))
         elapsed += time.perf_counter() - started
         events += 3
+        notices += _notices(actions)
     return {
         "leases": leases,
         "running": running,
@@ -433,18 +466,96 @@ def _core_run(leases: int, memory: int, cycles: int) -> dict:
         "lease_memory_mib": memory // MIB,
         "events": events,
         "us_per_event": round(elapsed / events * 1e6, 1),
+        "notices_per_event": round(notices / events, 1),  # those of the releases
     }
 
 
-def measure_core(counts: list[int], cycles: int) -> list[dict]:
+def _waiting_run(waiters: int, cycles: int) -> dict:
+    """µs per event while ``waiters`` requests wait for GPU 0 and events happen on GPU 1
+    (and at the back of the queue) that leave the waiters' places alone."""
+    from gpushare_ext.broker import core
+    from gpushare_ext.protocol import RequestLease
+
+    scheduler = _scheduler(_h200s(2))
+    now = 1000.0
+
+    def session(name: str, n: int) -> str:
+        identity = core.Identity(uid=2000 + n % 50, gid=100, pid=40_000 + n, user=f"u{n % 50}")
+        scheduler.handle(core.SessionOpened(now=now, session_id=name, identity=identity))
+        return name
+
+    def ask(session_id: str, lease_id: str, priority: int, memory: int, device: str) -> list:
+        request = RequestLease(priority=priority, memory_bytes=memory, device=device)
+        return scheduler.handle(core.LeaseRequested(now=now, session_id=session_id,
+                                                    lease_id=lease_id, request=request))  # fmt: skip
+
+    ask(session("holder", 0), "FULL", 250, 140 * GIB, "0")
+    for n in range(waiters):
+        ask(session(f"W{n}", 1 + n), f"W{n}", 150, 10 * GIB, "0")
+    small = [session(f"T{n}", 100_000 + n) for n in range(64)]
+    ids = [f"T{n}" for n in range(64)]
+    for n, name in enumerate(small):
+        ask(name, ids[n], 150, 64 * MIB, "1")
+    late = session("late", 200_000)
+    events = notices = 0
+    elapsed = 0.0
+    for r in range(cycles):
+        n = r % len(small)
+        started = time.perf_counter()
+        actions = scheduler.handle(
+            core.LeaseReleased(now=now, session_id=small[n], lease_id=ids[n])
+        )
+        ids[n] = f"T{n}x{r}"
+        actions += ask(small[n], ids[n], 150, 64 * MIB, "1")
+        actions += ask(late, f"late{r}", 150, 10 * GIB, "0")
+        actions += scheduler.handle(
+            core.LeaseReleased(now=now, session_id=late, lease_id=f"late{r}")
+        )
+        now += 0.01
+        actions += scheduler.handle(core.Tick(now=now))
+        elapsed += time.perf_counter() - started
+        events += 5
+        notices += _notices(actions)
+    return {
+        "waiters": waiters,
+        "running": 1 + len(small),
+        "events": events,
+        "us_per_event": round(elapsed / events * 1e6, 1),
+        "notices_per_event": round(notices / events, 2),  # the joiner's, once a cycle
+    }
+
+
+def _repeated(run, repeats: int) -> dict:
+    """``run()`` ``repeats`` times: its row, with the median µs per event of the runs."""
+    rows = [run() for _ in range(repeats)]
+    figures = [row["us_per_event"] for row in rows]
+    row = {**rows[0], "us_per_event": round(statistics.median(figures), 1)}
+    if repeats > 1:
+        row["us_per_event_runs"] = figures
+    return row
+
+
+def measure_core(counts: list[int], cycles: int, repeats: int = 1) -> list[dict]:
     rows = []
     for memory, what in ((64 * MIB, "time-sliced"), (1 * GIB, "memory-bound")):
         for leases in counts:
-            row = {"workload": what, **_core_run(leases, memory, cycles)}
+            run = _repeated(lambda: _core_run(leases, memory, cycles), repeats)  # noqa: B023
+            row = {"workload": what, **run}
             if what == "time-sliced" and leases >= 1000:
                 row["target"] = f"<= {CORE_TARGET_US:g} µs per event"
                 row["met"] = row["us_per_event"] <= CORE_TARGET_US
             rows.append(row)
+    return rows
+
+
+def measure_waiting(counts: list[int], cycles: int, repeats: int = 1) -> list[dict]:
+    rows = []
+    for waiters in counts:
+        row = {"workload": "waiting", **_repeated(lambda: _waiting_run(waiters, cycles), repeats)}  # noqa: B023
+        if waiters >= 1000:
+            row["target"] = f"<= {CORE_TARGET_US:g} µs per event"
+            row["met"] = row["us_per_event"] <= CORE_TARGET_US
+        rows.append(row)
     return rows
 
 
@@ -455,11 +566,11 @@ def measure_core(counts: list[int], cycles: int) -> list[dict]:
 def _broker() -> Iterator[Path]:
     """A broker of its own, in a temporary directory: its socket."""
     directory = Path(tempfile.mkdtemp(prefix="gps-bench-", dir="/tmp"))
-    broker = BrokerProcess(directory, config_toml=CONFIG, log_level="warning").start()
+    broker = track(BrokerProcess(directory, config_toml=CONFIG, log_level="warning"))
     try:
-        yield broker.socket
-    finally:
-        broker.stop(timeout=60)
+        yield broker.start().socket
+    finally:  # also when it never answered
+        stop(broker, 60)
         shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -486,9 +597,10 @@ def _print_table(results: list[dict], core_rows: list[dict]) -> None:
             f"{g['p99']:>6.2f}ms {g['max']:>6.1f}ms {r['messages_per_s']:>8.0f} {r['errors']:>6}"
         )
     for row in core_rows:
+        count = f"{row['waiters']:>5} waiting" if "waiters" in row else f"{row['leases']:>5} leases"
         print(
-            f"core {row['workload']:>12}: {row['leases']:>5} leases ({row['running']} running) "
-            f"{row['us_per_event']:>8.1f} µs/event"
+            f"core {row['workload']:>12}: {count} ({row['running']} running) "
+            f"{row['us_per_event']:>8.1f} µs/event, {row.get('notices_per_event', 0):g} notices/event"
         )
 
 
@@ -513,6 +625,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--core-leases", default="", help="core alone: comma list of lease counts")
     parser.add_argument("--core-cycles", type=int, default=1000, help="core alone: cycles")
     parser.add_argument(
+        "--core-waiters",
+        default="",
+        help="core alone: comma list of request counts waiting while other events happen",
+    )
+    parser.add_argument(
+        "--core-repeats", type=int, default=1, help="core alone: runs of each row (median kept)"
+    )
+    parser.add_argument(
         "--workers",
         type=int,
         default=max(2, min(8, os.cpu_count() or 2)),
@@ -526,8 +646,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", required=True, help="folder for control_plane.json")
     args = parser.parse_args(argv)
+    exit_on_signals()  # a run ended by timeout or a closed terminal stops its broker too
     counts = _counts(parser, args.clients, "--clients")
     core_counts = _counts(parser, args.core_leases, "--core-leases")
+    waiting_counts = _counts(parser, args.core_waiters, "--core-waiters")
+    if args.core_repeats < 1 or args.core_cycles < 1:
+        parser.error("--core-repeats and --core-cycles must be positive")
     if args.requests < 1 or args.open_loop < 0 or args.rate <= 0 or args.duration <= 0:
         parser.error("--requests, --rate and --duration must be positive")
     out = Path(args.out)
@@ -536,7 +660,8 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     # The core first, while this process is small; each broker part on a fresh broker,
     # so the open loop does not inherit the closed loop's journal.
-    core_rows = measure_core(core_counts, args.core_cycles) if core_counts else []
+    core_rows = measure_core(core_counts, args.core_cycles, args.core_repeats)
+    core_rows += measure_waiting(waiting_counts, args.core_cycles, args.core_repeats)
     results = []
     if counts:
         with _broker() as sock:

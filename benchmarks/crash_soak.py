@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 from benchmarks.environment import describe
+from benchmarks.stopping import exit_on_signals, track
 
 CONFIG = """
 [broker]
@@ -152,13 +153,14 @@ def main() -> int:
     args = parser.parse_args()
     if args.quick:
         args.kills = 5
+    exit_on_signals()  # ended by a signal (or an error), it still stops the broker and clients
 
     from gpushare_ext.broker.launch import BrokerProcess
     from gpushare_ext.client import BrokerClient, BrokerError
 
     rng = random.Random(args.seed)
     directory = Path(tempfile.mkdtemp(prefix="gps-soak-", dir="/tmp"))
-    broker = BrokerProcess(directory, config_toml=CONFIG, log_level="info").start()
+    broker = track(BrokerProcess(directory, config_toml=CONFIG, log_level="info")).start()
     stop_file = directory / "stop"
     context = multiprocessing.get_context("fork")
     workers = []
@@ -174,7 +176,7 @@ def main() -> int:
                 args.answer_timeout,
             ),
         )
-        process.start()
+        track(process).start()
         workers.append((process, out))
     started = time.monotonic()
     unexpected_exits = []

@@ -46,6 +46,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from benchmarks.environment import describe
+from benchmarks.stopping import stop, track
 
 GIB = 1024**3
 SEED = 1234
@@ -150,11 +151,13 @@ def _jobs_at_once(
     sizes = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
              "--size", str(args.size), "--comm", comm]  # fmt: skip
     processes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.distributed", "--job", str(ranks), *sizes],
-            env=env,
-            stdout=subprocess.PIPE,
-            text=True,
+        track(
+            subprocess.Popen(
+                [sys.executable, "-m", "benchmarks.distributed", "--job", str(ranks), *sizes],
+                env=env,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
         )
         for ranks in jobs
     ]
@@ -203,12 +206,11 @@ def _broker(mps: bool) -> Iterator[Path]:
 
     directory = Path(tempfile.mkdtemp(prefix="gps-dist-"))
     config = "[broker]\nmps = true\n" if mps else None
-    broker = BrokerProcess(directory, simulate=None, config_toml=config, log_level="warning")
-    broker.start()
+    broker = track(BrokerProcess(directory, simulate=None, config_toml=config, log_level="warning"))
     try:
-        yield broker.socket
-    finally:
-        broker.stop(timeout=60)
+        yield broker.start().socket
+    finally:  # also when it never answered
+        stop(broker, 60)
         shutil.rmtree(directory, ignore_errors=True)
 
 

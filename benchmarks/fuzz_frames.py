@@ -35,6 +35,7 @@ from collections import Counter
 from pathlib import Path
 
 from benchmarks.environment import describe
+from benchmarks.stopping import exit_on_signals, track
 
 CONFIG = """
 [broker]
@@ -240,16 +241,19 @@ def main() -> int:
 
     from gpushare_ext.broker.launch import BrokerProcess
 
+    exit_on_signals()  # ended by a signal (or an error), it still stops the broker and clients
     directory = Path(tempfile.mkdtemp(prefix="gps-fuzz-", dir="/tmp"))
-    broker = BrokerProcess(directory, config_toml=CONFIG, log_level="info").start()
+    broker = track(BrokerProcess(directory, config_toml=CONFIG, log_level="info")).start()
     started = time.monotonic()
     rss_before = _rss_mib(broker.pid)
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
     per_client = args.frames // args.clients
     workers = [
-        context.Process(
-            target=client_main, args=(str(broker.socket), per_client, args.seed + i, queue)
+        track(
+            context.Process(
+                target=client_main, args=(str(broker.socket), per_client, args.seed + i, queue)
+            )
         )
         for i in range(args.clients)
     ]

@@ -38,6 +38,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from benchmarks.stopping import exit_on_signals, track
+
 SCENARIOS = ("count", "hold", "hold_torch", "drain", "overhead", "lock")
 
 
@@ -408,10 +410,10 @@ def _subprocess(name: str, *extra: str, mechanism: str = "preload", shim: bool =
         env["GPUSHARE_INTERPOSER"] = "cupti"
     if name == "lock":
         env["GPUSHARE_LOCK_CHILD"] = "1"
-    process = subprocess.Popen(
+    process = track(subprocess.Popen(
         [sys.executable, "-m", "benchmarks.interposer", name, *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
+    ))  # fmt: skip
     if name == "lock":
         _serve_lock_request(process)
     stdout, stderr = process.communicate(timeout=400)
@@ -451,6 +453,7 @@ def main() -> int:
         "--rounds", type=int, default=3, help="overhead: processes per mode, alternated"
     )
     args = parser.parse_args()
+    exit_on_signals()  # ended by a signal, it still stops the scenario it runs
     if args.scenario == "lock" and not os.environ.get("GPUSHARE_LOCK_CHILD"):
         # The checkpoint API acts on another process: this one is the parent, the child
         # (started with the shim) is the one locked.

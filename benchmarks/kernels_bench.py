@@ -40,6 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "kernels"))
 
+from benchmarks.stopping import exit_on_signals, track  # noqa: E402 - ROOT on the path first
+
 SPIN_SRC = r"""
 // A logical block that lasts between 0.5 and 1.5 x `ns` (so persistent blocks drift out of
 // phase, as real blocks do), measured on %globaltimer.
@@ -531,10 +533,10 @@ def bench_drain(cp, block_us: list[int], reps: int, ipc: bool) -> dict:
     results: dict = {}
     child = None
     if ipc:
-        child = subprocess.Popen(
+        child = track(subprocess.Popen(
             [sys.executable, "-c", CHILD, flag.ipc_handle().hex()],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=str(ROOT),
-        )  # fmt: skip
+        ))  # fmt: skip
         assert child.stdout.readline().strip() == "ready"
     try:
         for us in block_us:
@@ -659,6 +661,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, type=Path, help="directory for kernels_bench.json")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (about 30 s)")
     args = ap.parse_args(argv)
+    exit_on_signals()  # ended by a signal, it still stops its child process
     import cupy as cp
 
     args.out.mkdir(parents=True, exist_ok=True)

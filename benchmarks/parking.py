@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.environment import describe
+from benchmarks.stopping import exit_on_signals, track
 
 FILL = """
 import cupy
@@ -113,14 +114,15 @@ def measure(notebooks: int, idle_gib: int, ask_gib: int, log_dir: Path) -> dict:
     from gpushare_ext.protocol import Granted, Queued
     from gpushare_ext.runtime.interpose import shim_path
 
-    broker = BrokerProcess(Path(tempfile.mkdtemp(prefix="gps-park-")), simulate=None)
+    broker = track(BrokerProcess(Path(tempfile.mkdtemp(prefix="gps-park-")), simulate=None))
     broker.start(timeout=60)
     # As the server extension starts kernels: with the launch shim preloaded, which also
     # tells the broker whether the process may be checkpointed.
     env = dict(os.environ, GPUSHARE_SOCKET=str(broker.socket), LD_PRELOAD=str(shim_path()))
-    kernels = [Notebook(f"notebook-{i}", env).start() for i in range(notebooks)]
+    kernels: list[Notebook] = []
     result: dict = {"notebooks": notebooks, "idle_gib": idle_gib, "ask_gib": ask_gib}
     try:
+        kernels += [Notebook(f"notebook-{i}", env).start() for i in range(notebooks)]
         before = []
         for kernel in kernels:
             kernel.run("%load_ext gpushare_ext")
@@ -211,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ask-gib", type=int, default=115)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
+    exit_on_signals()  # ended by a signal, it still stops the broker and the kernels
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = measure(args.notebooks, args.idle_gib, args.ask_gib, out)

@@ -167,14 +167,17 @@ def _control_section(doc: dict) -> list[str]:
             "",
             "*The scheduler core alone*, µs per event (a release, a request, a tick) on one "
             "GPU: every lease running time-sliced, and 1 GiB leases of which ~140 fit and "
-            "the rest wait (each event then tells every waiter its new place).",
+            "the rest wait (each release lets the first in, and every waiter behind it is "
+            "told its new place).  *waiting*: that many requests wait for GPU 0 of two "
+            "while events on GPU 1 and at the back of the queue leave their places alone.",
             "",
-            "| leases | workload | running | µs per event | target | verdict |",
+            "| leases (waiting) | workload | running | µs per event | target | verdict |",
             "|---:|---|---:|---:|---|---|",
         ]
         for row in doc["core"]:
+            count = row["leases"] if "leases" in row else f"({row['waiters']})"
             lines.append(
-                f"| {row['leases']} | {row['workload']} | {row['running']} | "
+                f"| {count} | {row['workload']} | {row['running']} | "
                 f"{_fmt(row['us_per_event'], 1)} | {row.get('target', '-')} | "
                 f"{_verdict(row.get('met'))} |"
             )

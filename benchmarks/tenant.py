@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.stopping import exit_on_signals
+
 
 def _lease(mode: str, priority: str, instrumented: bool = False):
     import contextlib
@@ -402,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--notebook", action="store_true", help="high tenant: a real ipykernel")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
+    # Stopped by its benchmark (SIGTERM), a high tenant still shuts down its notebook
+    # kernel; the low tenant's own SIGTERM handler ends its loop and writes its record.
+    exit_on_signals()
     if args.role == "low":
         result = run_low(args)
     else:

@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.contention import low_alone_rate, run_pair, start_broker, summarise
+from benchmarks.stopping import exit_on_signals
 from benchmarks.tenant import THIRD_PARTY
 
 MODES = ("timeslice", "shim")
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [kind for kind in lows if kind not in THIRD_PARTY]
     if unknown:
         parser.error(f"unknown tenant {unknown[0]!r}; choose from {', '.join(THIRD_PARTY)}")
+    exit_on_signals()  # ended by a signal, it still stops the broker and the tenants
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="gpushare-third-party-"))

@@ -27,11 +27,13 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.deadline_kernel import DeadlineKernel
+from benchmarks.stopping import exit_on_signals
 
 WAYS = ("plain", "unmarked", "lease")
 
@@ -78,46 +80,6 @@ def _calls(example: Path) -> list[tuple[str, str]]:
     return [("fit(custom)", "km.fit(X, 8, 10, True)"), ("fit(xp)", "km.fit(X, 8, 10, False)")]
 
 
-class Kernel:
-    """A real ipykernel kernel whose cells have deadlines."""
-
-    def __init__(self, env: dict[str, str]) -> None:
-        from jupyter_client.manager import start_new_kernel
-
-        self.manager, self.client = start_new_kernel(kernel_name="python3", env=env)
-        self.pid = int(self.run("import os; print(os.getpid())", 120)[1].strip())
-
-    def run(self, code: str, timeout: float) -> tuple[str, str]:
-        """(status, printed text); status "timeout" if the cell did not end in time."""
-        printed: list[str] = []
-
-        def collect(message: dict) -> None:
-            if message["msg_type"] == "stream":
-                printed.append(message["content"]["text"])
-            elif message["msg_type"] == "error":
-                printed.append("\n".join(message["content"].get("traceback", [])))
-
-        try:
-            reply = self.client.execute_interactive(code, timeout=timeout, output_hook=collect)
-        except TimeoutError:
-            return "timeout", "".join(printed)
-        return reply["content"]["status"], "".join(printed)
-
-    def stack(self) -> str:
-        spy = shutil.which("py-spy")
-        if spy is None:
-            return "(py-spy not installed)"
-        done = subprocess.run(
-            [spy, "dump", "--native", "--pid", str(self.pid)],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
-        return done.stdout + done.stderr
-
-    def close(self) -> None:
-        self.client.stop_channels()
-        self.manager.shutdown_kernel(now=True)
-
-
 def _env(way: str, package_root: Path, socket: Path | None) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(package_root), env.get("PYTHONPATH")]))
@@ -135,7 +97,7 @@ def _env(way: str, package_root: Path, socket: Path | None) -> dict[str, str]:
 def run_way(
     way: str, example: Path, package_root: Path, socket: Path | None, args: argparse.Namespace
 ) -> list[dict]:
-    kernel = Kernel(_env(way, package_root, socket))
+    kernel = DeadlineKernel(_env(way, package_root, socket))
     rows = []
     try:
         if way != "plain":
@@ -167,10 +129,7 @@ def run_way(
                     row.update(hung=False, **json.loads(line.split(" ", 1)[1]))
                 rows.append(row)
     finally:
-        try:
-            kernel.close()
-        except Exception:  # a hung kernel: kill it
-            os.kill(kernel.pid, 9)
+        kernel.close()
     return rows
 
 
@@ -235,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{example} is not a file (CuPy's examples/kmeans/kmeans.py)")
     from benchmarks.contention import start_broker
 
+    exit_on_signals()  # SIGTERM (timeout) too stops the broker and kernels it started
     workdir = Path(tempfile.mkdtemp(prefix="gpushare-unmarked-"))
     broker, socket = start_broker(workdir) if "lease" in ways else (None, None)
     rows: list[dict] = []

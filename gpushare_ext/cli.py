@@ -133,6 +133,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_socket(park)
     park.add_argument("pid", help="the notebook kernel's process id (gpushare status shows it)")
 
+    chaos = sub.add_parser(
+        "chaos",
+        help="pause a notebook at random moments, to see whether its code survives (admins)",
+        description="Has the broker pause the session of PID at random moments: every EVERY "
+        "milliseconds (a random gap in the range) for PAUSE milliseconds, at one of LEVELS "
+        "(0 gate, 1 yield, 2 abort, 3 lock, 4 evict; only those the GPU allows for that "
+        "process are used), until --for seconds have passed or `gpushare chaos PID --stop`. "
+        "Results after any number of pauses must be those of an undisturbed run.",
+    )
+    _add_socket(chaos)
+    chaos.add_argument("pid", help="the notebook kernel's process id (gpushare status shows it)")
+    chaos.add_argument("--every", default="5-50", metavar="MS-MS", help="gap between pauses")
+    chaos.add_argument("--pause", default="1-20", metavar="MS-MS", help="length of a pause")
+    chaos.add_argument("--levels", default="0,1,3", help="ladder levels to pause at")
+    chaos.add_argument("--for", dest="duration", type=float, metavar="SECONDS", help="then stop")
+    chaos.add_argument("--seed", type=int, default=0, help="the same seed replays the same pauses")
+    chaos.add_argument("--stop", action="store_true", help="stop pausing PID and say how it went")
+
     demo = sub.add_parser(
         "demo",
         help="two notebook sessions contend for one GPU on an embedded broker",
@@ -214,6 +232,8 @@ def run_command(argv: list[str] | None = None) -> int:
             return _cmd_admin(args)
         if args.command == "park":
             return _cmd_park(args)
+        if args.command == "chaos":
+            return _cmd_chaos(args)
         if args.command == "demo":
             from gpushare_ext.demo import run_demo
 
@@ -361,6 +381,48 @@ def _cmd_park(args: argparse.Namespace) -> int:
     try:
         with BrokerClient(args.socket, client="cli") as client:
             print(client.park(int(args.pid)))
+    except BrokerError as exc:
+        return _fail(str(exc))
+    return 0
+
+
+def _milliseconds(text: str, what: str) -> tuple[float, float]:
+    low, _, high = text.partition("-")
+    try:
+        bounds = (float(low), float(high or low))
+    except ValueError:
+        raise ValueError(f"--{what} takes milliseconds like 5-50 or 10, not {text!r}") from None
+    return bounds
+
+
+def _cmd_chaos(args: argparse.Namespace) -> int:
+    from gpushare_ext.client import BrokerClient, BrokerError
+
+    if not (args.pid.isascii() and args.pid.isdecimal()) or int(args.pid) < 1:
+        return _fail(f"chaos needs a process id, e.g. gpushare chaos 4242 (not {args.pid!r})", 2)
+    try:
+        every = _milliseconds(args.every, "every")
+        pause = _milliseconds(args.pause, "pause")
+        levels = tuple(int(part) for part in args.levels.split(",") if part.strip())
+    except ValueError as exc:
+        message = (
+            str(exc)
+            if "takes" in str(exc)
+            else f"--levels takes levels like 0,1,3, not {args.levels!r}"
+        )
+        return _fail(message, 2)
+    if not levels or any(not 0 <= level <= 4 for level in levels):
+        return _fail(
+            f"--levels takes ladder levels from 0 to 4, like 0,1,3, not {args.levels!r}", 2
+        )
+    try:
+        with BrokerClient(args.socket, client="cli") as client:
+            print(
+                client.chaos(
+                    int(args.pid), every_ms=every, pause_ms=pause, levels=levels,
+                    duration_s=args.duration, seed=args.seed, stop=args.stop,
+                )
+            )  # fmt: skip
     except BrokerError as exc:
         return _fail(str(exc))
     return 0

@@ -38,6 +38,7 @@ from gpushare_ext.protocol import (
     BrokerMessage,
     Capabilities,
     CellActivity,
+    Chaos,
     ClientMessage,
     Error,
     ErrorCode,
@@ -47,6 +48,7 @@ from gpushare_ext.protocol import (
     Hello,
     Ok,
     Park,
+    PreemptionLevel,
     ProtocolError,
     Queued,
     Refused,
@@ -157,6 +159,7 @@ class BrokerClient:
         reclaim: list[str] | None = None,
         connect_timeout: float = 5.0,
         listener: Listener | None = None,
+        visible_devices: list[str] | None = None,
     ) -> None:
         self.socket_path = Path(socket_path) if socket_path else default_socket_path()
         resolved = trusted_socket_path(self.socket_path)
@@ -201,6 +204,7 @@ class BrokerClient:
                     kernel_id=kernel_id,
                     notebook=notebook,
                     reclaim=list(reclaim or []),
+                    visible_devices=visible_devices,
                 ),
                 timeout=connect_timeout,
             )
@@ -365,6 +369,29 @@ class BrokerClient:
     def park(self, pid: int) -> str:
         """Park the idle notebook of ``pid`` now; the broker's one-line answer."""
         reply = self._call(Park(pid=pid))
+        expect(reply, Ok, self.socket_path)
+        return reply.detail  # type: ignore[attr-defined]
+
+    def chaos(
+        self,
+        pid: int,
+        *,
+        every_ms: tuple[float, float] = (5.0, 50.0),
+        pause_ms: tuple[float, float] = (1.0, 20.0),
+        levels: tuple[int, ...] = (0, 1, 3),
+        duration_s: float | None = None,
+        seed: int = 0,
+        stop: bool = False,
+    ) -> str:
+        """Admins: pause the session of ``pid`` at random moments (or ``stop``); the
+        broker's one-line answer."""
+        reply = self._call(
+            Chaos(
+                pid=pid, every_ms=tuple(every_ms), pause_ms=tuple(pause_ms),
+                levels=tuple(PreemptionLevel(level) for level in levels), duration_s=duration_s,
+                seed=seed, stop=stop,
+            )
+        )  # fmt: skip
         expect(reply, Ok, self.socket_path)
         return reply.detail  # type: ignore[attr-defined]
 

@@ -43,6 +43,7 @@ from gpushare_ext.lease_state import (
     LeaseState,
     from_control_block_code,
 )
+from gpushare_ext.plain_text import plain_text
 
 MAGIC = 0x48535047  # b"GPSH" little-endian
 LAYOUT_VERSION = 1
@@ -230,14 +231,14 @@ class ControlBlock:
 
     @property
     def session_note(self) -> str:
-        """Broker side: the session's note, one printable line or "". The session writes
-        it, so it is shown as the session's word and anything but printable text is
-        dropped (no escapes or line breaks in another user's status)."""
+        """Broker side: the session's note as plain text (one line, every character shown
+        as itself: :func:`~gpushare_ext.plain_text.plain_text`), or "".  The session
+        writes it, so it is shown as the session's word, and an escape sequence or a line
+        break in it shows as "␛" or "␤" in another user's status, never as one."""
         if self.closed:
             return ""
         raw = bytes(self._map[SESSION_NOTE_OFFSET : SESSION_NOTE_OFFSET + SESSION_NOTE_SIZE])
-        text = raw.split(b"\0", 1)[0].decode("utf-8", "replace")
-        return "".join(ch for ch in text if ch.isprintable()).strip()
+        return plain_text(raw.split(b"\0", 1)[0].decode("utf-8", "replace").strip())
 
     def address(self) -> int:
         """Host address of the mapping (for cuMemHostRegister); valid while open."""

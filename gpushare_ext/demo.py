@@ -10,6 +10,11 @@ bit-identical to an undisturbed run.
 With a GPU (NVML works and CuPy imports) the work is CuPy on the real device and the
 pause is a real checkpoint lock; without one the broker simulates the shipped H200
 readout and the loop's safe points hold it on the host.  The demo says which.
+
+Whatever ends it -- its end, an error, Ctrl-C, SIGTERM or a closed terminal (SIGHUP) --
+the demo stops the broker and the notebook kernels it started: those signals become
+SystemExit while it runs, so its ``finally:`` runs, and kernels still running then are
+shut down (they live in sessions of their own, where no terminal's signal reaches them).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -75,6 +81,11 @@ def lease_cell(notebook) -> int:
     raise ValueError("the notebook has no %%gpu cell")
 
 
+# The kernels running now, so that an interrupted demo can shut them down.
+RUNNING_KERNELS: set = set()
+STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 def execute_notebook(name: str, parameters: dict, *, timeout: int = 600):
     """Run an example notebook in a fresh kernel; returns the executed notebook."""
     from jupyter_client.manager import KernelManager
@@ -85,9 +96,11 @@ def execute_notebook(name: str, parameters: dict, *, timeout: int = 600):
     ipc_dir = Path(tempfile.mkdtemp(prefix="gpushare-kernel-"))
     manager = KernelManager(kernel_name="python3", transport="ipc", ip=str(ipc_dir / "kernel"))
     client = NotebookClient(notebook, km=manager, timeout=timeout, allow_errors=False)
+    RUNNING_KERNELS.add(manager)
     try:
         client.execute()
     finally:
+        RUNNING_KERNELS.discard(manager)
         if manager.has_kernel:
             with contextlib.suppress(Exception):
                 manager.shutdown_kernel(now=False)
@@ -125,8 +138,12 @@ def _start_broker(workdir: Path, simulate: str | None) -> BrokerProcess:
     broker = BrokerProcess(workdir, simulate=simulate, log_level="warning", extra_args=extra)
     try:
         return broker.start()
-    except BrokerStartError as exc:
-        raise RuntimeError(f"the demo broker did not start: {exc}") from None
+    except BaseException as exc:  # not answering (or interrupted): it must not stay behind
+        with contextlib.suppress(BrokerStartError):
+            broker.stop(timeout=10)
+        if isinstance(exc, BrokerStartError):
+            raise RuntimeError(f"the demo broker did not start: {exc}") from None
+        raise
 
 
 def _gpu_usable() -> bool:
@@ -230,7 +247,43 @@ def output_problem(out: Path) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def _signals_end_the_demo():
+    """While the demo runs, SIGTERM, SIGINT and SIGHUP raise SystemExit (a signal the
+    caller ignores stays ignored); the first one counts, so the same signal sent again
+    to the whole process group (as ``timeout`` does) cannot cut the cleanup short."""
+
+    def end(signum: int, frame: object) -> None:
+        for other in STOPPING_SIGNALS:
+            signal.signal(other, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    before = {signum: signal.getsignal(signum) for signum in STOPPING_SIGNALS}
+    for signum, handler in before.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(signum, end)
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
+def _stop_kernels() -> None:
+    """Shut down the kernels still running (their notebooks then fail and end)."""
+    for manager in list(RUNNING_KERNELS):
+        with contextlib.suppress(Exception):
+            manager.shutdown_kernel(now=True)
+
+
 def run_demo(*, simulate: str | None = None, steps: int = 40, out: str | None = None) -> int:
+    if threading.current_thread() is not threading.main_thread():
+        return _run_demo(simulate=simulate, steps=steps, out=out)  # signals are not ours
+    with _signals_end_the_demo():
+        return _run_demo(simulate=simulate, steps=steps, out=out)
+
+
+def _run_demo(*, simulate: str | None, steps: int, out: str | None) -> int:
     console = Console()
     if steps < 4:
         console.print("[red]gpushare demo: --steps must be at least 4[/red]")
@@ -285,7 +338,10 @@ def run_demo(*, simulate: str | None = None, steps: int = 40, out: str | None = 
 
         console.print("session A (priority low): training loop starts ...")
         started = time.time()
-        low = threading.Thread(target=run, args=("training_low.ipynb", "low", low_params))
+        # Daemon threads: an interrupted demo does not wait for its notebooks to end.
+        low = threading.Thread(
+            target=run, args=("training_low.ipynb", "low", low_params), daemon=True
+        )
         low.start()
         deadline = time.monotonic() + 120
         while not timeline.running_low() and time.monotonic() < deadline:
@@ -293,7 +349,9 @@ def run_demo(*, simulate: str | None = None, steps: int = 40, out: str | None = 
         time.sleep(1.0 if not use_gpu else 2.0)
         console.print("session B (priority high): interactive cell arrives ...")
         high_started = time.time()
-        high = threading.Thread(target=run, args=("interactive_high.ipynb", "high", high_params))
+        high = threading.Thread(
+            target=run, args=("interactive_high.ipynb", "high", high_params), daemon=True
+        )
         high.start()
         high.join()
         low.join()
@@ -321,6 +379,7 @@ def run_demo(*, simulate: str | None = None, steps: int = 40, out: str | None = 
             console.print(f"executed notebooks and timeline in {target}")
         return 0 if same else 1
     finally:
+        _stop_kernels()
         with contextlib.suppress(BrokerStartError):
             broker.stop(timeout=10)
         os.environ.pop("GPUSHARE_SOCKET", None)

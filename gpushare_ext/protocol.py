@@ -166,6 +166,10 @@ class Hello(ClientMessage, tag="hello"):
     # Leases this client held before the broker restarted; the broker takes them back
     # if its journal agrees they are this pid's.
     reclaim: list[LeaseId] = []
+    # The GPUs this process can reach (GPU or MIG UUIDs, or host indices), where its
+    # container sees only some of the host's (a Kubernetes device plugin allocated them):
+    # its leases are placed only there.  None: every GPU of the host is reachable.
+    visible_devices: Annotated[list[ShortText], msgspec.Meta(max_length=64)] | None = None
 
 
 class Capabilities(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -271,6 +275,24 @@ class Admin(ClientMessage, tag="admin"):
     policy_toml: Annotated[str, msgspec.Meta(max_length=64 * 1024)] | None = None
 
 
+class Chaos(ClientMessage, tag="chaos"):
+    """Admins (and tests): pause the session of ``pid`` at random moments, every
+    ``every_ms`` for ``pause_ms`` (each a [low, high] range) at one of ``levels``, for
+    ``duration_s`` (None: until stopped); ``stop`` ends it.  See broker/chaos.py."""
+
+    pid: int
+    every_ms: tuple[float, float] = (5.0, 50.0)
+    pause_ms: tuple[float, float] = (1.0, 20.0)
+    levels: Annotated[tuple[PreemptionLevel, ...], msgspec.Meta(max_length=5)] = (
+        PreemptionLevel.GATE,
+        PreemptionLevel.YIELD,
+        PreemptionLevel.LOCK,
+    )
+    duration_s: float | None = None
+    seed: int = 0
+    stop: bool = False
+
+
 ClientMessageUnion = (
     Hello
     | RequestLease
@@ -285,6 +307,7 @@ ClientMessageUnion = (
     | Restore
     | Park
     | AttachRanks
+    | Chaos
 )
 
 # ---------------------------------------------------------------- broker -> client

@@ -4,6 +4,12 @@ Used by ``gpushare status`` and by ``%gpu status`` when no widget front end is
 available.  It only formats; the snapshot already carries what the viewer may see.
 A gang's ranks are shown as the one request they are (:func:`requests_of`,
 :func:`timeline_rows`), as the widget and the panel show them.
+
+Labels, reasons, notes and names are other people's words: every string of the snapshot
+goes through :func:`gpushare_ext.plain_text.plain_text` first (whichever broker sent it),
+and reaches rich only as ``Text``, never as markup, so "[/]" or an escape sequence in a
+label shows as those characters.  A lease is one row of the leases table; below
+:data:`WIDE_COLUMNS` its reason is one line, cut at the terminal's edge.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from gpushare_ext.plain_text import SENTENCE_LIMIT, plain_text
 from gpushare_ext.protocol import (
     PARKED_LABEL,
     LeaseState,
@@ -192,11 +199,39 @@ def _outside_leases(per_user: dict[str, int]) -> str:
 # Below this many columns the reasons leave the leases table and follow it, one line
 # each: a table column that narrow wraps a sentence one word a line.
 WIDE_COLUMNS = 110
+# The widest the user column gets: an account name with " (you)" fits; a longer one
+# ends in "…" there (``--json`` has it whole).
+USER_COLUMN = 24
+
+
+def _plain(value: object) -> object:
+    """``value`` (the builtins of a snapshot) with every string, keys too, as plain text."""
+    if isinstance(value, str):
+        return plain_text(value, SENTENCE_LIMIT)
+    if isinstance(value, dict):
+        return {_plain(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    return value
+
+
+def shown_as_plain_text(snapshot: Snapshot) -> Snapshot:
+    """``snapshot`` with every string in it as :func:`plain_text` makes it.
+
+    A broker of this version sends plain text already; this makes the view true of a
+    snapshot from any broker (or a file), whatever someone typed into a label."""
+    return msgspec.convert(_plain(msgspec.to_builtins(snapshot)), Snapshot)
+
+
+def _add_row(table: Table, *cells: str | Text) -> None:
+    """A row of text shown as it is: rich would read a plain string as markup."""
+    table.add_row(*(cell if isinstance(cell, Text) else Text(cell) for cell in cells))
 
 
 def build_tables(snapshot: Snapshot, width: int = WIDE_COLUMNS) -> list[Table]:
+    """The tables of ``snapshot`` (one :func:`shown_as_plain_text` made)."""
     head = Table(
-        title=f"gpushare on {snapshot.node} ({snapshot.mode} broker, {snapshot.inventory})",
+        title=Text(f"gpushare on {snapshot.node} ({snapshot.mode} broker, {snapshot.inventory})"),
         show_header=True,
         header_style="bold",
     )
@@ -208,7 +243,8 @@ def build_tables(snapshot: Snapshot, width: int = WIDE_COLUMNS) -> list[Table]:
         mig = "on" if info.mig_enabled else "off"
         if info.mig_enabled:
             mig += f": {len(info.instances)} instance(s)"
-        head.add_row(
+        _add_row(
+            head,
             str(info.index),
             info.name + (" (simulated)" if info.simulated else ""),
             f"{format_size(device.memory_used_mib << 20)} / {format_size(device.memory_leased_mib << 20)}"
@@ -223,13 +259,16 @@ def build_tables(snapshot: Snapshot, width: int = WIDE_COLUMNS) -> list[Table]:
     for device in snapshot.devices:
         info = device.info
         profiles = Table(
-            title=f"GPU {info.index}: MIG profiles"
-            + (" (instances below)" if info.instances else " (MIG off: whole GPU)")
+            title=Text(
+                f"GPU {info.index}: MIG profiles"
+                + (" (instances below)" if info.instances else " (MIG off: whole GPU)")
+            )
         )
         for column in ("id", "profile", "slices", "memory", "SMs", "max instances"):
             profiles.add_column(column)
         for profile in info.profiles:
-            profiles.add_row(
+            _add_row(
+                profiles,
                 str(profile.id),
                 profile.name,
                 str(profile.slice_count),
@@ -239,11 +278,12 @@ def build_tables(snapshot: Snapshot, width: int = WIDE_COLUMNS) -> list[Table]:
             )
         tables.append(profiles)
         if info.instances:
-            instances = Table(title=f"GPU {info.index}: MIG instances")
+            instances = Table(title=Text(f"GPU {info.index}: MIG instances"))
             for column in ("uuid", "profile", "memory", "SMs", "placement"):
                 instances.add_column(column)
             for inst in info.instances:
-                instances.add_row(
+                _add_row(
+                    instances,
                     inst.uuid,
                     inst.name,
                     format_size(inst.memory_mib << 20),
@@ -259,7 +299,12 @@ def _lease_table(snapshot: Snapshot, *, wide: bool) -> Table:
     leases = Table(title="leases and queue")
     columns = ["lease", "user", "priority", "state", "where", "memory", "SMs", "for"]
     for column in columns + (["why / label"] if wide else []):
-        leases.add_column(column, no_wrap=column != "why / label")
+        # A name is cut at USER_COLUMN: a long one would squeeze every other column.
+        leases.add_column(
+            column,
+            no_wrap=column != "why / label",
+            max_width=USER_COLUMN if column == "user" else None,
+        )
     for request in requests_of(snapshot.leases):
         lease = request.lease
         parked = lease.label == PARKED_LABEL and request.state == LeaseState.EVICTED
@@ -276,14 +321,17 @@ def _lease_table(snapshot: Snapshot, *, wide: bool) -> Table:
             _share(request),
             f"{min(member.since_s for member in request.leases):.1f}s",
         ]
-        leases.add_row(*row, *([request.why()] if wide else []))
+        _add_row(leases, *row, *([request.why()] if wide else []))
     if not snapshot.leases:
-        leases.add_row("-", "-", "-", "idle", "-", "-", "-", "-", *(["no leases"] if wide else []))
+        _add_row(
+            leases, "-", "-", "-", "idle", "-", "-", "-", "-", *(["no leases"] if wide else [])
+        )
     return leases
 
 
 def reasons_below(snapshot: Snapshot) -> list[str]:
-    """Each request's reason or label on a line of its own, for a narrow terminal."""
+    """Each request's reason or label on a line of its own, for a narrow terminal (the
+    lines of a snapshot :func:`shown_as_plain_text` made have no line breaks)."""
     return [
         f"{request.lease_id}: {request.why()}"
         for request in requests_of(snapshot.leases)
@@ -322,20 +370,24 @@ def recent_pauses(snapshot: Snapshot) -> list[str]:
 
 
 def render_status(snapshot: Snapshot, console: Console | None = None) -> None:
+    """Print ``snapshot`` on ``console`` (a terminal's by default), its text as text."""
     console = console or Console()
+    snapshot = shown_as_plain_text(snapshot)
     for table in build_tables(snapshot, console.width):
         console.print(table)
     if console.width < WIDE_COLUMNS:
+        # One line a request, cut at the edge: a wrapped reason's second line would
+        # start where the next request's line does, and could pass for one.
         for line in reasons_below(snapshot):
-            console.print(line, highlight=False)
+            console.print(Text(line), no_wrap=True, overflow="ellipsis")
     pauses = recent_pauses(snapshot)
     if pauses:
         minutes = round(snapshot.timeline_window_s / 60)
-        console.print(f"pauses in the last {minutes} min:", highlight=False)
-        for line in pauses[-10:]:
-            console.print(f"  {line}", highlight=False, soft_wrap=False)
+        console.print(Text(f"pauses in the last {minutes} min:"))
+        for line in pauses[-10:]:  # one line a pause, as above: a user's name is in it
+            console.print(Text(f"  {line}"), no_wrap=True, overflow="ellipsis")
     for note in snapshot.notes:
-        console.print(f"[dim]note: {note}[/dim]")
+        console.print(Text(f"note: {note}", style="dim"))
 
 
 def status_text(snapshot: Snapshot, width: int = 110) -> str:

@@ -25,6 +25,7 @@ import contextlib
 import multiprocessing
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -362,13 +363,22 @@ class Ladder:
             return "; ".join(notes)
 
     async def undo(
-        self, target: Target, level: PreemptionLevel | None, *, lease_ended: bool = False
-    ) -> None:
+        self,
+        target: Target,
+        level: PreemptionLevel | None,
+        *,
+        lease_ended: bool = False,
+        unless: Callable[[], bool] | None = None,
+    ) -> bool:
         """Resume ``target`` from ``level``: restore, unlock, clear the flag, open the gate.
         The state word then says running, or no lease at all where the lease ended (the
-        launch shim runs long kernels preemptibly only inside a lease)."""
+        launch shim runs long kernels preemptibly only inside a lease).  ``unless()`` is
+        asked once this process's earlier steps are done: if it says yes, nothing is
+        undone (someone else now holds the process paused) and the answer is False."""
         after = None if lease_ended else LeaseState.RUNNING
         async with self._serial(target.pid):
+            if unless is not None and unless():
+                return False
             alive = pid_alive(target.pid)
             checkpointed = target.pid in self._checkpointed
             locked = target.pid in self._locked
@@ -396,6 +406,7 @@ class Ladder:
                     raise failure
             if target.control_block is not None:
                 target.control_block.publish(gate_closed=False, state=after)
+            return True
 
     def undo_blocking(self, pid: int, device_index: int, level: int) -> None:
         """Crash recovery (no event loop yet): undo what the journal says was applied."""

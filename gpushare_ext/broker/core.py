@@ -34,6 +34,18 @@ comes from :class:`~gpushare_ext.broker.lease_index.LeaseIndex`, changed whereve
 lease changes state, slot or identity, so an event costs about the same with one lease
 as with a thousand.  :meth:`Scheduler.index_mismatch` compares it with a recount.
 
+With more than a handful of waiters (``LINE_FROM``), they stay in order between events
+(:class:`~gpushare_ext.broker.lease_index.WaitingLine`), and a pass looks only at those
+an event may concern.  A plain queued request (not a gang's rank, not making room, not
+detached) whose wanted slots are all reserved or waited for by the waiters ahead can
+neither be placed nor make room: the pass serves such requests of the same wanted slots
+only until they are, and tells the rest where they stand only if that may have changed
+-- their place (a request ahead came or went), what their slots hold (the slots'
+versions, drains, NVML readings, parking refusals), or their notice was reset -- each
+with the scheduler as it was at its turn.  Every other waiter is served in turn, and a
+handful of waiters are all served in turn.  ``Scheduler(..., recompute_every_waiter=True)``
+serves every waiter on every pass; the tests check that both act alike.
+
 The core never blocks, never reads a clock and never touches a socket or a GPU: the
 server feeds it :data:`Event` values with ``now`` and carries out the returned
 :data:`Action` values.  Replaying an event list gives the same actions.  Invalid
@@ -42,12 +54,23 @@ events (a release of an unknown lease) raise :class:`SchedulerError` and change 
 
 from __future__ import annotations
 
+import bisect
+import math
 from dataclasses import dataclass, field, replace
 
 from gpushare_ext.broker.errors import DaemonError
 from gpushare_ext.broker.gangs import assign_ranks, member_id, most_ranks, split_member_id
 from gpushare_ext.broker.inventory import DeviceInfo
-from gpushare_ext.broker.lease_index import SPATIAL_LIMIT, LeaseIndex, SlotLoad, exact_share
+from gpushare_ext.broker.lease_index import (
+    OTHERS,
+    SPATIAL_LIMIT,
+    LeaseIndex,
+    Place,
+    SlotLoad,
+    Trajectory,
+    WaitingLine,
+    exact_share,
+)
 from gpushare_ext.broker.parking import (
     HostMemory,
     IdleSession,
@@ -89,6 +112,10 @@ ACTIVE_STATES = ACTIVE  # queued, running, paused, evicted: the core still keeps
 # What making room on a slot takes: leases to pause, leases to evict, idle sessions to park.
 RoomPlan = tuple[list["Lease"], list["Lease"], list[IdleSession]]
 CANDIDATE_MEMO = 256  # device wishes whose matching slots are remembered
+HOLDERS_MEMO = 256  # sets of slots whose running leases are remembered, per version
+# Waiters a pass serves one by one without a waiting line: for so few, sorting them and
+# serving each costs less than keeping the line.
+LINE_FROM = 4
 
 
 class SchedulerError(DaemonError):
@@ -124,6 +151,9 @@ class SessionOpened:
     session_id: str
     identity: Identity
     notebook: str = ""
+    # The GPUs its process can reach (GPU or MIG UUIDs, or host indices: a container
+    # given only some of the node's GPUs); None: every GPU.  Its leases go only there.
+    reachable: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -429,6 +459,7 @@ class Lease:
     sm_share: float
     slice: SliceWish
     device_wish: str
+    reachable: tuple[str, ...] | None = None  # its process's GPUs (None: every one)
     capabilities: Capabilities
     label: str
     arrival: int  # tie-breaker: FIFO within equal effective priority
@@ -473,13 +504,14 @@ class _Holders:
     holder_priority: int | None  # the highest base priority among them
     top: int | None  # the highest running priority among them, whole
     estimate: float | None = None
-    estimated: bool = False
+    estimated_in: int = -1  # the scheduling pass that worked the estimate out
 
 
 @dataclass(kw_only=True)
 class SessionRecord:
     identity: Identity
     notebook: str
+    reachable: tuple[str, ...] | None = None  # the GPUs its process can use (None: all)
     leases: set[str] = field(default_factory=set)
     detached: bool = False  # the placeholder of a process that has not reconnected yet
     idle_since: float = 0.0  # when its last cell or lease ended
@@ -490,14 +522,62 @@ class SessionRecord:
     parks: int = 0  # parks so far, for the park leases' ids
 
 
+@dataclass(kw_only=True)
+class _RequestGroup:
+    """The plain queued requests that want the same slots, during one scheduling pass.
+
+    While one of their candidate slots is neither reserved nor waited for, the first of
+    them is served like any waiter.  Once all are, the rest can neither be placed nor
+    make room (their turn would only tell them where they stand): the group is closed,
+    and they are passed over (:meth:`Scheduler._tell_passed_over`)."""
+
+    wanted: tuple[str, ...]
+    tickets: list[int]  # its requests' tickets in the waiting line, in order
+    candidates: frozenset[str]  # the wanted slots on devices not drained
+    served: int = 0  # tickets[:served] were served in turn
+    open: bool = True
+    settled: int = 0  # tickets[:settled] are served, told, or known to be told already
+    looks: set[tuple] = field(default_factory=set)  # its slots, as its requests were told
+
+
+@dataclass(kw_only=True)
+class _Pass:
+    """One scheduling pass over the waiting line."""
+
+    now: float
+    groups: list[_RequestGroup]
+    moved_from: int  # counted[moved_from:] may stand elsewhere than they were last told
+    reserved: set[str] = field(default_factory=set)
+    waited_for: set[str] = field(default_factory=set)
+    served: set[str] = field(default_factory=set)  # lease ids served in turn
+    granted: list[int] = field(default_factory=list)  # tickets of requests granted in turn
+    walked: int = 0  # counted[:walked] were looked at for a changed place
+    blocked_size: int = -1  # len(reserved) + len(waited_for) when groups were last closed
+    actions: list[Action] = field(default_factory=list)
+
+    def ahead_of(self, line: WaitingLine, ticket: float) -> int:
+        """Queued requests ahead of ``ticket`` that still wait after their turn."""
+        return line.counted_before(ticket) - bisect.bisect_left(self.granted, ticket)
+
+
 # ------------------------------------------------------------------ the machine
 
 
 class Scheduler:
     """Feed it events with :meth:`handle`; carry out the actions it returns."""
 
-    def __init__(self, devices: list[DeviceInfo], policy: Policy | None = None) -> None:
+    def __init__(
+        self,
+        devices: list[DeviceInfo],
+        policy: Policy | None = None,
+        *,
+        recompute_every_waiter: bool = False,
+        line_from: int = LINE_FROM,
+    ) -> None:
         self.policy = policy or Policy()
+        # Serve every waiter on every pass (the reference the tests hold the kept pass to).
+        self.recompute_every_waiter = recompute_every_waiter
+        self.line_from = line_from  # more waiters than this: the pass keeps them in a line
         self.devices = {d.index: d for d in devices}
         self.slots: dict[str, Slot] = {}
         self.drained: set[int] = set()
@@ -511,10 +591,13 @@ class Scheduler:
         self._hold_ema: dict[int, float] = {}  # uid -> typical hold time, for estimates
         self.now = 0.0
         self._index = LeaseIndex(self.slots)
-        self._candidates: dict[tuple[str, SliceWish], tuple[list[str], str]] = {}
-        # Queue notices of one scheduling pass, per set of slots and their versions: every
-        # waiter for the same slots is told about the same holders.
-        self._pass_holders: dict[tuple, _Holders] = {}
+        self._candidates: dict[
+            tuple[str, SliceWish, tuple[str, ...] | None], tuple[list[str], str]
+        ] = {}
+        # What queue notices say of the leases running on a set of slots, per set and the
+        # slots' versions: every waiter for the same slots is told about the same holders.
+        self._known_holders: dict[tuple, _Holders] = {}
+        self._passes = 0  # scheduling passes so far: an estimate holds for one
         # Per whole-GPU slot, the memory each process holds there as last seen (NVML):
         # placement counts what no lease declares, so memory idle notebooks keep is not
         # granted a second time.
@@ -527,6 +610,15 @@ class Scheduler:
         self.gangs: dict[str, tuple[str, ...]] = {}  # gang id -> its members' ids, rank order
         self._gang_targets: dict[str, tuple[str, ...]] = {}  # slots made room on for a gang
         self._pass_gangs: set[str] = set()  # gangs served in this scheduling pass
+        self._line = WaitingLine()
+        self._line_policy: Policy | None = None  # the policy the line's aging rates are of
+        self._aging_rates: dict[tuple[str, tuple[str, ...]], float] = {}  # per user, groups
+        self._pass: _Pass | None = None
+        # Per wanted slots, how they looked when all requests wanting them were last told
+        # where they stand (None: told at different times).
+        self._told_looks: dict[tuple[str, ...], tuple | None] = {}
+        self._notice_due: set[str] = set()  # plain requests to tell anew whatever changed
+        self._seen_readings: dict[str, int] = {}  # per slot, NVML readings taken so far
 
     # ---- public
 
@@ -581,9 +673,31 @@ class Scheduler:
         return load.held, sorted(load.running.values(), key=lambda lease: lease.arrival)
 
     def index_mismatch(self) -> str:
-        """How the kept index differs from one recomputed from the leases ("" if it does
-        not): the property tests check it after every event."""
-        return self._index.mismatch(self.leases.values())
+        """How the kept index and waiting line differ from those recomputed from the
+        leases ("" if they do not): the property tests check it after every event."""
+        return self._index.mismatch(self.leases.values()) or self._line_mismatch()
+
+    def _line_mismatch(self) -> str:
+        if self._line_policy is None:
+            return ""  # not kept: few enough waiters to serve one by one
+        self._catch_up_line(self.now)  # what the next pass does first
+        line = self._line
+        if set(line.places) != set(self._index.waiters):
+            return (
+                f"waiting line: kept {sorted(line.places)}, waiters {sorted(self._index.waiters)}"
+            )
+        order = [line.at(ticket) for ticket in line.tickets]
+        keys = [self._queue_key(place.lease, self.now) for place in order]
+        if keys != sorted(keys):
+            return f"waiting line out of order at {self.now}: {[p.lease.lease_id for p in order]}"
+        for place in order:
+            wanted = self._line_place(place.lease)
+            kept = (place.group, place.counted, place.trajectory)
+            if kept != (wanted.group, wanted.counted, wanted.trajectory):
+                return f"waiting line: {place.lease.lease_id} kept as {kept}, is {wanted}"
+        if line.counted != [place.ticket for place in order if place.counted]:
+            return "waiting line: the counted requests are not those in the line"
+        return ""
 
     def lease_of(self, lease_id: str) -> Lease | None:
         """The active lease ``lease_id``; for a gang's id, its first active rank."""
@@ -603,7 +717,10 @@ class Scheduler:
                 ErrorCode.OUT_OF_ORDER, f"session {event.session_id} is already open"
             )
         self.sessions[event.session_id] = SessionRecord(
-            identity=event.identity, notebook=event.notebook, idle_since=now
+            identity=event.identity,
+            notebook=event.notebook,
+            idle_since=now,
+            reachable=event.reachable,
         )
         self._session_of_pid[event.identity.pid] = event.session_id
         return []
@@ -669,7 +786,7 @@ class Scheduler:
                 f"policy allows; release one first (%gpu release)",
             )
         wish = asked.slice if asked.slice != SliceWish.AUTO else limits.slice
-        candidates, why_none = self._candidate_slots(asked.device, wish)
+        candidates, why_none = self._candidate_slots(asked.device, wish, record.reachable)
         if not candidates:
             return refuse(ErrorCode.INVALID, why_none)
         if not any(self.slots[key].memory_bytes >= memory for key in candidates):
@@ -705,6 +822,7 @@ class Scheduler:
             sm_share=asked.sm_share,
             slice=wish,
             device_wish=asked.device,
+            reachable=record.reachable,
             capabilities=asked.capabilities,
             label=asked.label,
             arrival=self._arrivals,
@@ -833,9 +951,11 @@ class Scheduler:
             if placeholder.detached and not placeholder.leases:
                 del self.sessions[lease.session_id]
         lease.session_id = event.session_id
+        lease.reachable = record.reachable  # what the reconnected process can reach
         if not event.keep_process:
             self._index.reidentify(lease, record.identity)
         lease.detached = False
+        self._index.touch(lease)  # a plain request now, if it is queued
         record.leases.add(lease.lease_id)
         if lease.state == LeaseState.RUNNING:
             lease.reason = ""
@@ -940,6 +1060,7 @@ class Scheduler:
             self._index.move(lease, LeaseState.EVICTED)
             # Its process's device memory is on the host now: the last reading is stale.
             self._seen.get(lease.slot or "", {}).pop(lease.identity.pid, None)
+            self._seen_readings[lease.slot or ""] = self._seen_readings.get(lease.slot or "", 0) + 1
             lease.reason = lease.reason or "evicted for a higher-priority session"
             self._index.victim_done(lease.lease_id)
         return []
@@ -1020,6 +1141,7 @@ class Scheduler:
             key = f"{event.device_index}/{event.mig_uuid}"
         if key in self.slots:  # a reading of a slot this broker has (not a stale layout)
             self._seen[key] = {pid: used for pid, used in event.used_by_pid if used > 0}
+            self._seen_readings[key] = self._seen_readings.get(key, 0) + 1
         return []
 
     def unleased_memory(self, key: str, asking: Lease | None = None) -> int:
@@ -1064,6 +1186,7 @@ class Scheduler:
         lease.last_queue_notice = None  # a waiting restore is told where it stands anew
         if lease.restore_wanted:
             lease.state_since = now
+        self._index.touch(lease)
         return []
 
     def session_id_of_pid(self, pid: int) -> str | None:
@@ -1287,16 +1410,54 @@ class Scheduler:
             raise SchedulerError(ErrorCode.OUT_OF_ORDER, f"no session {session_id}")
         return record
 
-    def _candidate_slots(self, device_wish: str, wish: SliceWish) -> tuple[list[str], str]:
-        """Slots a request may be placed on, or ([], why none)."""
+    def _candidate_slots(
+        self, device_wish: str, wish: SliceWish, reachable: tuple[str, ...] | None = None
+    ) -> tuple[list[str], str]:
+        """Slots a request may be placed on (only on GPUs its process can reach), or
+        ([], why none)."""
         # The slots never change while the scheduler lives, and every waiter asks this on
         # every event.  Device wishes are the clients' text: the memo stays small.
-        known = self._candidates.get((device_wish, wish))
+        memo_key = (device_wish, wish, reachable)
+        known = self._candidates.get(memo_key)
         if known is None:
             if len(self._candidates) >= CANDIDATE_MEMO:
                 self._candidates.clear()
-            known = self._candidates[(device_wish, wish)] = self._match_slots(device_wish, wish)
+            known = self._match_slots(device_wish, wish)
+            if reachable is not None and known[0]:
+                known = self._only_reachable(known[0], reachable)
+            self._candidates[memo_key] = known
         return list(known[0]), known[1]
+
+    def _only_reachable(self, keys: list[str], reachable: tuple[str, ...]) -> tuple[list[str], str]:
+        """``keys`` on GPUs the process can reach (by GPU or MIG UUID, or host index), or
+        ([], why none): a pod given some of the node's GPUs cannot use the others."""
+        names = set(reachable)
+        kept = [
+            k
+            for k in keys
+            if {self.slots[k].device_uuid, self.slots[k].mig_uuid, str(self.slots[k].device_index)}
+            & names
+        ]
+        if kept:
+            return kept, ""
+        seen = ", ".join(reachable[:4]) + (" ..." if len(reachable) > 4 else "") or "none"
+        return [], (
+            f"this session's process can reach none of the GPUs that match (it sees {seen}; "
+            "its container was given other GPUs than this broker's, or none)"
+        )
+
+    def reachable_note(self, lease: Lease) -> str:
+        """For status and the queue line: which GPUs a restricted session may use ("" when
+        it may use every one this broker manages)."""
+        if lease.reachable is None:
+            return ""
+        keys, _ = self._candidate_slots(lease.device_wish, lease.slice, lease.reachable)
+        every, _ = self._candidate_slots(lease.device_wish, lease.slice)
+        if set(keys) == set(every):
+            return ""
+        devices = sorted({self.slots[k].device_index for k in keys})
+        named = ", ".join(f"GPU {index}" for index in devices)
+        return f"this session's process can use only {named}"
 
     def _match_slots(self, device_wish: str, wish: SliceWish) -> tuple[list[str], str]:
         keys, matching, refusal = self._slots_for_device(device_wish)
@@ -1535,26 +1696,250 @@ class Scheduler:
         return to_evict if need <= 0 else None
 
     def _schedule(self, now: float) -> list[Action]:
-        actions: list[Action] = []
         # Slots kept for waiters ranked higher: ``reserved`` for one that is being made
         # room for (or could be placed), ``waited_for`` for one that can neither be
         # placed nor make room.  A paused lease may resume on a slot that is only waited
         # for: it holds its memory there anyway, and running to its end may be the only
-        # way that memory is ever freed (it cannot be evicted).
-        reserved: set[str] = set()
-        waited_for: set[str] = set()
-        # Queued leases ranked higher that still wait: a queued lease's position is one
-        # more.  Nothing later in the pass puts a lease back into the queue, so the count
-        # only grows as the pass goes down the queue.
-        ahead = 0
-        self._pass_holders.clear()
+        # way that memory is ever freed (it cannot be evicted).  Both only grow as the
+        # pass goes down the line, and nothing in it puts a lease back into the queue.
+        self._passes += 1
         self._park_refusals.clear()
         self._pass_gangs.clear()
+        if self.recompute_every_waiter or len(self._index.waiters) <= self.line_from:
+            self._drop_line()  # a handful of waiters: serving each costs less than a line
+            return self._serve_every_waiter(now)
+        self._catch_up_line(now)
+        line = self._line
+        drained = self.drained
+        groups = [
+            _RequestGroup(
+                wanted=wanted,
+                tickets=tickets,
+                candidates=frozenset(
+                    k for k in wanted if self.slots[k].device_index not in drained
+                ),
+            )
+            for wanted, tickets in line.groups.items()
+            if wanted != OTHERS
+        ]
+        state = _Pass(now=now, groups=groups, moved_from=line.first_change)
+        self._pass = state
+        try:
+            self._close_groups(state)
+            others = line.groups.get(OTHERS, [])
+            next_other = 0
+            while True:  # the next turn: the first of the other waiters and open groups
+                ticket = others[next_other] if next_other < len(others) else math.inf
+                first = None
+                for group in groups:
+                    waiting = group.open and group.served < len(group.tickets)
+                    if waiting and group.tickets[group.served] < ticket:
+                        ticket, first = group.tickets[group.served], group
+                if ticket == math.inf:
+                    break
+                if first is not None:
+                    first.served += 1
+                else:
+                    next_other += 1
+                self._take_turn(state, line.at(ticket), first)  # type: ignore[arg-type]
+            self._tell_passed_over(state, math.inf)
+            self._end_pass(state)
+        finally:
+            self._pass = None
+        return state.actions
+
+    def _serve_every_waiter(self, now: float) -> list[Action]:
+        """The pass as a full recomputation: every waiter served in turn."""
+        actions: list[Action] = []
+        reserved: set[str] = set()
+        waited_for: set[str] = set()
+        ahead = 0  # queued leases ranked higher that still wait after their turn
         for lease in self.queue():
             actions.extend(self._serve(lease, reserved, waited_for, ahead, now))
             if lease.state == LeaseState.QUEUED and lease.rank == 0:
                 ahead += 1
         return actions
+
+    def _take_turn(self, state: _Pass, place: Place, group: _RequestGroup | None) -> None:
+        lease = place.lease
+        self._tell_passed_over(state, place.ticket)  # before anything changes
+        ahead = state.ahead_of(self._line, place.ticket)
+        state.actions.extend(self._serve(lease, state.reserved, state.waited_for, ahead, state.now))
+        state.served.add(lease.lease_id)
+        if (
+            group is not None
+            and lease.state == LeaseState.QUEUED
+            and not lease.awaiting_memory_from
+        ):
+            group.looks.add(self._look_of(group.wanted))  # it was told where it stands
+        self._close_groups(state)
+
+    def _close_groups(self, state: _Pass) -> None:
+        """Close the groups whose candidate slots are now all reserved or waited for."""
+        size = len(state.reserved) + len(state.waited_for)
+        if size == state.blocked_size:
+            return
+        state.blocked_size = size
+        blocked = state.reserved | state.waited_for
+        for group in state.groups:
+            if group.open and group.candidates <= blocked:
+                group.open = False
+                group.settled = group.served
+
+    def _tell_passed_over(self, state: _Pass, before: float) -> None:
+        """Tell the requests passed over ahead of ticket ``before`` where they stand, where
+        that may have changed: their place, how their slots look, or a reset notice.
+
+        Nothing has changed since their turn: this runs before every turn (and at the end
+        of the pass), and a turn is the only thing in a pass that changes anything."""
+        line = self._line
+        due: dict[int, int | None] = {}  # ticket: its index in line.counted, if known
+        stop = line.counted_before(before)
+        for index in range(max(state.walked, state.moved_from), stop):
+            ticket = line.counted[index]
+            if line.at(ticket).lease.lease_id not in state.served:
+                due[ticket] = index
+        state.walked = max(state.walked, stop)
+        self._tell_changed_looks(state, before, due)
+        if self._notice_due:
+            self._tell_reset(state, before, due)
+        if due:
+            self._tell_due(state, due)
+
+    def _tell_changed_looks(self, state: _Pass, before: float, due: dict[int, int | None]) -> None:
+        """Add to ``due`` the passed-over requests whose slots look otherwise than when
+        they were last told."""
+        for group in state.groups:
+            end = bisect.bisect_left(group.tickets, before)
+            if group.open or group.settled >= end:
+                continue
+            look = self._look_of(group.wanted)
+            group.looks.add(look)
+            if look != self._told_looks.get(group.wanted):
+                for ticket in group.tickets[group.settled : end]:
+                    due.setdefault(ticket, None)
+            group.settled = end
+
+    def _tell_reset(self, state: _Pass, before: float, due: dict[int, int | None]) -> None:
+        """Add to ``due`` the passed-over requests to tell anew whatever changed."""
+        line = self._line
+        for lease_id in list(self._notice_due):
+            place = line.places.get(lease_id)
+            if place is None or lease_id in state.served:
+                self._notice_due.discard(lease_id)
+            elif place.ticket < before:
+                due.setdefault(place.ticket, None)
+                self._notice_due.discard(lease_id)
+
+    def _tell_due(self, state: _Pass, due: dict[int, int | None]) -> None:
+        """Tell the requests in ``due`` (ticket: index in the counted, if known) where
+        they stand, in line order."""
+        line = self._line
+        telling: dict[tuple, tuple] = {}  # per wanted slots: what all their requests hear
+        reasons: dict[tuple, str] = {}  # per wanted slots and whether anyone is ahead
+        for ticket in sorted(due):
+            place = line.at(ticket)
+            index = due[ticket]
+            if index is None:
+                index = line.counted_before(ticket)
+            ahead = index - bisect.bisect_left(state.granted, ticket)
+            lease, wanted = place.lease, place.group
+            if wanted not in telling:
+                telling[wanted] = self._what_they_hear(wanted)  # type: ignore[arg-type]
+            keys, holders, same_reason = telling[wanted]
+            reason = reasons.get((wanted, bool(ahead)), "") if same_reason else ""
+            if not reason:
+                reason = self._queue_reason(lease, keys, holders, ahead)
+                reasons[(wanted, bool(ahead))] = reason
+            lease.target_slot = None
+            state.actions.extend(self._tell_queued(lease, holders, reason, ahead, state.now))
+
+    def _what_they_hear(self, wanted: tuple[str, ...]) -> tuple[list[str], _Holders, bool]:
+        """For the plain requests that want ``wanted``: the slots their notices speak of,
+        who holds those, and whether all hear the same reason (no NVML reading there:
+        then only drains, holders and whether anyone is ahead make the reason)."""
+        candidates = [k for k in wanted if self.slots[k].device_index not in self.drained]
+        keys = candidates or list(wanted)
+        return keys, self._holders(keys), not any(self._seen.get(k) for k in keys)
+
+    def _look_of(self, keys: tuple[str, ...]) -> tuple:
+        """What a queue notice reads of ``keys`` besides the place: who holds them (and
+        their memory, which NVML's readings are compared with), the readings, why no
+        idle session was parked there in this pass, and whether they are drained."""
+        return tuple(
+            (
+                self._index.slots[key].holders_version,
+                self._seen_readings.get(key, 0),
+                self._park_refusals.get(key, ""),
+                self.slots[key].device_index in self.drained,
+            )
+            for key in keys
+        )
+
+    def _end_pass(self, state: _Pass) -> None:
+        """Everyone was told where they stand: the line starts the next pass clean."""
+        line = self._line
+        for ticket in state.granted:
+            line.remove(line.at(ticket).lease.lease_id, state.now)
+        line.first_change = len(line.counted)
+        self._told_looks = {
+            group.wanted: next(iter(group.looks)) if len(group.looks) == 1 else None
+            for group in state.groups
+        }
+        self._notice_due.clear()
+
+    def _drop_line(self) -> None:
+        """Stop keeping the waiting line (the next pass that needs it sorts it afresh)."""
+        if self._line_policy is not None or self._index.changed:
+            self._line_policy = None
+            self._index.changed.clear()
+            self._notice_due.clear()
+
+    def _catch_up_line(self, now: float) -> None:
+        """Bring the waiting line up to date with the leases changed since the last pass
+        (or sort it afresh when time or a new policy may have changed its order, or the
+        line was not kept)."""
+        changed = self._index.take_changed()
+        line = self._line
+        if self.policy is not self._line_policy or not line.in_order_at(now):
+            self._line_policy = self.policy
+            self._aging_rates.clear()
+            places = [self._line_place(lease) for lease in self._index.waiters.values()]
+            line.rebuild(places, now)
+            self._told_looks.clear()  # nobody is known to have been told anything yet
+            self._notice_due.clear()
+            return
+        for lease in changed:
+            wanted = self._line_place(lease) if lease.lease_id in self._index.waiters else None
+            line.update(lease.lease_id, wanted, now)
+            if wanted is not None and wanted.group != OTHERS:
+                self._notice_due.add(lease.lease_id)
+
+    def _line_place(self, lease: Lease) -> Place:
+        """Where a waiter belongs in the waiting line."""
+        who = (lease.identity.user, lease.identity.groups)
+        rate = self._aging_rates.get(who)
+        if rate is None:
+            rate = self._aging_rates[who] = self.policy.limits_for(*who).aging_per_minute
+        plain = (
+            lease.state == LeaseState.QUEUED
+            and lease.gang is None
+            and not lease.detached
+            and not lease.awaiting_memory_from
+            and lease.pending_level is None
+            and not lease.parks_session
+        )
+        return Place(
+            lease=lease,
+            group=tuple(self._wanted_slots(lease)) if plain else OTHERS,
+            counted=lease.state == LeaseState.QUEUED and lease.rank == 0,
+            trajectory=Trajectory(
+                start=lease.base_priority + lease.aging_bonus,
+                since=lease.state_since,
+                rate=rate,
+                arrival=lease.arrival,
+            ),
+        )
 
     def _serve(
         self, lease: Lease, reserved: set[str], waited_for: set[str], ahead: int, now: float
@@ -1608,7 +1993,7 @@ class Scheduler:
         """The slots a waiter may run on: its own if it holds one, else those it fits."""
         if lease.slot is not None:
             return [lease.slot]
-        candidates, _ = self._candidate_slots(lease.device_wish, lease.slice)
+        candidates, _ = self._candidate_slots(lease.device_wish, lease.slice, lease.reachable)
         return [k for k in candidates if self.slots[k].memory_bytes >= lease.memory_bytes]
 
     # ---- gangs (ids and placement arithmetic: broker/gangs.py)
@@ -1787,7 +2172,11 @@ class Scheduler:
         for member in members:
             by_slot.setdefault(member.slot or "", []).append(member)
         everyone_paused = all(m.state == LeaseState.PAUSED for m in members)
-        blocked = reserved if everyone_paused else reserved | waited_for
+        # A paused rank that cannot be evicted holds its memory whatever happens: running
+        # the gang to its end may be the only way that memory is ever freed, so, as for a
+        # single paused lease, slots that are only waited for do not hold the gang back.
+        holds_for_good = any(m.state == LeaseState.PAUSED and not m.evictable for m in members)
+        blocked = reserved if everyone_paused or holds_for_good else reserved | waited_for
         if any(key in blocked for key in by_slot):
             return []
         probes = {key: self._gang_probe(leader, ranks, key) for key, ranks in by_slot.items()}
@@ -1866,6 +2255,11 @@ class Scheduler:
         if previous == LeaseState.QUEUED:
             lease.granted_at = now  # before the move: the index keeps when holders were granted
             lease.waited_s = now - lease.requested_at
+            place = self._line.places.get(lease.lease_id)
+            if self._pass is not None and place is not None and place.counted:
+                bisect.insort(self._pass.granted, place.ticket)  # the places behind move up
+                index = self._line.counted_before(place.ticket)
+                self._pass.moved_from = min(self._pass.moved_from, index)
         self._index.move(lease, LeaseState.RUNNING, key)
         lease.state_since = now
         lease.reason = ""
@@ -2002,29 +2396,40 @@ class Scheduler:
         if lease.state != LeaseState.QUEUED and not lease.parks_session:
             return []
         holders = self._holders(candidates)
-        reason = force_reason
-        if not reason:
-            unleased = [self.unleased_memory(k, lease) for k in candidates]
-            if candidates and all(self.slots[k].device_index in self.drained for k in candidates):
-                reason = "the device is drained by an admin"
-            elif candidates and all(
-                self.slots[k].memory_bytes - extra < lease.memory_bytes
-                for k, extra in zip(candidates, unleased, strict=True)
-            ):
-                refusal = next(
-                    (self._park_refusals[k] for k in candidates if k in self._park_refusals), ""
-                )
-                reason = (
-                    f"{format_size(min(unleased))} of the GPU is held outside any lease (idle "
-                    "notebooks or other processes); waiting for it to be freed"
-                    + (f" ({refusal})" if refusal else "")
-                )
-            elif holders.top is not None:
-                reason = f"the GPU is held by {priority_class(holders.top)}-priority work"
-            elif ahead:
-                reason = "waiting behind earlier requests"
-            else:
-                reason = "waiting for memory"
+        reason = force_reason or self._queue_reason(lease, candidates, holders, ahead)
+        restricted = self.reachable_note(lease) if lease.reachable is not None else ""
+        if restricted and restricted not in reason:
+            reason = f"{reason} ({restricted})"
+        return self._tell_queued(lease, holders, reason, ahead, now)
+
+    def _queue_reason(
+        self, lease: Lease, candidates: list[str], holders: _Holders, ahead: int
+    ) -> str:
+        """Why a queued lease waits for ``candidates``, in its session's words."""
+        unleased = [self.unleased_memory(k, lease) for k in candidates]
+        if candidates and all(self.slots[k].device_index in self.drained for k in candidates):
+            return "the device is drained by an admin"
+        if candidates and all(
+            self.slots[k].memory_bytes - extra < lease.memory_bytes
+            for k, extra in zip(candidates, unleased, strict=True)
+        ):
+            refusal = next(
+                (self._park_refusals[k] for k in candidates if k in self._park_refusals), ""
+            )
+            return (
+                f"{format_size(min(unleased))} of the GPU is held outside any lease (idle "
+                "notebooks or other processes); waiting for it to be freed"
+                + (f" ({refusal})" if refusal else "")
+            )
+        if holders.top is not None:
+            return f"the GPU is held by {priority_class(holders.top)}-priority work"
+        if ahead:
+            return "waiting behind earlier requests"
+        return "waiting for memory"
+
+    def _tell_queued(
+        self, lease: Lease, holders: _Holders, reason: str, ahead: int, now: float
+    ) -> list[Action]:
         position = ahead + 1
         waiting_for = holders.waiting_for
         holder_priority = holders.holder_priority
@@ -2050,8 +2455,10 @@ class Scheduler:
     def _holders(self, keys: list[str]) -> _Holders:
         loads = [self._index.slots[key] for key in keys]
         signature = tuple((key, load.version) for key, load in zip(keys, loads, strict=True))
-        known = self._pass_holders.get(signature)
+        known = self._known_holders.get(signature)
         if known is None:
+            if len(self._known_holders) >= HOLDERS_MEMO:
+                self._known_holders.clear()
             ids = [lease_id for load in loads for lease_id in load.running_ids]
             known = _Holders(
                 keys=tuple(keys),
@@ -2062,12 +2469,12 @@ class Scheduler:
                 ),
                 top=max((max(load.tops) for load in loads if load.tops), default=None),
             )
-            self._pass_holders[signature] = known
+            self._known_holders[signature] = known
         return known
 
     def _hold_estimate(self, holders: _Holders, now: float) -> float | None:
         """Seconds until the first holder is likely done, from its user's habits."""
-        if holders.estimated:
+        if holders.estimated_in == self._passes:
             return holders.estimate
         remaining = []
         for key in holders.keys:
@@ -2078,7 +2485,7 @@ class Scheduler:
                     # a user's longest-held lease is the one with the least time left.
                     remaining.append(max(0.0, typical - (now - min(grants.values()))))
         holders.estimate = round(min(remaining), 1) if remaining else None
-        holders.estimated = True
+        holders.estimated_in = self._passes
         return holders.estimate
 
 

@@ -7,7 +7,10 @@ sessions concerned.  A session may have gone meanwhile: its control block is the
 closed and writes to it are ignored, and whatever was applied for its lease is still
 undone and journaled as undone.
 
-It decides nothing: the core chose the action, the ladder knows how.
+It decides nothing: the core chose the action, the ladder knows how.  What its log lines
+quote that someone wrote (a user name, a refusal that repeats a device wish, a reason)
+goes through :func:`~gpushare_ext.plain_text.plain_text`, so a line of the log is one
+event and holds no escape sequence.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from gpushare_ext.broker.actuators import ActuatorError, Target, pid_alive
 from gpushare_ext.broker.journal import JournaledLease
 from gpushare_ext.broker.peers import Connection
 from gpushare_ext.broker.views import display_user
+from gpushare_ext.plain_text import SENTENCE_LIMIT, plain_text
 from gpushare_ext.protocol import (
     Granted,
     LeaseState,
@@ -193,9 +197,10 @@ class Effects:
                     where = f"{len(action.ranks)} ranks on {', '.join(devices)}"
                 events.info(
                     "%s granted to %s (pid %s) on %s: %s, priority %s, after %.1f s%s",
-                    action.lease_id, lease.identity.user, lease.identity.pid, where,
-                    format_size(action.placement.memory_bytes), action.priority,
-                    lease.waited_s, f" ({action.notice})" if action.notice else "",
+                    action.lease_id, plain_text(lease.identity.user), lease.identity.pid,
+                    where, format_size(action.placement.memory_bytes), action.priority,
+                    lease.waited_s,
+                    f" ({plain_text(action.notice, SENTENCE_LIMIT)})" if action.notice else "",
                 )  # fmt: skip
         if action.notice:
             broker.metrics.observe_priority_lowered()
@@ -249,7 +254,10 @@ class Effects:
 
     def refuse(self, action: core.Refuse, reply: Reply) -> None:
         self.broker.metrics.observe_refusal(action.code.value)
-        events.info("%s refused (%s): %s", action.lease_id, action.code.value, action.message)
+        events.info(
+            "%s refused (%s): %s",
+            action.lease_id, action.code.value, plain_text(action.message, SENTENCE_LIMIT),
+        )  # fmt: skip
         conn = self._conn(action.session_id)
         if conn is not None:
             self.broker.send(
@@ -292,7 +300,7 @@ class Effects:
             else "evicted" if action.level == PreemptionLevel.EVICT
             else "paused",
             int(action.level), action.level.name.lower(), action.for_lease or "the broker",
-            action.reason,
+            plain_text(action.reason, SENTENCE_LIMIT),
         )  # fmt: skip
         if action.parks_bytes:
             broker.journal.note(
@@ -350,7 +358,10 @@ class Effects:
         )
 
     def revoke(self, action: core.Revoke, reply: Reply) -> None:
-        events.info("%s (pid %s) revoked: %s", action.lease_id, action.pid, action.reason)
+        events.info(
+            "%s (pid %s) revoked: %s",
+            action.lease_id, action.pid, plain_text(action.reason, SENTENCE_LIMIT),
+        )  # fmt: skip
         conn = self._conn(action.session_id)
         if conn is not None:
             self.broker.send(conn, Revoked(lease_id=action.lease_id, reason=action.reason))
@@ -361,7 +372,7 @@ class Effects:
         broker.timeline.ended(action.lease_id, time.time())
         events.info(
             "%s (pid %s) ended after %.1f s: %s",
-            action.lease_id, action.pid, action.held_s, action.reason,
+            action.lease_id, action.pid, action.held_s, plain_text(action.reason, SENTENCE_LIMIT),
         )  # fmt: skip
         self._journaled.discard(action.lease_id)
         broker.yield_flags.pop(action.lease_id, None)

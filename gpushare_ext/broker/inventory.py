@@ -80,6 +80,18 @@ class InventoryError(DaemonError):
     """A device description could not be read or parsed; the message says which and why."""
 
 
+def managed_devices(devices: list[DeviceInfo], wanted: list[int] | None) -> list[DeviceInfo]:
+    """The devices a broker configured with ``devices = wanted`` manages (all when None);
+    InventoryError if that names none of them (the broker would have nothing to serve)."""
+    chosen = [d for d in devices if wanted is None or d.index in wanted]
+    if not chosen:
+        raise InventoryError(
+            f"none of the devices {wanted} exists here "
+            f"(the inventory has {[d.index for d in devices]})"
+        )
+    return chosen
+
+
 class InventoryBackend(Protocol):
     """Where the broker learns about devices; one real and one simulated implementation."""
 

@@ -13,6 +13,10 @@ an event costs about the same with one lease and with a thousand.
 :meth:`LeaseIndex.mismatch` names the first difference between the two: the property
 tests compare them after every event.
 
+:class:`WaitingLine` keeps the waiters in the order the core serves them, so that an
+event looks at the few waiters it may concern instead of sorting them all (see its
+docstring for how the order stays right while effective priorities grow with time).
+
 It must not decide anything (placement and preemption stay in the core); like the core
 it does no I/O and reads no clock.
 """
@@ -21,11 +25,13 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from fractions import Fraction
+from itertools import pairwise
 from typing import TYPE_CHECKING
 
+from gpushare_ext.broker.policy import effective_priority
 from gpushare_ext.lease_state import LeaseState, check_move
 from gpushare_ext.protocol import SliceWish
 from gpushare_ext.units import priority_band
@@ -62,6 +68,7 @@ class SlotLoad:
     tops: dict[int, int] = field(default_factory=dict)  # per whole running priority
     granted: dict[int, dict[str, float]] = field(default_factory=dict)  # uid: {id: granted at}
     version: int = 0  # changes whenever the running leases do
+    holders_version: int = 0  # changes whenever the running or paused leases do
 
     def lower_band_memory(self, band: int) -> int:
         """Memory held here by leases of a band below ``band``."""
@@ -111,6 +118,9 @@ class LeaseIndex:
         self.by_uid: dict[int, dict[str, Lease]] = {}
         self.by_pid: dict[int, dict[str, Lease]] = {}
         self.making_room: dict[str, Lease] = {}  # waiters whose victims are being evicted
+        # Leases added, dropped or given victims to wait for since the core last asked
+        # (take_changed): the waiting line is brought up to date with these alone.
+        self.changed: dict[str, Lease] = {}
         self._entries: dict[str, _Entry] = {}
 
     # ---- changes
@@ -133,6 +143,7 @@ class LeaseIndex:
             pid=lease.identity.pid,
         )
         self._entries[lease.lease_id] = entry
+        self.changed[lease.lease_id] = lease
         self.by_uid.setdefault(entry.uid, {})[lease.lease_id] = lease
         self.by_pid.setdefault(entry.pid, {})[lease.lease_id] = lease
         if entry.state in WAITING:
@@ -142,6 +153,7 @@ class LeaseIndex:
         load = self.slots[entry.slot]
         load.held += entry.memory
         load.holders[lease.lease_id] = lease
+        load.holders_version += 1
         count, memory = load.holder_bands.get(entry.band, (0, 0))
         load.holder_bands[entry.band] = (count + 1, memory + entry.memory)
         if not running:
@@ -163,6 +175,7 @@ class LeaseIndex:
     def drop(self, lease: Lease) -> None:
         """A lease leaves the system (or is about to be added again, changed)."""
         entry = self._entries.pop(lease.lease_id)
+        self.changed[lease.lease_id] = lease
         _discard(self.by_uid, entry.uid, lease.lease_id)
         _discard(self.by_pid, entry.pid, lease.lease_id)
         self.waiters.pop(lease.lease_id, None)
@@ -172,6 +185,7 @@ class LeaseIndex:
         load = self.slots[entry.slot]
         load.held -= entry.memory
         del load.holders[lease.lease_id]
+        load.holders_version += 1
         count, memory = load.holder_bands.pop(entry.band)
         if count > 1:
             load.holder_bands[entry.band] = (count - 1, memory - entry.memory)
@@ -218,6 +232,7 @@ class LeaseIndex:
 
     def await_evictions(self, lease: Lease, victims: frozenset[str]) -> None:
         lease.awaiting_memory_from = victims
+        self.changed[lease.lease_id] = lease
         if victims:
             self.making_room[lease.lease_id] = lease
         else:
@@ -230,6 +245,12 @@ class LeaseIndex:
             if victim_id in waiter.awaiting_memory_from:
                 rest = frozenset() if give_up else waiter.awaiting_memory_from - {victim_id}
                 self.await_evictions(waiter, rest)
+
+    def take_changed(self) -> list[Lease]:
+        """The leases changed since the last call (see ``changed``), in the order changed."""
+        changed = list(self.changed.values())
+        self.changed.clear()
+        return changed
 
     # ---- the check
 
@@ -245,6 +266,11 @@ class LeaseIndex:
             if kept != recomputed:
                 return f"{name}: kept {kept}, recomputed {recomputed}"
         return ""
+
+    def touch(self, lease: Lease) -> None:
+        """The core changed what the waiting line reads of ``lease`` without moving it (a
+        detached lease reclaimed, a parked session asking for its memory)."""
+        self.changed[lease.lease_id] = lease
 
 
 def rebuilt(slot_keys: Iterable[str], leases: Iterable[Lease]) -> LeaseIndex:
@@ -278,3 +304,250 @@ def _ids(view: dict) -> object:
     if all(isinstance(value, dict) for value in view.values()):
         return sorted((key, sorted(value)) for key, value in view.items())
     return sorted(view)
+
+
+# ------------------------------------------------------------------ the waiting line
+
+TOP_PRIORITY = 299.0  # effective priorities stop growing here
+# How far apart (in priority points) two effective priorities must be for their order to
+# hold without computing them again: far above their rounding (about 1e-13 points), far
+# below any difference a policy makes.
+NEAR = 1e-9
+TICKET_GAP = 1 << 20  # between neighbours' tickets when the line is numbered afresh
+OTHERS = "others"  # the group of every waiter that is not a plain queued request
+
+
+@dataclass(frozen=True, slots=True)
+class Trajectory:
+    """How a waiter's effective priority grows while it waits: ``start`` points at time
+    ``since``, ``rate`` points a minute after that, never above 299; ``arrival`` breaks
+    ties (the earlier goes first)."""
+
+    start: float  # base priority plus the aging kept from earlier waits
+    since: float
+    rate: float
+    arrival: int
+
+    def key_at(self, now: float) -> tuple[float, int]:
+        """Its place in the line at ``now``: the core's queue key, computed the same way."""
+        earned = effective_priority(0, now - self.since, self.rate)
+        return (-min(TOP_PRIORITY, self.start + earned), self.arrival)
+
+    def uncapped_at(self, now: float) -> float:
+        return self.start + self.rate * (now - self.since) / 60.0
+
+    def tops_out_at(self) -> float:
+        """When it reaches the top priority (never without aging)."""
+        if self.rate <= 0:
+            return math.inf
+        return self.since + (TOP_PRIORITY - self.start) * 60.0 / self.rate
+
+
+def ahead_until(first: Trajectory, second: Trajectory, now: float) -> float:
+    """Until when ``first``, ahead of ``second`` at ``now``, surely stays ahead:
+    ``math.inf`` for ever, ``now`` when only computing both again can tell.
+
+    A computed effective priority never decreases as time passes (every step of its sum
+    rounds monotonically), so a waiter stays ahead of one whose priority no longer grows.
+    Otherwise the second catches up only by growing faster (it overtakes where the two
+    lines cross) or by reaching the top with an earlier arrival; both times are taken a
+    little early, by the time the priorities need to come within ``NEAR`` of each other.
+    """
+    if (first.start, first.since, first.rate) == (second.start, second.since, second.rate):
+        return math.inf  # the same sums: arrival decides, for ever
+    if first.rate < 0 or second.rate < 0:
+        return now  # a policy built in code may age backwards: no promise
+    behind = second.uncapped_at(now)
+    if second.rate == 0 or behind >= TOP_PRIORITY:
+        return math.inf
+    ahead = min(TOP_PRIORITY, first.uncapped_at(now))
+    if ahead - behind <= NEAR:
+        return now
+    until = math.inf
+    if second.arrival < first.arrival:  # at the top, the earlier arrival goes first
+        until = second.tops_out_at() - NEAR * 60.0 / second.rate
+    if second.rate > first.rate and ahead < TOP_PRIORITY:
+        faster = second.rate - first.rate
+        until = min(until, now + (ahead - behind - NEAR) * 60.0 / faster)
+    return until
+
+
+@dataclass(kw_only=True, slots=True)
+class Place:
+    """A waiter's place in the line."""
+
+    lease: Lease
+    group: Hashable  # a plain queued request's wanted slots; OTHERS for any other waiter
+    counted: bool  # a queued request (a gang by its rank 0): the places behind count it
+    trajectory: Trajectory
+    ticket: int = 0  # given by the line: tickets increase along it
+
+
+class WaitingLine:
+    """The waiters (queued, paused, evicted) in the order the core serves them, kept
+    from one event to the next.
+
+    Sorting every waiter on every event cost more than a millisecond with a thousand of
+    them.  The line keeps them sorted instead.  Each holds a *ticket*, increasing along
+    the line, so that its groups (the plain queued requests by the slots they want, the
+    other waiters, and the queued requests whose places are told) are lists of tickets
+    that bisect without computing a priority.
+
+    Effective priorities grow while leases wait, at rates that may differ, so time alone
+    could change the order.  For each pair of neighbours the line works out until when
+    the first surely stays ahead (:func:`ahead_until`) and keeps the earliest such time;
+    pairs too close to tell are compared again at every event.  When that time has come,
+    or a close pair has swapped, :meth:`in_order_at` says so and the core sorts the line
+    afresh (:meth:`rebuild`).
+
+    ``first_change`` is the index into ``counted`` from which the places of the queued
+    requests may differ from what they were last told; the core moves it back to the end
+    once it has told them.  The core says who waits and in which group (:meth:`update`);
+    the line only keeps order.
+    """
+
+    def __init__(self) -> None:
+        self.places: dict[str, Place] = {}
+        self.tickets: list[int] = []  # every waiter's, in order
+        self.counted: list[int] = []  # the queued requests', in order
+        self.groups: dict[Hashable, list[int]] = {}
+        self.first_change = 0
+        self.ordered_until = math.inf
+        self._at: dict[int, Place] = {}
+        self._close: list[tuple[Place, Place]] = []  # neighbours compared at every event
+
+    def at(self, ticket: int) -> Place:
+        return self._at[ticket]
+
+    def counted_before(self, ticket: float) -> int:
+        """How many queued requests stand ahead of ``ticket``."""
+        return bisect.bisect_left(self.counted, ticket)
+
+    def in_order_at(self, now: float) -> bool:
+        """Whether the line is still sorted at ``now`` (if not, :meth:`rebuild` it)."""
+        if now >= self.ordered_until:
+            return False
+        close = []
+        for first, second in self._close:
+            places = self.places
+            if places.get(first.lease.lease_id) is not first:
+                continue  # it left the line (or came back elsewhere)
+            if places.get(second.lease.lease_id) is not second:
+                continue
+            if first.trajectory.key_at(now) > second.trajectory.key_at(now):
+                return False
+            close.append((first, second))
+        self._close = close
+        return True
+
+    def rebuild(self, places: list[Place], now: float) -> None:
+        """The line of ``places``, sorted at ``now``; every place counts as changed."""
+        places.sort(key=lambda place: place.trajectory.key_at(now))
+        self.places = {place.lease.lease_id: place for place in places}
+        self._number(places)
+        self.first_change = 0
+        self.ordered_until = math.inf
+        self._close = []
+        for first, second in pairwise(places):
+            self._watch(first, second, now)
+
+    def update(self, lease_id: str, wanted: Place | None, now: float) -> None:
+        """Bring one waiter's place up to date: ``wanted`` says where it belongs (None: it
+        waits no more).  The line must be in order at ``now``."""
+        place = self.places.get(lease_id)
+        if place is not None and (wanted is None or place.trajectory != wanted.trajectory):
+            self.remove(lease_id, now)
+            place = None
+        if wanted is None:
+            return
+        if place is None:
+            self._insert(wanted, now)
+            return
+        if wanted.group != place.group:
+            _untake(self.groups, place.group, place.ticket)
+            place.group = wanted.group
+            bisect.insort(self.groups.setdefault(place.group, []), place.ticket)
+        if wanted.counted != place.counted:
+            place.counted = wanted.counted
+            index = self.counted_before(place.ticket)
+            if place.counted:
+                self.counted.insert(index, place.ticket)
+            else:
+                del self.counted[index]
+            self.first_change = min(self.first_change, index)
+
+    def remove(self, lease_id: str, now: float) -> None:
+        place = self.places.pop(lease_id)
+        index = bisect.bisect_left(self.tickets, place.ticket)
+        del self.tickets[index]
+        del self._at[place.ticket]
+        _untake(self.groups, place.group, place.ticket)
+        if place.counted:
+            counted = self.counted_before(place.ticket)
+            del self.counted[counted]
+            self.first_change = min(self.first_change, counted)
+        if 0 < index < len(self.tickets):
+            self._watch(self._at[self.tickets[index - 1]], self._at[self.tickets[index]], now)
+
+    def _insert(self, place: Place, now: float) -> None:
+        key = place.trajectory.key_at(now)
+        tickets, at = self.tickets, self._at
+        index = len(tickets)
+        if tickets and at[tickets[-1]].trajectory.key_at(now) > key:  # not simply last
+            index = bisect.bisect_right(tickets, key, key=lambda t: at[t].trajectory.key_at(now))
+        place.ticket = self._ticket_for(index)
+        tickets, at = self.tickets, self._at  # numbered afresh if there was no room
+        tickets.insert(index, place.ticket)
+        at[place.ticket] = place
+        self.places[place.lease.lease_id] = place
+        bisect.insort(self.groups.setdefault(place.group, []), place.ticket)
+        if place.counted:
+            counted = self.counted_before(place.ticket)
+            self.counted.insert(counted, place.ticket)
+            self.first_change = min(self.first_change, counted)
+        if index > 0:
+            self._watch(at[tickets[index - 1]], place, now)
+        if index + 1 < len(tickets):
+            self._watch(place, at[tickets[index + 1]], now)
+
+    def _ticket_for(self, index: int) -> int:
+        """A ticket between those at ``index - 1`` and ``index``."""
+        tickets = self.tickets
+        if not tickets:
+            return 0
+        if index == 0:
+            return tickets[0] - TICKET_GAP
+        if index == len(tickets):
+            return tickets[-1] + TICKET_GAP
+        if tickets[index] - tickets[index - 1] < 2:  # no room left: number afresh
+            self._number([self._at[ticket] for ticket in tickets])
+            tickets = self.tickets
+        return (tickets[index - 1] + tickets[index]) // 2
+
+    def _number(self, places: list[Place]) -> None:
+        """Give ``places`` (in order) tickets TICKET_GAP apart and file them."""
+        self.tickets = []
+        self.counted = []
+        self.groups = {}
+        self._at = {}
+        for number, place in enumerate(places):
+            place.ticket = number * TICKET_GAP
+            self.tickets.append(place.ticket)
+            self._at[place.ticket] = place
+            self.groups.setdefault(place.group, []).append(place.ticket)
+            if place.counted:
+                self.counted.append(place.ticket)
+
+    def _watch(self, first: Place, second: Place, now: float) -> None:
+        until = ahead_until(first.trajectory, second.trajectory, now)
+        if until <= now:
+            self._close.append((first, second))
+        else:
+            self.ordered_until = min(self.ordered_until, until)
+
+
+def _untake(groups: dict[Hashable, list[int]], group: Hashable, ticket: int) -> None:
+    tickets = groups[group]
+    del tickets[bisect.bisect_left(tickets, ticket)]
+    if not tickets:
+        del groups[group]

@@ -10,6 +10,7 @@ a token and the counts.
 
 from __future__ import annotations
 
+import errno
 import hmac
 import os
 import socket
@@ -25,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 
 from gpushare_ext.broker.policy import PolicyError
 from gpushare_ext.protocol import LeaseState, priority_class
+from gpushare_ext.safe_fs import describe_owner
 
 _MAX_TOKEN_BYTES = 4096
 _UNAUTHORIZED_BODY = b"401 Unauthorized: send the broker's metrics token as a bearer token\n"
@@ -34,17 +36,31 @@ WSGIApp = Callable[[dict, Callable], Iterable[bytes]]
 
 def read_token_file(path: str | Path) -> str:
     """The bearer token in ``path``, stripped; PolicyError (one line naming the path) if the
-    file is missing, empty, not one token, or open to group or others (it is a secret)."""
+    file is missing, a symbolic link, owned by anyone but the broker's user or root, open
+    to group or others (it is a secret: another user who owns or can read it knows it),
+    empty, or not one token."""
     path = Path(path)
     try:
-        # fstat on the open file: the mode checked is that of the bytes read.
-        with path.open("rb") as file:
-            mode = os.fstat(file.fileno()).st_mode
-            data = file.read(_MAX_TOKEN_BYTES + 1)
+        # O_NOFOLLOW: a link (another user's, to a file of theirs) is refused, not read.
+        # fstat on the open file: the owner and mode checked are those of the bytes read.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as file:
+            info = os.fstat(file.fileno())
+            data = file.read(_MAX_TOKEN_BYTES + 1) if stat.S_ISREG(info.st_mode) else b""
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise PolicyError(
+                f"metrics token file {path} is a symbolic link; name the file itself"
+            ) from None
         raise PolicyError(f"metrics token file {path}: {exc.strerror or exc}") from None
+    mode = info.st_mode
     if not stat.S_ISREG(mode):
         raise PolicyError(f"metrics token file {path} is not a regular file")
+    if info.st_uid not in (0, os.geteuid()):
+        raise PolicyError(
+            f"metrics token file {path} belongs to {describe_owner(info.st_uid)}, who then "
+            "knows the token; it must belong to the broker's user or root"
+        )
     if mode & 0o077:
         raise PolicyError(
             f"metrics token file {path} is open to group or others (mode "

@@ -23,8 +23,11 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from gpushare_ext.broker import core, schema
+from gpushare_ext.broker.chaos import ChaosError, ChaosSpec
 from gpushare_ext.broker.config import BrokerConfig, load_config, parse_config, restart_needed
 from gpushare_ext.broker.effects import Reply, journal_record
+from gpushare_ext.broker.inventory import InventoryError, managed_devices
+from gpushare_ext.broker.metrics import read_token_file
 from gpushare_ext.broker.peers import (
     Connection,
     claimed_pid_matches,
@@ -42,6 +45,7 @@ from gpushare_ext.protocol import (
     AdminAction,
     AttachRanks,
     CellActivity,
+    Chaos,
     ClientMessageUnion,
     ErrorCode,
     Heartbeat,
@@ -85,6 +89,7 @@ class Requests:
             Restore: self.restore,
             Park: self.park,
             AttachRanks: self.attach_ranks,
+            Chaos: self.chaos,
         }
 
     def handle(self, conn: Connection, message: ClientMessageUnion) -> None:
@@ -139,6 +144,9 @@ class Requests:
                     start_ticks=conn.start_ticks,
                 ),
                 notebook=hello.notebook,
+                reachable=tuple(hello.visible_devices)
+                if hello.visible_devices is not None
+                else None,
             )
         )
         # The welcome goes first: what reclaiming sets off (a resume, a pause again, a
@@ -318,6 +326,41 @@ class Requests:
             ),
         )
 
+    def chaos(self, conn: Connection, message: Chaos) -> None:
+        """Admins: pause one process at random moments (``gpushare chaos``), or stop that."""
+        broker = self.broker
+        if not conn.is_admin:
+            raise ProtocolError(
+                ErrorCode.PERMISSION, f"only admins may start chaos mode; {conn.user} is not one"
+            )
+        running = broker.chaos.pop(message.pid, None)
+        if running is not None:
+            running.stop()
+        if message.stop:
+            detail = running.describe() if running is not None else "no chaos for that pid"
+            broker.send(conn, Ok(reply_to=message.seq, detail=detail))
+            return
+        spec = ChaosSpec(
+            pid=message.pid,
+            every_ms=(message.every_ms[0], message.every_ms[1]),
+            pause_ms=(message.pause_ms[0], message.pause_ms[1]),
+            levels=tuple(sorted(set(message.levels))),
+            duration_s=message.duration_s,
+            seed=message.seed,
+        )
+        try:
+            spec.check()
+        except ChaosError as exc:
+            raise ProtocolError(ErrorCode.INVALID, str(exc)) from None
+        if broker.scheduler.session_of_pid(message.pid) is None:
+            # A session, not a lease yet: chaos waits for the process's next lease.
+            raise ProtocolError(
+                ErrorCode.INVALID, f"pid {message.pid} has no session with this broker"
+            )
+        runner = broker.start_chaos(spec)
+        broker.journal.note("chaos", None, {"by": conn.user, "spec": spec.describe()})
+        broker.send(conn, Ok(reply_to=message.seq, detail=runner.describe()))
+
     def heartbeat(self, conn: Connection, message: Heartbeat) -> None:
         self.broker.send(conn, Ok(reply_to=message.seq))
 
@@ -431,11 +474,35 @@ class Requests:
         except PolicyError as exc:
             raise ProtocolError(ErrorCode.INVALID, str(exc)) from None
 
+    def _check_startable(self, new: BrokerConfig, later: list[str]) -> None:
+        """Refuse a setting that only a restart applies if that restart would fail on it:
+        the policy is then not applied at all, and the admin hears why now rather than
+        from a broker that no longer starts."""
+
+        def refuse(key: str, why: str) -> None:
+            raise ProtocolError(
+                ErrorCode.INVALID,
+                f"broker.{key} = {getattr(new, key)!r} would stop the broker at its next "
+                f"start: {why}; nothing was changed",
+            )
+
+        if "devices" in later:
+            try:
+                managed_devices(self.broker.inventory.devices(), new.devices)
+            except InventoryError as exc:
+                refuse("devices", str(exc))
+        if "metrics_token_file" in later and new.metrics_token_file:
+            try:
+                read_token_file(new.metrics_token_file)
+            except PolicyError as exc:
+                refuse("metrics_token_file", str(exc))
+
     def _new_config(self, conn: Connection, new: BrokerConfig) -> str:
         """Apply everything a running broker can change; name what needs a restart."""
         broker = self.broker
         running = broker.config
         later = restart_needed(running, new)
+        self._check_startable(new, later)
         # Settings only a restart changes keep their running values (some came from the
         # command line, which a new file does not override either).
         applied = replace(new, **{key: getattr(running, key) for key in schema.restart_keys()})

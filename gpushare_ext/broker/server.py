@@ -29,6 +29,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import time
 from collections import deque
 from pathlib import Path
@@ -41,9 +42,22 @@ from gpushare_ext.broker.actuators import (
     open_process_control,
     pid_alive,
 )
+from gpushare_ext.broker.chaos import ChaosSpec
+from gpushare_ext.broker.chaos_runner import (
+    ChaosRunner,
+    ChaosTarget,
+    allowed_levels,
+    running_untouched,
+)
 from gpushare_ext.broker.config import BrokerConfig
 from gpushare_ext.broker.effects import NO_REPLY, Effects, Reply
-from gpushare_ext.broker.inventory import MIB, InventoryBackend, SimulatedInventory
+from gpushare_ext.broker.inventory import (
+    MIB,
+    InventoryBackend,
+    InventoryError,
+    SimulatedInventory,
+    managed_devices,
+)
 from gpushare_ext.broker.journal import Journal
 from gpushare_ext.broker.metrics import BrokerMetrics, read_token_file
 from gpushare_ext.broker.parking import HostMemory
@@ -66,12 +80,15 @@ from gpushare_ext.broker.requests import Requests
 from gpushare_ext.broker.timeline import Timeline
 from gpushare_ext.broker.views import Tally, tally
 from gpushare_ext.devices import DeviceReading
+from gpushare_ext.lease_state import LeaseState
 from gpushare_ext.paths import BrokerPaths
+from gpushare_ext.plain_text import SENTENCE_LIMIT, plain_text
 from gpushare_ext.protocol import (
     BrokerMessage,
     Error,
     ErrorCode,
     FrameReader,
+    PreemptionLevel,
     ProtocolError,
     decode_client_message,
     encode_frame,
@@ -100,14 +117,10 @@ class Broker:
         self.paths = paths
         self.inventory = inventory
         self.inventory_note = inventory_note
-        self.devices = [
-            d for d in inventory.devices() if config.devices is None or d.index in config.devices
-        ]
-        if not self.devices:
-            raise RuntimeError(
-                f"none of the devices {config.devices} exists here "
-                f"(the inventory has {[d.index for d in inventory.devices()]})"
-            )
+        try:
+            self.devices = managed_devices(inventory.devices(), config.devices)
+        except InventoryError as exc:
+            raise RuntimeError(str(exc)) from None
         self.pid = os.getpid()
         self.scheduler = core.Scheduler(self.devices, config.policy)
         self.metrics = BrokerMetrics()
@@ -131,7 +144,9 @@ class Broker:
         }
         self.readings = {r.index: r for r in inventory.readings() if r.index in self.history}
         self.yield_flags: dict[str, tuple[str, int]] = {}  # lease id -> (handle, offset)
+        self.chaos: dict[int, ChaosRunner] = {}  # pid -> the chaos runner pausing it
         self.sessions_dir: Path = paths.socket.parent
+        self._prepared_sessions: Path | None = None  # made by this start (removed if it fails)
         self.salt = ""
         self.started = time.time()
         self.should_exit = False
@@ -155,7 +170,24 @@ class Broker:
         os.umask(0o077)  # what the broker creates is its own unless it says otherwise
         prepare_socket_directory(self.paths)
         listener = bind_socket(self.paths, self.config.socket_group)
-        self.sessions_dir = prepare_sessions_directory(self.paths)
+        try:
+            await self._start_on(listener)
+        except BaseException:
+            # A start that fails half way leaves nothing behind: no socket that answers
+            # nobody (a system broker's is open to every user), no sessions directory.
+            if self._server is not None:
+                self._server.close()  # it owns the listener from its start on
+            else:
+                listener.close()
+            if self._prepared_sessions is not None:
+                remove_sessions_directory(self.paths, self._prepared_sessions)
+            with contextlib.suppress(OSError):
+                self.paths.socket.unlink()
+            self.metrics.close()
+            raise
+
+    async def _start_on(self, listener: socket.socket) -> None:
+        self.sessions_dir = self._prepared_sessions = prepare_sessions_directory(self.paths)
         self.salt = self.journal.meta("salt") or secrets.token_hex(8)
         self.journal.set_meta("salt", self.salt)
         recover(self)
@@ -197,6 +229,71 @@ class Broker:
                 f"{self.config.metrics_port}: {exc.strerror or exc}"
             ) from None
 
+    def start_chaos(self, spec: ChaosSpec) -> ChaosRunner:
+        """Start pausing ``spec.pid`` at random moments (an admin asked; see chaos.py)."""
+        runner = ChaosRunner(
+            spec,
+            ladder=self.ladder,
+            find=self._chaos_target,
+            journal_applied=self._chaos_applied,
+            journal_undone=self.journal.actuation_undone,
+        )
+        self.chaos[spec.pid] = runner
+
+        async def run() -> None:
+            try:
+                await runner.run()
+            finally:
+                if self.chaos.get(spec.pid) is runner:
+                    del self.chaos[spec.pid]
+
+        self.effects.spawn(run())
+        return runner
+
+    def _chaos_target(self, pid: int) -> ChaosTarget | None:
+        """The lease the process ``pid`` holds (the first, by id), as chaos sees it."""
+        leases = sorted(
+            (
+                lease
+                for lease in self.scheduler.active_leases()
+                if lease.identity.pid == pid
+                and lease.slot is not None
+                and lease.state in (LeaseState.RUNNING, LeaseState.PAUSED, LeaseState.EVICTED)
+            ),
+            key=lambda lease: lease.lease_id,
+        )
+        if not leases:
+            return None
+        lease = leases[0]
+        target = self.effects.target(lease.lease_id, pid, lease.slot)
+        return ChaosTarget(
+            lease_id=lease.lease_id,
+            running_untouched=running_untouched(
+                lease.state, lease.pending_level, lease.applied_level
+            ),
+            target=target,
+            allowed=allowed_levels(
+                target,
+                lockable=lease.capabilities.lockable,
+                simulated=self.control.kind == "simulated",
+            ),
+        )
+
+    def _chaos_applied(self, found: ChaosTarget, level: PreemptionLevel) -> int | None:
+        """A chaos lock or eviction is journaled before it is applied (crash recovery
+        undoes it); a gate or a yield needs nothing: a session whose broker is gone
+        opens its control block itself."""
+        if level < PreemptionLevel.LOCK:
+            return None
+        block = found.target.control_block
+        return self.journal.actuation_applied(
+            found.lease_id,
+            found.target.pid,
+            found.target.device_index,
+            int(level),
+            str(block.path) if block is not None else "",
+        )
+
     def handle_exit(self, sig: int | None = None) -> None:
         if self.should_exit:
             self.force_exit = True
@@ -215,6 +312,8 @@ class Broker:
         log.info("broker shutting down")
         if self._server is not None:
             self._server.close()
+        for runner in list(self.chaos.values()):
+            runner.stop()  # each lets its process go before the drain below returns
         # Ladder steps under way finish first: an unlock must not overtake its lock.
         await self.effects.drain(timeout=0.5 if self.force_exit else 10)
         # Leave no process locked: undo every actuator, keep the leases (and the state
@@ -515,7 +614,7 @@ class Broker:
                 type(message).__struct_config__.tag,
                 conn.pid,
                 type(exc).__name__,
-                exc,
+                plain_text(str(exc), SENTENCE_LIMIT),  # it may quote what the client sent
             )
             self.send_error(
                 conn, message.seq, ErrorCode.INTERNAL, f"internal error ({type(exc).__name__})"

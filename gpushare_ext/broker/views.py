@@ -2,7 +2,10 @@
 
 Users see their own leases in full; others appear as ``user-xxxx`` (a salted hash of
 the uid) without pid, notebook or label; admins see everything.  The snapshot feeds
-``gpushare status``, the widget and the JupyterLab panel.  The once-a-second tick reads
+``gpushare status``, the widget and the JupyterLab panel.  What people wrote (labels,
+notebook and user names, reasons that quote a session's note) leaves here as
+:func:`~gpushare_ext.plain_text.plain_text` makes it: one line, every character shown
+as itself, so every viewer gets the same harmless text.  The once-a-second tick reads
 :func:`tally` instead: counts of the active leases in one pass, without a view of each
 (a snapshot of a thousand leases held up the event loop for 10-15 ms).
 
@@ -23,6 +26,7 @@ from gpushare_ext.broker.inventory import MIB
 from gpushare_ext.broker.metrics import DeviceMemory
 from gpushare_ext.broker.peers import Connection
 from gpushare_ext.devices import DeviceInfo
+from gpushare_ext.plain_text import SENTENCE_LIMIT, plain_text
 from gpushare_ext.protocol import (
     DeviceView,
     LeaseState,
@@ -46,8 +50,10 @@ def anonymous_name(salt: str, uid: int) -> str:
 
 
 def display_user(broker: Broker, identity: core.Identity, viewer: Connection | None) -> str:
+    """``identity``'s user as ``viewer`` may see it: the name (as plain text: account
+    names come from a directory service others may write) or ``user-xxxx``."""
     if viewer is None or viewer.is_admin or viewer.uid == identity.uid:
-        return identity.user
+        return plain_text(identity.user)
     return anonymous_name(broker.salt, identity.uid)
 
 
@@ -83,10 +89,10 @@ def _lease_view(
         since_s=round(now - lease.state_since, 3),
         waited_s=round(lease.waited_s if lease.granted_at else now - lease.requested_at, 3),
         position=position,
-        reason=reason,
-        label=lease.label if detailed else "",
+        reason=plain_text(reason, SENTENCE_LIMIT),
+        label=plain_text(lease.label) if detailed else "",
         pid=lease.identity.pid if detailed else None,
-        notebook=(session.notebook if session else "") if detailed else "",
+        notebook=plain_text(session.notebook if session else "") if detailed else "",
         preemption_level=_level_of(lease),
         estimate_s=(
             round(max(0.0, lease.estimate_s - (now - lease.estimated_at)), 1)
@@ -211,6 +217,8 @@ def _notes(broker: Broker) -> list[str]:
             f"{what} cannot be paused (checkpoint lock unsupported, e.g. an MPS client): "
             "it time-slices"
         )
+    for runner in broker.chaos.values():  # everyone sees it: their GPU time is shared with it
+        notes.append(runner.describe())
     return notes
 
 
@@ -240,7 +248,7 @@ def snapshot(broker: Broker, viewer: Connection | None) -> Snapshot:
         inventory=broker.inventory.kind,
         inventory_description=broker.inventory.description,
         time=now,
-        you=viewer.user if viewer else "",
+        you=plain_text(viewer.user) if viewer else "",
         is_admin=bool(viewer and viewer.is_admin),
         devices=_device_views(broker, viewer, now),
         leases=leases,

@@ -34,6 +34,36 @@ class Binding:
     how: str  # one sentence for the user
 
 
+# Where the NVIDIA container toolkit's "volume-mounts" strategy lists a container's GPUs
+# (one empty file per UUID) when NVIDIA_VISIBLE_DEVICES points there.
+CONTAINER_DEVICES_DIR = "/var/run/nvidia-container-devices"
+MAX_VISIBLE = 64  # what the broker's hello accepts
+
+
+def visible_gpus(environ: dict[str, str] | None = None) -> list[str] | None:
+    """The host's GPUs this process can reach, for the broker to place its leases on:
+    None where every GPU of the host is reachable (``NVIDIA_VISIBLE_DEVICES`` unset or
+    ``all``), else the GPU or MIG UUIDs (or host indices) that the NVIDIA device plugin
+    gave the container, ``[]`` for none (``void``, ``none``).
+
+    The container runtime reads ``NVIDIA_VISIBLE_DEVICES``; inside the container CUDA
+    and NVML number the GPUs it exposed from 0, so only UUIDs and host indices mean the
+    same to the broker on the host."""
+    environ = os.environ if environ is None else environ
+    value = environ.get("NVIDIA_VISIBLE_DEVICES", "").strip()
+    if value in ("", "all"):
+        return None
+    if value in ("void", "none"):
+        return []
+    if value.startswith(CONTAINER_DEVICES_DIR):
+        try:
+            names = sorted(os.listdir(value))
+        except OSError:
+            return None  # nothing to go by: the broker places as on any host
+        return names[:MAX_VISIBLE]
+    return [part.strip() for part in value.split(",") if part.strip()][:MAX_VISIBLE]
+
+
 def cuda_initialised() -> bool:
     try:
         with open("/proc/self/maps") as maps:

@@ -22,9 +22,14 @@ import sys
 import time
 from pathlib import Path
 
-from gpushare_ext.paths import SYSTEM_SOCKET, user_runtime_dir
+from gpushare_ext.paths import SYSTEM_SOCKET, trusted_broker_uids, user_runtime_dir
 from gpushare_ext.runtime.errors import SessionError
-from gpushare_ext.safe_fs import UnsafePathError, open_private_file, trusted_directory
+from gpushare_ext.safe_fs import (
+    UnsafePathError,
+    check_socket,
+    open_private_file,
+    trusted_directory,
+)
 
 
 class EmbeddedBrokerError(SessionError):
@@ -46,10 +51,18 @@ def prepare_runtime_dir(runtime: Path) -> Path:
 
 
 def broker_answers(path: Path, timeout: float = 0.5) -> bool:
+    """Whether a broker listens on ``path``.  Only a socket this user could trust is
+    tried at all: a bare ``connect()`` already tells whoever listens the caller's pid,
+    uid and gid (``SO_PEERCRED``), so a socket in a directory another user prepared is
+    never touched (the caller then refuses that directory in one line)."""
+    try:
+        resolved = check_socket(path, trusted=trusted_broker_uids())
+    except (OSError, UnsafePathError):  # nothing there, or nothing this user may trust
+        return False
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(timeout)
     try:
-        probe.connect(str(path))
+        probe.connect(str(resolved))
     except OSError:
         return False
     finally:

@@ -289,7 +289,6 @@ class GpuSession:
         self._relays: set[GateRelay] = set()  # running gangs' workers map an older block
         self.parked: ParkedMemory | None = None  # the broker parked this idle session
         self._pause_watch: threading.Thread | None = None  # Ctrl-C while paused: see there
-        self._paused_now = threading.Event()
 
     # ---- connection
 
@@ -330,6 +329,7 @@ class GpuSession:
             notebook=self.notebook,
             reclaim=[h.lease_id for h in earlier],
             listener=lambda message: self._on_message(message, token),
+            visible_devices=binding.visible_gpus(),
         )
         self._client_token = token
         self._generation += 1
@@ -904,7 +904,6 @@ class GpuSession:
         this session paused (see :meth:`let_go_for_interrupt`).  It is needed because at
         the lock level the kernel's main thread may sit inside a CUDA call that returns
         only once the process is unlocked: Python's own handler would never run."""
-        self._paused_now.set()
         if self._pause_watch is not None or interpose.watch_interrupts() is None:
             return
         self._pause_watch = threading.Thread(
@@ -913,22 +912,23 @@ class GpuSession:
         self._pause_watch.start()
 
     def _pause_watch_loop(self) -> None:
+        # It reads the control block itself (a word of shared memory): the notice of a
+        # pause may come before the broker has published the pause in the block.
+        seen: int | None = None
         while not self._closed:
-            if not self._paused_now.wait(1.0):
-                continue
+            time.sleep(PAUSE_WATCH_S)
             block = self.control_block
-            if block is None or not block.paused:
-                self._paused_now.clear()
+            if block is None or block.closed or not block.paused:
+                seen = None
                 continue
-            seen = interpose.watch_interrupts()
-            while seen is not None and not self._closed and block.paused and not block.closed:
-                time.sleep(PAUSE_WATCH_S)
-                # Put the shim's handler in front again each time: Python code may have set
-                # its own meanwhile (the launch hook does, for the length of a launch).
-                if interpose.watch_interrupts() != seen:
-                    self.let_go_for_interrupt()
-                    break
-            self._paused_now.clear()
+            # The shim's handler goes in front again each time: Python code may have set
+            # its own meanwhile (ipykernel at each cell, the launch hook for a launch).
+            counted = interpose.watch_interrupts()
+            if seen is None:
+                seen = counted
+            elif counted != seen:
+                self.let_go_for_interrupt()
+                seen = None
 
     def let_go_for_interrupt(self, wait_s: float = LET_GO_WAIT_S) -> bool:
         """Ctrl-C while the broker holds this session paused: the interrupted cell is

@@ -13,6 +13,11 @@
  * It only draws: no network, no timers, no imports. Data comes in as the JSON form of
  * `gpushare_ext.protocol.Snapshot` (`protocol.snapshot_to_builtins`). Anonymisation is
  * the broker's job; this file shows `LeaseView.user` as it arrives.
+ *
+ * Labels, reasons and names are other people's words. The broker sends them as plain
+ * text (one line, escapes and bidi controls shown as stand-ins: gpushare_ext/plain_text.py),
+ * and this file puts text into the page only as `textContent`, `title` or an SVG
+ * attribute, never as HTML, so "<b>" or "[bold red]" in a label shows as those characters.
  */
 
 /** Memory slices of the MIG layout of A100/H100/H200 (what profiles' placements index). */

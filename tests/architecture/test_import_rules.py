@@ -5,7 +5,8 @@ no cycle.
 Rooms, lowest first:
 
 * the ground floor (``protocol``, ``devices``, ``units``, ``control_block``, ``client``,
-  ``errors``, ``paths``, ``safe_fs``, ``lease_state``): imports nothing else of gpushare;
+  ``errors``, ``paths``, ``safe_fs``, ``lease_state``, ``plain_text``): imports nothing
+  else of gpushare;
 * ``kernels`` (the kernel compiler): the ground floor;
 * ``broker`` and ``runtime``, side by side: the ground floor and ``kernels``, never
   each other;
@@ -30,6 +31,7 @@ GROUND = {
     "safe_fs",
     "errors",
     "lease_state",
+    "plain_text",
 }
 ALLOWED: dict[str, set[str]] = {
     "ground": {"ground"},

@@ -4,6 +4,7 @@ and kept across a broker killed with ``kill -9``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -250,6 +251,7 @@ def test_workers_in_a_pid_namespace_of_their_own_are_named_by_their_own_numbers(
             assert [views[r.lease_id] for r in gang.ranks] == workers
     finally:
         for child in psutil.Process(box.pid).children(recursive=True):
-            child.kill()
+            with contextlib.suppress(psutil.NoSuchProcess):  # gone with its parent
+                child.kill()
         box.kill()
         box.wait(timeout=5)

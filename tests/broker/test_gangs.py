@@ -307,3 +307,23 @@ def test_a_gang_under_mps_is_held_at_the_gate_and_one_without_a_gate_time_slices
     ]  # fmt: skip
     assert states(hub, "L2") == [LeaseState.RUNNING] * 2  # nothing can stop it: it time-slices
     assert only(actions, core.Grant).lease_id == "L3"
+
+
+def test_a_gang_with_a_rank_that_cannot_be_evicted_runs_on_rather_than_hold_the_gpu():
+    """One rank evicted, the other's eviction failed: that rank's memory stays whatever
+    happens, so the request it was stopped for can never fit.  The gang comes back and
+    runs to its end (freeing the memory), rather than everyone waiting for ever."""
+    hub = Hub()
+    trainer, other = hub.open("trainer"), hub.open("other")
+    hub.request(trainer, "L1", memory=60 * GIB, ranks=2, priority=LOW)
+    actions = hub.request(other, "L2", memory=100 * GIB, priority=NORMAL)
+    assert {p.lease_id for p in of_type(actions, core.Preempt)} == {"L1.0", "L1.1"}
+
+    hub.applied("L1.0", PreemptionLevel.EVICT)
+    resumed = hub.failed("L1.1", PreemptionLevel.EVICT, "cannot be evicted: checkpoint failed")
+    resumed += hub.advance(1.0)
+
+    assert states(hub, "L1") == [LeaseState.RUNNING] * 2, resumed
+    assert hub.state("L2") == LeaseState.QUEUED
+    grant = only(hub.release(trainer, "L1"), core.Grant)  # the gang's end frees the GPU
+    assert grant.lease_id == "L2"

@@ -144,6 +144,27 @@ def test_a_bad_policy_sent_by_an_admin_gets_one_line_and_changes_nothing(broker,
     _admin(broker, "undrain", device=0)
 
 
+@pytest.mark.parametrize(
+    ("text", "names"),
+    [
+        ("[broker]\ndevices = [99]\n", "none of the devices [99] exists here"),
+        ('[broker]\nmetrics_token_file = "/nonexistent/token"\n', "No such file or directory"),
+    ],
+)
+def test_a_policy_whose_restart_would_fail_is_refused_now(broker, text, names):
+    """A setting only a restart applies is checked as the next start would check it: the
+    admin hears now what would stop the broker, and nothing is changed."""
+    code, message = _admin(broker, "set_policy", policy_toml=text)
+    assert code == ErrorCode.INVALID.value, message
+    assert names in message and "would stop the broker at its next start" in message
+    assert "\n" not in message
+    # Nothing was applied: a valid policy afterwards still names no pending restart.
+    assert _admin(broker, "set_policy", policy_toml="[defaults]\nmax_leases = 3\n") == (
+        "ok",
+        "policy updated",
+    )
+
+
 def _my_admin_rights(socket_path) -> bool:
     with BrokerClient(socket_path) as client:
         return client.welcome.is_admin

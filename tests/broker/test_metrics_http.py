@@ -4,6 +4,8 @@ token file an admin writes, refused when it is not a private, single-token file.
 
 from __future__ import annotations
 
+import os
+import pwd
 import socket
 import urllib.error
 import urllib.request
@@ -11,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support import short_tempdir
 
 from gpushare_ext.broker.metrics import BrokerMetrics, read_token_file
 from gpushare_ext.broker.policy import PolicyError
@@ -179,3 +182,54 @@ def test_a_missing_token_file_is_named(tmp_path):
     assert str(raised.value) == (
         f"metrics token file {tmp_path / 'absent.token'}: No such file or directory"
     )
+
+
+def test_a_token_file_another_user_owns_is_refused(tmp_path, two_users):
+    """0600 but another user's: that user knows the token the root broker would use."""
+    _, other = two_users
+    path = token_file(tmp_path, TOKEN.encode())
+    os.chown(path, pwd.getpwnam(other).pw_uid, -1)
+    with pytest.raises(PolicyError) as raised:
+        read_token_file(path)
+    message = str(raised.value)
+    assert str(path) in message and other in message and "\n" not in message
+
+
+def test_a_link_to_a_token_file_is_refused(tmp_path):
+    """Another user's link to a file of theirs (or to the real one): never followed."""
+    target = token_file(tmp_path, TOKEN.encode())
+    link = tmp_path / "link.token"
+    link.symlink_to(target)
+    with pytest.raises(PolicyError) as raised:
+        read_token_file(link)
+    assert str(raised.value) == (
+        f"metrics token file {link} is a symbolic link; name the file itself"
+    )
+
+
+def test_a_broker_that_cannot_serve_metrics_leaves_nothing_behind(tmp_path):
+    """It exits 1 with the reason, and neither its socket (a system broker's is open to
+    every user) nor its sessions directory under /dev/shm stays."""
+    import subprocess
+    import sys
+
+    from gpushare_ext.paths import SHM_DIR, sessions_prefix_for
+
+    token = token_file(tmp_path, TOKEN.encode(), 0o644)
+    directory = short_tempdir()
+    socket_path = directory / "broker.sock"
+    config = directory / "broker.toml"
+    config.write_text(
+        f'[broker]\nmetrics_port = {free_port("127.0.0.1")}\nmetrics_token_file = "{token}"\n'
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "gpushare_ext.cli", "broker", "--simulate", "h200",
+         "--socket", str(socket_path), "--journal", str(directory / "journal.sqlite"),
+         "--config", str(config)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "open to group or others" in done.stderr
+    assert not socket_path.exists()
+    leftovers = list(SHM_DIR.glob(sessions_prefix_for(socket_path) + "*"))
+    assert leftovers == []

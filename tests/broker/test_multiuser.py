@@ -1,4 +1,5 @@
-"""Two real Unix users on one system broker: neither can touch, or see into, the other's work.
+"""Two real Unix users on one system broker: neither can touch, or see into, the other's work,
+nor send anything but plain text to the other's (or root's) ``gpushare status``.
 
 The broker runs as root in system mode on a socket in a world-accessible directory;
 each user's client is a forked child that dropped to that user with setgid/setuid.
@@ -6,13 +7,20 @@ each user's client is a forked child that dropped to that user with setgid/setui
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pwd
 import re
 import shutil
+import struct
+import subprocess
+import sys
+import termios
+import tty
+import unicodedata
 
 import pytest
-from broker_wire import status_of
+from broker_wire import status_of, wait_for
 from support import is_root, launch_broker, run_as
 
 from gpushare_ext.client import BrokerClient, BrokerError
@@ -168,3 +176,141 @@ def test_a_user_cannot_park_another_users_notebook(two_users, system_broker, for
         "only an admin may park it"
     )
     a.send("done")
+
+
+# ------------------------------------------------------------------ text one user writes
+
+# What a session may write: a label that clears the screen, sets the terminal's title
+# and draws a fake row of root's table; a note that was rich markup (a closing tag that
+# made `gpushare status` exit 1, a hyperlink and bold red text) with a bidi override.
+HOSTILE_LABEL = (
+    "\x1b[2J\x1b[H\x1b]0;owned\x07FAKE\nL7   root   high   running   GPU 0   140 GiB [/]"
+)
+HOSTILE_NOTE = (
+    "[link=https://example.invalid/x]details[/link] [bold red]ADMIN NOTICE: run "
+    "\u202ehs.tpircs[/bold red] [/]"
+)
+SGR = re.compile(rb"\x1b\[[0-9;]*m")  # the colours and weights status itself uses
+
+
+def _hold_a_lease_saying(channel, socket_path, note: str) -> None:
+    """A user's low-priority lease labelled ``HOSTILE_LABEL``, whose session writes
+    ``note`` into its control block (as its runtime writes what its kernels got)."""
+    from gpushare_ext.control_block import ControlBlock
+
+    with BrokerClient(socket_path, notebook="[/]\x1b[31mthesis.ipynb") as client:
+        lease = client.request_lease(priority=50, label=HOSTILE_LABEL)
+        assert isinstance(lease, Granted), lease
+        if note:
+            block = ControlBlock.open(client.welcome.control_block)
+            block.write_session_note(note)
+            block.close()
+        channel.send(lease.lease_id)
+        channel.recv()
+
+
+def _take_the_gpu(channel, socket_path) -> None:
+    """Another user's high-priority lease, labelled as hostilely: it pauses the first."""
+    with BrokerClient(socket_path) as client:
+        lease = client.request_lease(priority=250, label=HOSTILE_LABEL)
+        assert isinstance(lease, Granted), lease
+        channel.send(lease.lease_id)
+        channel.recv()
+
+
+def _status_as(user: str | None, socket_path, columns: int, *, terminal: bool) -> tuple[int, bytes]:
+    """``gpushare status`` as ``user`` runs it (None: root), on a colour terminal of
+    ``columns`` (a pseudo-terminal: rich sees a tty) or into a pipe; (status, output)."""
+    command = [sys.executable, "-m", "gpushare_ext.cli", "status", "--socket", str(socket_path)]
+    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR", "TERM")}
+    env.update(TERM="xterm-256color", COLUMNS=str(columns), LINES="50")
+    who = {}
+    if user is not None:
+        entry = pwd.getpwnam(user)
+        who = {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
+    if not terminal:
+        done = subprocess.run(command, capture_output=True, env=env, timeout=60, **who)
+        return done.returncode, done.stdout + done.stderr
+    leader, follower = os.openpty()
+    tty.setraw(follower)  # bytes as the program wrote them: no CR added before each LF
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    process = subprocess.Popen(command, stdout=follower, stderr=follower, env=env, **who)
+    os.close(follower)
+    output = b""
+    while True:
+        try:
+            chunk = os.read(leader, 1 << 16)
+        except OSError:  # EIO: the program closed its end of the terminal
+            break
+        if not chunk:
+            break
+        output += chunk
+    os.close(leader)
+    return process.wait(timeout=60), output
+
+
+def _lease_rows(text: str) -> list[str]:
+    """The lease id in each row of the leases table (lines of a row wrapped inside a
+    cell leave the first cell empty)."""
+    _, _, after_title = text.partition("leases and queue")
+    table, _, _ = after_title.partition("\n└")
+    return re.findall(r"^│ (\S+) ", table, flags=re.MULTILINE)
+
+
+def _assert_shows_only_text(output: bytes, *, colours: bool) -> str:
+    """Only the view's own line breaks (and colours on a terminal) are not text: no
+    escape sequence, control character, bidi control or line separator came through."""
+    text = (SGR.sub(b"", output) if colours else output).decode()
+    assert "\x1b" not in text, ascii(text)
+    hidden = {"Cc", "Cf", "Zl", "Zp"}
+    assert all(c == "\n" or unicodedata.category(c) not in hidden for c in text), ascii(text)
+    return text
+
+
+def test_a_users_label_and_note_reach_other_users_and_root_as_plain_text(
+    two_users, start_broker, forked_users
+):
+    user_a, user_b = two_users
+    running = start_broker(system=True)
+    a = forked_users(user_a, _hold_a_lease_saying, running.socket, HOSTILE_NOTE)
+    paused_id = a.recv()
+    b = forked_users(user_b, _take_the_gpu, running.socket)
+    running_id = b.recv()
+    said = wait_for(
+        lambda: next(
+            (
+                v
+                for v in status_of(running.socket).leases
+                if v.lease_id == paused_id and "the session says" in v.reason
+            ),
+            None,
+        )
+    )
+    assert said is not None and said.state.value == "paused", status_of(running.socket)
+
+    # Another user (who sees its own label), root (every label), the writer itself (its
+    # reason; the other's label is not its to see).
+    for user, why in ((user_b, [paused_id, running_id]), (None, [paused_id, running_id]),
+                      (user_a, [paused_id])):  # fmt: skip
+        status, output = _status_as(user, running.socket, 80, terminal=True)
+        assert status == 0, output.decode(errors="replace")
+        assert SGR.search(output), "no colours: the command did not see a terminal"
+        text = _assert_shows_only_text(output, colours=True)
+        assert _lease_rows(text) == [paused_id, running_id], text
+        # Below the table at 80 columns: one line a lease, cut at the edge; the label's
+        # line break is a "␤" in it, so its fake row starts no line.
+        reasons = [line for line in text.splitlines() if re.match(r"L\d+: ", line)]
+        assert [line.split(":")[0] for line in reasons] == why, text
+        assert all(len(line) <= 80 for line in reasons), text
+        assert not re.search(r"^(FAKE|L7 )", text, flags=re.MULTILINE), text
+
+        status, output = _status_as(user, running.socket, 400, terminal=False)
+        assert status == 0, output.decode(errors="replace")
+        text = _assert_shows_only_text(output, colours=False)
+        assert _lease_rows(text) == [paused_id, running_id], text
+        # The note, whole and as typed, is the session's word in the paused lease's row.
+        assert "the session says: [link=https://example.invalid/x]details[/link] [bold red]" in text
+        assert "<U+202E>hs.tpircs[/bold red] [/]" in text
+
+    a.send("done")
+    b.send("done")

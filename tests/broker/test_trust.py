@@ -115,15 +115,21 @@ def test_a_runtime_directory_prepared_by_another_user_is_refused_in_one_line(
         assert os.listdir(victim_runtime) == []
 
 
-def _fake_broker(channel, path: str) -> None:
-    """The attacker: listen where the victim will look, record every byte received."""
+def _attacker_socket(path: str, timeout: float) -> socket.socket:
+    """The attacker's listening socket where the victim will look (its own directory)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     os.chmod(os.path.dirname(path), 0o755)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     os.chmod(path, 0o777)
     server.listen(4)
-    server.settimeout(0.2)
+    server.settimeout(timeout)
+    return server
+
+
+def _fake_broker(channel, path: str) -> None:
+    """The attacker: listen where the victim will look, record every byte received."""
+    server = _attacker_socket(path, 0.2)
     received = b""
     channel.send("listening")
     deadline = time.monotonic() + 20
@@ -162,6 +168,52 @@ def test_a_fake_broker_of_another_user_gets_nothing_from_the_victim(
     assert kind == "UntrustedBroker", message
     assert "\n" not in message and str(victim_runtime) in message and attacker in message
     assert fake.recv() == b""  # no hello: no pid, no notebook name, no cell label
+
+
+def _counting_listener(channel, path: str) -> None:
+    """The attacker: a socket where the victim's kernel looks; counts the connections it
+    accepts (each one tells it the caller's pid, uid and gid through SO_PEERCRED)."""
+    server = _attacker_socket(path, 0.1)
+    accepted = 0
+    channel.send("listening")
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not os.path.exists(path + ".done"):
+        with contextlib.suppress(socket.timeout):
+            peer, _ = server.accept()
+            accepted += 1
+            peer.close()
+    channel.send(accepted)
+
+
+def _victim_kernel_connects() -> str:
+    """A notebook kernel's first %%gpu cell: no system broker, XDG_RUNTIME_DIR unset."""
+    os.environ.pop("XDG_RUNTIME_DIR", None)
+    os.environ.pop("GPUSHARE_SOCKET", None)
+    from gpushare_ext.runtime.session import GpuSession
+
+    try:
+        GpuSession().connect()
+    except Exception as exc:  # the one-line refusal is what the user sees
+        return f"{type(exc).__name__}: {exc}"
+    return "connected"
+
+
+def test_a_kernel_never_connects_to_a_socket_in_a_directory_another_user_prepared(
+    two_users, victim_runtime, forked_users
+):
+    """Not even a bare connect(): accepting it would tell the squatter the kernel's pid,
+    uid and gid and when it starts a session."""
+    victim, attacker = two_users
+    socket_path = victim_runtime / "broker.sock"
+    squatter = forked_users(attacker, _counting_listener, str(socket_path))
+    assert squatter.recv() == "listening"
+
+    said = run_as(victim, _victim_kernel_connects)
+
+    Path(str(socket_path) + ".done").touch()
+    assert squatter.recv() == 0, said
+    assert said.startswith("EmbeddedBrokerError: gpushare: "), said
+    assert "\n" not in said and attacker in said and "intercept" in said
 
 
 def _listen_as(channel, path: str, user: str, reply: bytes | None) -> None:

@@ -452,6 +452,59 @@ def test_panel_shows_a_gang_as_one_request_and_one_labelled_timeline_bar(page, s
     page.screenshot(path=str(OUTPUT / "timeline-gang.png"), clip=boxes["device"])
 
 
+# What a session can put in front of the panel's viewer: HTML, rich markup, an escape
+# sequence, a line break with a fake row, a bidi override (which would show "exe.sh" as
+# "hs.exe"), in its cell's label and in the note its runtime writes to its control block.
+HOSTILE_LABEL = (
+    "<b>bold</b><img src=x onerror=alert(1)> [bold red]red[/bold red] "
+    "\x1b[2J\nL7 root high running \u202eexe.sh"
+)
+HOSTILE_NOTE = (
+    "[link=https://example.invalid/x]details[/link] <a href='https://example.invalid'>click</a>"
+)
+# Every element the view draws itself (occupancy.js): anything else came from someone's text.
+DRAWN_ELEMENTS = {
+    "div", "span", "ul", "li", "button", "details", "summary", "table", "thead", "tbody",
+    "tr", "th", "td", "svg", "rect", "polyline", "title",
+}  # fmt: skip
+
+
+def test_panel_shows_a_sessions_label_and_note_as_the_characters_typed(page, sessions):
+    from playwright.sync_api import expect
+
+    from gpushare_ext.control_block import ControlBlock
+
+    page.locator('.jp-SideBar .lm-TabBar-tab[data-id="gpushare-panel"]').click()
+    panel = page.locator("#gpushare-panel")
+    expect(panel.locator(".gpushare-device")).to_have_count(1, timeout=15_000)
+    low = sessions()
+    low.request_lease(priority=LOW, label=HOSTILE_LABEL)
+    block = ControlBlock.open(low.welcome.control_block)
+    block.write_session_note(HOSTILE_NOTE)
+    block.close()
+    sessions().request_lease(priority=HIGH, label="explore")  # pauses the low one
+    paused = panel.locator(".gpushare-own").filter(has_text="the session says")
+    expect(paused).to_have_count(1, timeout=SETTLE_MS)
+
+    # One pass in the page: the panel redraws every second.
+    seen = panel.evaluate(
+        """panel => ({
+          elements: [...new Set([...panel.querySelectorAll("*")].map(e => e.localName))],
+          label: panel.querySelector(".gpushare-state-paused .gpushare-own-label").textContent,
+          detail: panel.querySelector(".gpushare-state-paused .gpushare-own-detail").textContent,
+        })"""
+    )
+    assert set(seen["elements"]) <= DRAWN_ELEMENTS, seen["elements"]
+    assert seen["label"] == (
+        "<b>bold</b><img src=x onerror=alert(1)> [bold red]red[/bold red] "
+        "␛[2J␤L7 root high running <U+202E>exe.sh"
+    )
+    assert f"the session says: {HOSTILE_NOTE})" in seen["detail"]
+    assert not set("\x1b\n\u202e") & set(seen["label"] + seen["detail"])
+    OUTPUT.mkdir(exist_ok=True)
+    panel.screenshot(path=str(OUTPUT / "panel-hostile-text.png"))
+
+
 # ------------------------------------------------------------------ the README's tour
 # The panel at 250 px and 1400 px, light and dark: nothing clipped (every button and fold
 # inside the panel and clickable, no line past its right edge). The screenshots written

@@ -22,10 +22,10 @@ class FlagAndLockControl:
     def write_yield_flag(self, device, handle, offset, value): ...
 
 
-def test_the_note_is_one_printable_line_cut_to_fit(tmp_path: Path):
+def test_the_note_is_one_line_of_plain_text_cut_to_fit(tmp_path: Path):
     block = ControlBlock.create(tmp_path / "s.cb")
-    block.write_session_note("3 long kernel launches preemptible\n\x1b[31mred\x1b[0m")
-    assert block.session_note == "3 long kernel launches preemptible[31mred[0m"
+    block.write_session_note("3 long kernel launches preemptible\n\x1b[31mred\x1b[0m\u202e")
+    assert block.session_note == "3 long kernel launches preemptible␤␛[31mred␛[0m<U+202E>"
     block.write_session_note("x" * 1000)
     assert block.session_note == "x" * (SESSION_NOTE_SIZE - 1)
     block.close()

@@ -15,10 +15,12 @@ does not attach the shim itself, so the cells point it at the session's control 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -206,20 +208,36 @@ def _paused(broker, pid: int) -> bool:
     return any(lease.state == "paused" for lease in broker.leases_of(pid))
 
 
-def test_ctrl_c_during_a_launch_held_for_another_users_cell_returns_at_once(
-    on_broker, kernels, fake_driver
-):
-    low, high = kernels(2, env=_shim_env(fake_driver))
+@contextlib.contextmanager
+def _paused_by_a_high_cell(broker, kernels, env: dict[str, str], low_cell_of) -> Iterator:
+    """Two kernels: the low one runs ``low_cell_of(stop_file)`` (which prints "launching"
+    first) until the high one's lease pauses it; yields (the low kernel, its running
+    cell).  Both cells are let go afterwards."""
+    low, high = kernels(2, env=env)
     low.run("%load_ext gpushare_ext\n" + FAKE_DRIVER_CELL).ok()
     high.run("%load_ext gpushare_ext").ok()
     scratch = short_tempdir()
-    held = low.submit(_low_cell(scratch / "stop"))
-    held.wait_shown("launching")
+    running = low.submit(low_cell_of(scratch / "stop"))
+    running.wait_shown("launching")
     holder = high.submit(holding_cell(scratch / "release", "high"))
     try:
         holder.wait_shown("holding since")
-        wait_for(lambda: _paused(on_broker, low.pid), "the low cell to be paused")
-        time.sleep(0.3)  # its next launch is now held by the shim
+        wait_for(lambda: _paused(broker, low.pid), "the low cell to be paused")
+        time.sleep(0.3)  # the low kernel's next step is now held
+        yield low, running
+    finally:
+        (scratch / "release").touch()
+        (scratch / "stop").touch()
+        holder.wait()
+
+
+def test_ctrl_c_during_a_launch_held_for_another_users_cell_returns_at_once(
+    on_broker, kernels, fake_driver
+):
+    with _paused_by_a_high_cell(on_broker, kernels, _shim_env(fake_driver), _low_cell) as (
+        low,
+        held,
+    ):
         interrupted_at = time.time()
         low.interrupt()
         held.wait(timeout=30)
@@ -231,33 +249,37 @@ def test_ctrl_c_during_a_launch_held_for_another_users_cell_returns_at_once(
         # The kernel is usable at once: its lease ended with the cell, so nothing holds it.
         after = low.run("print(one_launch())", timeout=10).ok()
         assert after.final_text().strip() == "0"
-    finally:
-        (scratch / "release").touch()
-        (scratch / "stop").touch()
-        holder.wait()
 
 
 def test_a_launch_held_when_the_broker_dies_goes_on(extra_broker, kernels, fake_driver):
     broker = extra_broker()
     env = _shim_env(fake_driver, GPUSHARE_SOCKET=str(broker.socket))
-    low, high = kernels(2, env=env)
-    low.run("%load_ext gpushare_ext\n" + FAKE_DRIVER_CELL).ok()
-    high.run("%load_ext gpushare_ext").ok()
-    scratch = short_tempdir()
-    held = low.submit(_low_cell(scratch / "stop"))
-    held.wait_shown("launching")
-    holder = high.submit(holding_cell(scratch / "release", "high"))
-    try:
-        holder.wait_shown("holding since")
-        wait_for(lambda: _paused(broker, low.pid), "the low cell to be paused")
-        time.sleep(0.3)
+    with _paused_by_a_high_cell(broker, kernels, env, _low_cell) as (_, held):
         broker.stop(signal.SIGKILL)
         held.wait_shown("held for", timeout=20)  # the held launch went on
-    finally:
-        (scratch / "release").touch()
-        (scratch / "stop").touch()
     held.wait(timeout=30)
     assert held.error is None, held.describe()
+
+
+def _locked_cell(stop_file: Path) -> str:
+    """A low-priority cell whose main thread sits in a CUDA call that blocks while the
+    control block says paused, as a process the broker locked does."""
+    return (
+        "%%gpu priority=low\n"
+        "from gpushare_ext.control_block import STATE_OFFSET\n"
+        "from gpushare_ext.runtime.session import current_session\n"
+        "address = current_session().control_block.address()\n"
+        "interpose.point_at(address)\n"
+        "_cuda.fake_lock_follows(ctypes.c_void_p(address + STATE_OFFSET))\n"
+        "print('launching', flush=True)\n"
+        "try:\n"
+        f"    while not os.path.exists({str(stop_file)!r}):\n"
+        "        _cuda.cuCtxSynchronize()  # blocks while the process is 'locked'\n"
+        "        time.sleep(0.005)\n"
+        "except KeyboardInterrupt:\n"
+        "    print(f'interrupted at {time.time()!r}', flush=True)\n"
+        "    raise\n"
+    )
 
 
 def test_ctrl_c_while_locked_and_blocked_in_a_cuda_call_returns_at_once(
@@ -266,34 +288,10 @@ def test_ctrl_c_while_locked_and_blocked_in_a_cuda_call_returns_at_once(
     """At the lock level every CUDA call of the process blocks until the broker lets go,
     so Python's own handler never runs: the session's pause watch sees the Ctrl-C through
     the shim's handler, gives up the lease, and the call returns."""
-    low, high = kernels(2, env=_shim_env(fake_driver))
-    low.run("%load_ext gpushare_ext\n" + FAKE_DRIVER_CELL).ok()
-    high.run("%load_ext gpushare_ext").ok()
-    scratch = short_tempdir()
-    blocked = low.submit(
-        "%%gpu priority=low\n"
-        "from gpushare_ext.control_block import STATE_OFFSET\n"
-        "from gpushare_ext.runtime.session import current_session\n"
-        "address = current_session().control_block.address()\n"
-        "interpose.point_at(address)\n"
-        "_cuda.fake_lock_follows(ctypes.c_void_p(address + STATE_OFFSET))\n"
-        "print('syncing', flush=True)\n"
-        "try:\n"
-        f"    while not os.path.exists({str(scratch / 'stop')!r}):\n"
-        "        _cuda.cuCtxSynchronize()  # blocks while the process is 'locked'\n"
-        "        time.sleep(0.005)\n"
-        "except KeyboardInterrupt:\n"
-        "    print(f'interrupted at {time.time()!r}', flush=True)\n"
-        "    raise\n"
-    )
-    blocked.wait_shown("syncing")
-    holder = high.submit(holding_cell(scratch / "release", "high"))
-    try:
-        holder.wait_shown("holding since")
-        wait_for(lambda: _paused(on_broker, low.pid), "the low cell to be paused")
+    env = _shim_env(fake_driver)
+    with _paused_by_a_high_cell(on_broker, kernels, env, _locked_cell) as (low, blocked):
         (lease,) = on_broker.leases_of(low.pid)
         assert lease.preemption_level is not None and lease.preemption_level >= 3, lease
-        time.sleep(0.3)  # the low kernel's main thread now sits in the blocked call
         interrupted_at = time.time()
         low.interrupt()
         blocked.wait(timeout=30)
@@ -302,10 +300,6 @@ def test_ctrl_c_while_locked_and_blocked_in_a_cuda_call_returns_at_once(
         assert reached - interrupted_at < 1.0, blocked.describe()
         assert "the lease is given up" in blocked.shown_text(), blocked.describe()
         assert not on_broker.leases_of(low.pid)
-    finally:
-        (scratch / "release").touch()
-        (scratch / "stop").touch()
-        holder.wait()
 
 
 PREEMPTIBLE_CELL = r"""
