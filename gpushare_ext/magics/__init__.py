@@ -7,6 +7,7 @@ unloading releases every lease the kernel holds and closes the broker connection
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
@@ -23,13 +24,19 @@ def load(ipython: Any) -> None:
         preemptible.install()
     except interpose.InterposerError as exc:
         print(f"gpushare: {exc}", file=sys.stderr)
+    # A cell that ran launches the shim can only hold and lock says so, once per kind.
+    with contextlib.suppress(ValueError):
+        ipython.events.unregister("post_run_cell", preemptible.after_cell)
+    ipython.events.register("post_run_cell", preemptible.after_cell)
 
 
 def unload(ipython: Any) -> None:
-    from gpushare_ext.runtime import parking
+    from gpushare_ext.runtime import parking, preemptible
     from gpushare_ext.runtime.session import reset_session
 
     parking.uninstall(ipython)
+    with contextlib.suppress(ValueError):
+        ipython.events.unregister("post_run_cell", preemptible.after_cell)
     reset_session()
     magics = ipython.magics_manager.magics
     for kind in ("line", "cell"):

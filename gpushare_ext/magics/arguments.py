@@ -32,9 +32,14 @@ class ArgumentError(GpushareError, ValueError):
 def tokenize(line: str) -> list[tuple[str, str]]:
     """``priority=high --mem 8GiB`` -> [("priority", "high"), ("mem", "8GiB")]."""
     try:
-        words = shlex.split(line)
+        # comments=True: "%gpuconfig mem=40GiB  # this notebook's defaults" is a comment,
+        # whose apostrophe must not open a quotation.
+        words = shlex.split(line, comments=True)
     except ValueError as exc:
-        raise ArgumentError(f"cannot read the arguments: {exc}") from None
+        raise ArgumentError(
+            f"cannot read {line.strip()!r}: {str(exc).lower()} (a quote or apostrophe "
+            "that starts a value must be closed)"
+        ) from None
     pairs = []
     index = 0
     while index < len(words):
@@ -60,6 +65,9 @@ def tokenize(line: str) -> list[tuple[str, str]]:
         key = ALIASES.get(key.lower(), key.lower())
         if key not in KEYS:
             raise ArgumentError(f"unknown argument {key!r}; known: {', '.join(KEYS)}")
+        given = next((v for k, v in pairs if k == key), None)
+        if given is not None:
+            raise ArgumentError(f"{key} is given twice ({given} and {value}); give it once")
         pairs.append((key, value))
         index += 1
     return pairs

@@ -24,7 +24,16 @@ from gpushare_ext.runtime.session import (
 )
 from gpushare_ext.units import format_size
 
-_KEY_HELP = "\n".join(f"    {key:<13} {text}" for key, text in KEYS.items())
+
+def _key_table(keys: dict[str, str]) -> str:
+    """The keys as docstring rows: every row at the docstring's own indentation (the
+    first takes the placeholder's), so the columns line up in ``%%gpu?``."""
+    return "\n        ".join(f"{key:<13} {text}" for key, text in keys.items())
+
+
+_KEY_HELP = _key_table(KEYS)
+# %gpuconfig sets defaults; ranks is a cell's own choice (it refuses it as a default).
+_CONFIG_KEY_HELP = _key_table({k: v for k, v in KEYS.items() if k != "ranks"})
 
 
 @magics_class
@@ -85,8 +94,14 @@ class GpuMagics(Magics):
             if raised_by_cell and exc is raised_by_cell[0]:
                 raise
             raise UsageError(exc.in_cell()) from None
+        except KeyboardInterrupt:
+            if raised_by_cell:
+                raise
+            # Interrupted while queued (the cell's line says the request was withdrawn):
+            # a bare KeyboardInterrupt, not a trace through the queue's waits.
+            raise KeyboardInterrupt from None
 
-    gpu.__doc__ = (gpu.__doc__ or "").replace("{keys}", _KEY_HELP.strip())
+    gpu.__doc__ = (gpu.__doc__ or "").replace("{keys}", _KEY_HELP)
 
     def _run_ranks(
         self,
@@ -118,9 +133,12 @@ class GpuMagics(Magics):
         if tree.body and isinstance(tree.body[-1], ast.Expr):
             last = ast.Expression(tree.body.pop().value)
         namespace = shell.user_ns
-        exec(compile(tree, "<%%gpu cell>", "exec"), namespace)
+        # Under a name whose source IPython keeps (as for any cell), so a traceback from
+        # the cell shows its lines, not "Could not get source".
+        filename = shell.compile.cache(source)
+        exec(compile(tree, filename, "exec"), namespace)
         if last is not None:
-            return eval(compile(last, "<%%gpu cell>", "eval"), namespace)
+            return eval(compile(last, filename, "eval"), namespace)
         return None
 
     def _gpu_line(self, line: str):
@@ -180,4 +198,4 @@ class GpuMagics(Magics):
             f"device={d.device} timeout={timeout} slice={d.slice.value} share={d.sm_share:g}"
         )
 
-    gpuconfig.__doc__ = (gpuconfig.__doc__ or "").replace("{keys}", _KEY_HELP.strip())
+    gpuconfig.__doc__ = (gpuconfig.__doc__ or "").replace("{keys}", _CONFIG_KEY_HELP)

@@ -64,6 +64,9 @@ class Stats(ctypes.Structure):
         ("record_every", ctypes.c_uint64),
         ("preemptible", ctypes.c_uint64),
         ("ptx_modules", ctypes.c_uint64),
+        ("cooperative", ctypes.c_uint64),
+        ("with_attributes", ctypes.c_uint64),
+        ("graphs", ctypes.c_uint64),
     ]
 
     def as_dict(self) -> dict[str, int]:

@@ -115,6 +115,7 @@ class Registry:
     fallbacks: int = 0  # launches given back to run unmodified
     interrupted: int = 0  # launches Ctrl-C ended whole (rolled back or finished)
     said: list[str] = field(default_factory=list)
+    said_keys: set[str] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     # ---- hooks (called by the shim through ctypes; never raise)
@@ -204,8 +205,14 @@ class Registry:
         except Exception as exc:  # the original kernel runs instead
             self._give_up(function, twin, _reason_of(exc))
             return
-        if report is None:  # this launch's buffers could not be told apart
+        if report is None:  # host or managed memory among its arguments
             self.fallbacks += 1
+            self._say_once(
+                f"memory:{twin.name}",
+                f"gpushare: long kernel `{twin.name}` runs unmodified when host or managed "
+                "memory is among its arguments (which buffers it writes is not known); a "
+                "pause waits for it to finish",
+            )
             return
         interpose.answer_launch(0)  # done: the shim must not launch the original too
         twin.launches += 1
@@ -216,6 +223,14 @@ class Registry:
         if report.interrupted:
             self.interrupted += 1
         _report(summary())
+
+    def _say_once(self, key: str, line: str) -> None:
+        """Say ``line`` in the cell that ran the launch (its stderr), once per process."""
+        if key in self.said_keys:
+            return
+        self.said_keys.add(key)
+        self.said.append(line)
+        _to_stderr(line)
 
     def _give_up(self, function: int, twin: Twin, reason: str) -> None:
         self.fallbacks += 1
@@ -499,6 +514,48 @@ def uninstall() -> None:
     global _registry
     interpose.clear_kernel_hooks()
     _registry = None
+
+
+# Launches the shim holds and the checkpoint lock stops, but never makes preemptible, by
+# kind (the shim's counters): each kind is said once, in the cell that first ran one.
+RUN_AS_IS = {
+    "cooperative": "cooperative launches (their blocks wait on each other: none may stop alone)",
+    "with_attributes": "launches with attributes (thread-block clusters, cooperative)",
+    "graphs": "CUDA graph launches (the kernels of a graph are not launched one by one)",
+}
+_AS_IS_PROTECTION = (
+    "run as they are: a pause holds the next one and the checkpoint lock stops the "
+    "process, but one already on the GPU finishes first"
+)
+_as_is_seen: dict[str, int] = {}
+
+
+def say_what_runs_as_is() -> list[str]:
+    """After a cell: for each kind of launch in :data:`RUN_AS_IS` the cell ran for the
+    first time in this process, one line in the cell saying which protection applies
+    and why.  Nothing where the shim is not preloaded (no counters)."""
+    if _registry is None:
+        return []
+    try:
+        counted = interpose.stats()
+    except interpose.InterposerError:
+        return []
+    lines = []
+    for kind, what in RUN_AS_IS.items():
+        if counted.get(kind, 0) and kind not in _as_is_seen:
+            _as_is_seen[kind] = counted[kind]
+            line = f"gpushare: {what} {_AS_IS_PROTECTION}"
+            _registry.said.append(line)
+            lines.append(line)
+    for line in lines:
+        _to_stderr(line)
+    return lines
+
+
+def after_cell(result: Any = None) -> None:
+    """IPython's post_run_cell hook: :func:`say_what_runs_as_is`, never raising."""
+    with contextlib.suppress(Exception):
+        say_what_runs_as_is()
 
 
 def summary() -> str:

@@ -68,6 +68,7 @@ from gpushare_ext.units import format_size, priority_band
 
 OPEN_STATES = ACTIVE  # what a reconnect reclaims: queued, running, paused, evicted
 RECONNECT_DEADLINE_S = 120.0
+OVERDUE_AFTER_S = 5.0  # past the estimate this long, the queue line says so instead
 PAUSE_WATCH_S = 0.02  # how often a paused session looks for a Ctrl-C (see let_go_for_interrupt)
 # How long a Ctrl-C while paused waits for the broker to let the process go (an unlock
 # takes milliseconds; a restore of evicted memory about a second per 5 GiB).
@@ -180,6 +181,7 @@ class LeaseHandle:
     refusal: str = ""
     revoked: str = ""
     paused_since: float | None = None
+    pauses_s: list[float] = field(default_factory=list)  # each pause's length, in order
     pause_text: str = "gpushare: paused for a higher-priority session"
     events: list[tuple[float, str]] = field(default_factory=list)
     changed: threading.Event = field(default_factory=threading.Event)
@@ -207,6 +209,10 @@ def estimate_text(handle: LeaseHandle, waited_s: float, now: float | None = None
         return ""
     since = (time.monotonic() if now is None else now) - handle.queued_at
     left = max(0.0, queued.estimate_s - since)
+    overdue = since - queued.estimate_s
+    if overdue >= OVERDUE_AFTER_S:
+        # "Any moment now" for ever would be a promise the holder is not keeping.
+        return f", the holder's usual time ran out {overdue:.0f} s ago"
     if left < 1.0:
         return ", any moment now"
     timeout = handle.options.timeout_s
@@ -232,6 +238,22 @@ def queue_line(handle: LeaseHandle, waited_s: float) -> str:
     return (
         f"queued: position {queued.position}, waiting for {holder}{priority}{estimate} -- "
         f"{waited_s:.0f} s ({queued.reason}; interrupt the kernel to withdraw)"
+    )
+
+
+def _times(count: int) -> str:
+    return "once" if count == 1 else "twice" if count == 2 else f"{count} times"
+
+
+def resumed_words(pauses_s: list[float]) -> str:
+    """How a cell's pauses read when the last one ends: every one counted, none lost."""
+    if len(pauses_s) == 1:
+        return f"resumed after {pauses_s[0]:.2f} s"
+    shown = ", ".join(f"{p:.1f}" for p in pauses_s[-5:])
+    earlier = "..., " if len(pauses_s) > 5 else ""
+    return (
+        f"resumed; paused {_times(len(pauses_s))} in this cell ({earlier}{shown} s; "
+        f"{sum(pauses_s):.1f} s in all)"
     )
 
 
@@ -595,15 +617,22 @@ class GpuSession:
             handle.note(f"paused at level {int(message.level)} for {message.for_user}")
             handle.pause_text = pause_line(message, self.simulated, self.protection())
             if handle.output is not None:
-                handle.output.show(handle.display_key + "-pause", handle.pause_text + " ...")
+                before = (
+                    f" (paused {_times(len(handle.pauses_s))} before)" if handle.pauses_s else ""
+                )
+                handle.output.show(
+                    handle.display_key + "-pause", handle.pause_text + before + " ..."
+                )
         elif isinstance(message, Resume):
             if not handle.move(LeaseState.RUNNING):
                 handle.changed.set()
                 return
+            if not message.note:
+                handle.pauses_s.append(message.paused_s)
             text = (
                 f"gpushare: {message.note}"
                 if message.note
-                else f"{handle.pause_text}; resumed after {message.paused_s:.2f} s"
+                else f"{handle.pause_text}; {resumed_words(handle.pauses_s)}"
             )
             handle.note(text)
             if handle.output is not None:
@@ -734,9 +763,20 @@ class GpuSession:
         self._say_grant_notice(handle, reply)
         for message in early:
             self._apply_notice(handle, message)
+        asked_at = time.monotonic()
         try:
             self._wait_for_grant(handle)
-        except BaseException:
+        except BaseException as exc:
+            if handle.output is not None and handle.placement is None:
+                # The live queue line must not stay "queued ... interrupt to withdraw".
+                why = "interrupted" if isinstance(exc, KeyboardInterrupt) else "not granted"
+                if isinstance(exc, LeaseTimeout):
+                    why = "timed out"
+                handle.output.show(
+                    handle.display_key,
+                    f"gpushare: request withdrawn after {time.monotonic() - asked_at:.0f} s "
+                    f"in the queue ({why})",
+                )
             self.leases.pop(handle.lease_id, None)
             current = self.client  # a reconnect may have moved the request to a new one
             if current is not None and not current.closed.is_set():

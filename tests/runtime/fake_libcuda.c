@@ -33,6 +33,23 @@ CUresult cuLaunchKernel_ptsz(void *f, unsigned gx, unsigned gy, unsigned gz, uns
 
 void *fake_real_launch(void) { return (void *)cuLaunchKernel; }
 
+/* The launches the shim only holds: cooperative, with attributes, graphs. */
+CUresult cuLaunchCooperativeKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                                   unsigned by, unsigned bz, unsigned sh, void *st, void **p) {
+    return cuLaunchKernel(f, gx, gy, gz, bx, by, bz, sh, st, p, 0);
+}
+typedef struct { unsigned grid[3], block[3], shared; void *stream; void *attrs; unsigned n; } Config;
+CUresult cuLaunchKernelEx(const Config *c, void *f, void **p, void **x) {
+    (void)c; (void)f; (void)p; (void)x;
+    launches++;
+    return 0;
+}
+CUresult cuGraphLaunch(void *graph, void *stream) {
+    (void)graph; (void)stream;
+    launches++;
+    return 0;
+}
+
 CUresult cuCtxGetCurrent(void **ctx) {
     *ctx = (void *)0x5EED;
     return 0;
@@ -103,6 +120,12 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64
         *pfn = (void *)cuModuleGetFunction;
     } else if (strcmp(symbol, "cuModuleUnload") == 0) {
         *pfn = (void *)cuModuleUnload;
+    } else if (strcmp(symbol, "cuLaunchCooperativeKernel") == 0) {
+        *pfn = (void *)cuLaunchCooperativeKernel;
+    } else if (strcmp(symbol, "cuLaunchKernelEx") == 0) {
+        *pfn = (void *)cuLaunchKernelEx;
+    } else if (strcmp(symbol, "cuGraphLaunch") == 0) {
+        *pfn = (void *)cuGraphLaunch;
     } else if (strcmp(symbol, "cuIpcOpenMemHandle") == 0) {
         *pfn = (void *)cuIpcOpenMemHandle_v2;
     } else {

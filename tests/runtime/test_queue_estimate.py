@@ -21,7 +21,11 @@ def test_the_estimate_counts_down_from_the_notice_that_gave_it():
     handle = _waiting(40.0)
     assert estimate_text(handle, waited_s=0.0, now=100.0) == ", about 40 s left"
     assert estimate_text(handle, waited_s=15.0, now=115.0) == ", about 25 s left"
-    assert estimate_text(handle, waited_s=45.0, now=145.0) == ", any moment now"
+    assert estimate_text(handle, waited_s=45.0, now=144.5) == ", any moment now"
+    # Past the estimate by more than a few seconds it stops promising.
+    assert estimate_text(handle, waited_s=52.0, now=152.0) == (
+        ", the holder's usual time ran out 12 s ago"
+    )
 
 
 def test_an_estimate_past_the_timeout_says_so():

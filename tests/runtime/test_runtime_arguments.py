@@ -47,7 +47,28 @@ def test_aliases_numbers_and_uuids():
         "sm_share": 1.0,
         "device": "MIG-4f0c-aa",
     }
-    assert parse_lease_arguments("device=auto device=GPU-1234")["device"] == "GPU-1234"
+
+
+@pytest.mark.parametrize(
+    "line", ["device=auto device=GPU-1234", "priority=high priority=low", "mem=1GiB --memory 2GiB"]
+)
+def test_a_key_given_twice_is_refused_naming_both_values(line):
+    with pytest.raises(ArgumentError) as raised:
+        parse_lease_arguments(line)
+    message = str(raised.value)
+    assert "is given twice" in message and "give it once" in message and "\n" not in message
+
+
+def test_a_comment_after_the_arguments_is_a_comment_even_with_an_apostrophe():
+    line = "priority=low mem=40GiB          # this notebook's defaults"
+    assert parse_lease_arguments(line) == {"priority": 50, "memory_bytes": 40 * GIB}
+
+
+def test_an_unclosed_quote_names_what_was_typed():
+    with pytest.raises(ArgumentError) as raised:
+        parse_lease_arguments("device='GPU-1")
+    message = str(raised.value)
+    assert message.startswith('cannot read "device=\'GPU-1": no closing quotation')
 
 
 def test_an_empty_line_changes_nothing():
@@ -89,7 +110,7 @@ def test_durations(text, seconds):
         ("--mem", "--mem"),  # missing value
         ("--priority --mem 1GiB", "--priority"),  # missing value before the next key
         ("priority=high now", "now"),  # stray word
-        ('priority="high', "arguments"),  # unbalanced quote
+        ('priority="high', 'priority="high'),  # unbalanced quote: what was typed
     ],
 )
 def test_every_bad_argument_is_one_line_naming_it(line, named):
@@ -112,3 +133,17 @@ def test_bad_values_say_what_would_be_accepted():
 def test_a_bad_argument_is_reported_even_after_good_ones():
     with pytest.raises(ArgumentError, match="timeout"):
         parse_lease_arguments("priority=high mem=1GiB timeout=soon")
+
+
+def test_the_key_tables_of_the_magics_help_line_up_and_gpuconfig_offers_no_ranks():
+    import inspect
+
+    from gpushare_ext.magics.arguments import KEYS
+    from gpushare_ext.magics.gpu import GpuMagics
+
+    for magic, keys in ((GpuMagics.gpu, set(KEYS)), (GpuMagics.gpuconfig, set(KEYS) - {"ranks"})):
+        text = inspect.cleandoc(magic.__doc__)
+        rows = [line for line in text.splitlines() if line.split(" ", 1)[0] in KEYS]
+        assert {row.split(" ", 1)[0] for row in rows} == keys
+        # Every description starts in the same column, right after the padded key.
+        assert {len(row) - len(row[13:].lstrip()) for row in rows} == {14}, rows

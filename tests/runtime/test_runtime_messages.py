@@ -141,6 +141,33 @@ def test_a_pause_on_the_simulated_gpu_says_the_rung_applied_as_status_does(
     assert len(resumed) == 1 and "at ladder level 0, the gate (" in resumed[0], paused.describe()
 
 
+def test_every_pause_of_a_cell_is_counted_in_its_one_line(on_broker, kernels, tmp_path):
+    """Paused twice: the cell's line ends naming both pauses and their sum, not only the
+    last one."""
+    low, high = kernels(2)
+    for kernel in (low, high):
+        kernel.run("%load_ext gpushare_ext").ok()
+    low_release = tmp_path / "low-release"
+    paused = low.submit(holding_cell(low_release, priority="low"))
+    paused.wait_shown("holding since")
+    for round_ in range(2):
+        release = tmp_path / f"high-{round_}"
+        urgent = high.submit(holding_cell(release, priority="high"))
+        urgent.wait_shown("holding since")
+        paused.wait_shown("gpushare: paused for a higher-priority session")
+        release.touch()
+        urgent.ok()
+        wait_for(
+            lambda: any(v.state == LeaseState.RUNNING for v in on_broker.leases_of(low.pid)),
+            "the low cell to run again",
+        )
+    low_release.touch()
+    paused.ok()
+    (line,) = lines_with(paused, "resumed")
+    assert "paused twice in this cell (" in line and " s in all)" in line, line
+    assert sum(1 for _, shown in paused.shown if "(paused once before) ..." in shown) >= 1
+
+
 def admin_cancel(broker, lease_id: str) -> None:
     """``gpushare admin cancel LEASE`` as an admin runs it (root is one)."""
     cancel = subprocess.run(
@@ -218,3 +245,38 @@ def test_an_admin_cancel_of_a_waiting_cell_is_its_one_error_line(on_broker, kern
     assert "NameError" in waiter.run("side_effect").final_text()
     release.touch()
     held.ok()
+
+
+def test_an_error_in_a_gpu_cell_shows_its_source_line(on_broker, kernels):
+    (kernel,) = kernels(1)
+    kernel.run("%load_ext gpushare_ext").ok()
+    failed = kernel.run("%%gpu\nx = 1\ny = x / 0\n")
+    assert failed.error is not None and failed.error["ename"] == "ZeroDivisionError"
+    assert "y = x / 0" in failed.error["traceback"], failed.error["traceback"]
+    assert "Could not get source" not in failed.error["traceback"]
+
+
+def test_interrupting_a_queued_cell_says_withdrawn_in_its_line_and_nothing_more(
+    extra_broker, kernels, monkeypatch, tmp_path
+):
+    broker = extra_broker('[broker]\nsharing = "exclusive"\n')
+    monkeypatch.setenv("GPUSHARE_SOCKET", str(broker.socket))
+    holder, waiter = kernels(2)
+    for kernel in (holder, waiter):
+        kernel.run("%load_ext gpushare_ext").ok()
+    release = tmp_path / "release"
+    held = holder.submit(holding_cell(release, priority="high"))
+    held.wait_shown("holding since")
+    waiting = waiter.submit("%%gpu priority=low\nprint('ran')")
+    waiting.wait_shown("queued: position 1")
+    waiter.interrupt()
+    waiting.wait(timeout=30)
+    release.touch()
+    held.ok()
+    assert waiting.error is not None and waiting.error["ename"] == "KeyboardInterrupt"
+    trace = waiting.error["traceback"]
+    assert "session.py" not in trace and "threading.py" not in trace, trace
+    assert len(trace.splitlines()) <= 15, trace  # the cell and the magic, no queue internals
+    (line,) = lines_with(waiting, "gpushare: request withdrawn after")
+    assert line.endswith("s in the queue (interrupted)"), line
+    assert not lines_with(waiting, "interrupt the kernel to withdraw")  # not left frozen

@@ -159,6 +159,11 @@ typedef struct {
     uint64_t record_every;
     uint64_t preemptible;     /* launches run by the runtime as preemptible kernels */
     uint64_t ptx_modules;     /* modules loaded from PTX text (candidates for that) */
+    /* Launches only held and locked, never made preemptible, by the kind that keeps them
+     * so (the runtime says so once in the cell that ran them): */
+    uint64_t cooperative;     /* cuLaunchCooperativeKernel: its blocks wait on each other */
+    uint64_t with_attributes; /* cuLaunchKernelEx with attributes (clusters, cooperative) */
+    uint64_t graphs;          /* cuGraphLaunch: a graph's kernels are not the shim's to see */
 } gps_stats;
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -473,6 +478,7 @@ static void sample_end(void *f, CUstream stream, int slot);
     static CUresult w_coop_##n(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,    \
                                unsigned by, unsigned bz, unsigned sh, CUstream st,            \
                                void **params) {                                               \
+        __atomic_add_fetch(&g_stats.cooperative, 1, __ATOMIC_RELAXED);                         \
         before_launch(st, 0);                                                                  \
         CUresult r = real_CoopFn_##n(f, gx, gy, gz, bx, by, bz, sh, st, params);               \
         after_launch(r, st, 0);                                                                \
@@ -483,6 +489,8 @@ static void sample_end(void *f, CUstream stream, int slot);
     static CUresult w_ex_##n(const LaunchConfig *c, void *f, void **params, void **extra) {    \
         CUstream st = c ? c->hStream : NULL;                                                   \
         CUresult r;                                                                            \
+        if (c != NULL && c->numAttrs > 0)                                                      \
+            __atomic_add_fetch(&g_stats.with_attributes, 1, __ATOMIC_RELAXED);                 \
         if (c != NULL && c->numAttrs == 0) {                                                   \
             const unsigned dims[6] = {c->grid[0], c->grid[1], c->grid[2],                      \
                                       c->block[0], c->block[1], c->block[2]};                  \
@@ -497,6 +505,7 @@ static void sample_end(void *f, CUstream stream, int slot);
     }
 #define GRAPH_WRAPPER(n)                                                                       \
     static CUresult w_graph_##n(void *g, CUstream st) {                                        \
+        __atomic_add_fetch(&g_stats.graphs, 1, __ATOMIC_RELAXED);                              \
         before_launch(st, 0);                                                                  \
         CUresult r = real_GraphFn_##n(g, st);                                                  \
         after_launch(r, st, 0);                                                                \
