@@ -50,9 +50,11 @@ def pytest_runtest_logreport(report: Any) -> None:
         return
     entry = {"test": report.nodeid, "outcome": outcome, "seconds": round(report.duration, 4)}
     if outcome in ("failed", "error"):
-        # The last line of the report (the exception), so a difference can be explained.
+        # The exception's own lines ("E ...", else the last line), so that a difference
+        # can be explained without the whole report.
         lines = [line for line in str(report.longreprtext).splitlines() if line.strip()]
-        entry["why"] = lines[-1][:300] if lines else ""
+        errors = [line[1:].strip() for line in lines if line.startswith("E ")]
+        entry["why"] = (" | ".join(errors) or (lines[-1] if lines else ""))[:600]
     with open(path, "a") as log:
         log.write(json.dumps(entry) + "\n")
 

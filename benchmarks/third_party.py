@@ -3,7 +3,8 @@
 The low-priority tenants are third-party code (``benchmarks/tenant.py: THIRD_PARTY``):
 CuPy's own ``cupy.linalg`` (solve, QR) and ``cupy.fft``, a ``cupyx.scipy`` conjugate
 gradient solver, a user ``ElementwiseKernel`` of about 0.4 s per launch, a Numba
-``@cuda.jit`` kernel and a torchvision ResNet-18 training loop.  The high-priority
+``@cuda.jit`` kernel, a torchvision ResNet-18 training loop, a PyTorch transformer-encoder
+training loop and long cuBLAS GEMMs (8192^2 fp32).  The high-priority
 tenant runs cells of 20 fp32 4096^2 matmuls with 10 ms think time, each under a
 ``priority=high`` lease: with ``--notebook`` it is a real ipykernel kernel running
 ``%%gpu priority=high`` cells, else a process taking the same lease through

@@ -53,6 +53,7 @@ STATE_OFFSET = 12
 GENERATION_OFFSET = 16
 LEVEL_OFFSET = 20
 IPC_IMPORTS_OFFSET = 24
+UNRIVALLED_OFFSET = 28
 REASON_OFFSET = 64
 REASON_SIZE = 192
 SESSION_NOTE_OFFSET = 512
@@ -213,6 +214,16 @@ class ControlBlock:
             gate_closed=source.gate_closed, state=source.state, level=source.level,
             reason=source.reason,
         )  # fmt: skip
+        self.set_unrivalled(source.unrivalled)
+
+    @property
+    def unrivalled(self) -> bool:
+        """No session that could preempt this one exists (as the broker last said)."""
+        return self._read(UNRIVALLED_OFFSET) != 0
+
+    def set_unrivalled(self, unrivalled: bool) -> None:
+        """Broker side: whether the session's long kernels may run as they are."""
+        self._write(UNRIVALLED_OFFSET, 1 if unrivalled else 0)
 
     def add_ipc_imports(self, count: int) -> None:
         """Runtime side: count imports made by processes that map another block of this

@@ -90,6 +90,7 @@ from gpushare_ext.broker.policy import (
     stopping_level,
     victim_order_key,
 )
+from gpushare_ext.broker.rivals import PlacedLease, Rivals
 from gpushare_ext.lease_state import ACTIVE, check_move
 from gpushare_ext.protocol import (
     PARKED_LABEL,
@@ -319,6 +320,16 @@ class PolicyChanged:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ChaosChanged:
+    """An admin's chaos mode started (or ended) for the process ``pid``: while on, the
+    broker may pause its session at any moment, as a rival would."""
+
+    now: float
+    pid: int
+    on: bool
+
+
+@dataclass(frozen=True, kw_only=True)
 class Tick:
     """Once a second; with the host's memory as read then (``/proc/meminfo``), which is
     what parking may still move there (None: not read, the last reading stands)."""
@@ -344,6 +355,7 @@ Event = (
     | ParkAsked
     | DeviceDrained
     | PolicyChanged
+    | ChaosChanged
     | Tick
 )
 
@@ -431,7 +443,18 @@ class LeaseEnded:
     reason: str
 
 
-Action = Grant | NotifyQueued | Preempt | ResumeLease | Refuse | Revoke | LeaseEnded
+@dataclass(frozen=True, kw_only=True)
+class RivalryChanged:
+    """Whether a session has no rival (:mod:`~gpushare_ext.broker.rivals`): its long
+    kernels may then run as they are, at no cost."""
+
+    session_id: str
+    unrivalled: bool
+
+
+Action = (
+    Grant | NotifyQueued | Preempt | ResumeLease | Refuse | Revoke | LeaseEnded | RivalryChanged
+)
 
 # ------------------------------------------------------------------ state
 
@@ -619,6 +642,10 @@ class Scheduler:
         self._told_looks: dict[tuple[str, ...], tuple | None] = {}
         self._notice_due: set[str] = set()  # plain requests to tell anew whatever changed
         self._seen_readings: dict[str, int] = {}  # per slot, NVML readings taken so far
+        self.rivals = Rivals()
+        self._rivalry_below: int | None = None  # this event's band change (Rivals' answer)
+        # Sessions with a lease on a GPU, by the lowest band among those leases.
+        self._placed_band: dict[str, int] = {}
 
     # ---- public
 
@@ -630,6 +657,7 @@ class Scheduler:
         self.now = event_now
         actions.extend(self._settle_gangs(event_now))
         actions.extend(self._schedule(event_now))
+        actions.extend(self._rivalry_changes(event, actions))
         return actions
 
     def active_leases(self) -> list[Lease]:
@@ -723,6 +751,15 @@ class Scheduler:
             reachable=event.reachable,
         )
         self._session_of_pid[event.identity.pid] = event.session_id
+        self._rivalry_below = self.rivals.session_opened(
+            event.session_id, self.sessions[event.session_id].last_priority, event.reachable
+        )
+        return []
+
+    def _on_ChaosChanged(self, event: ChaosChanged, now: float) -> list[Action]:
+        session_id = self._session_of_pid.get(event.pid)
+        if session_id is not None:
+            self.rivals.chaos(session_id, event.on)
         return []
 
     def _on_SessionClosed(self, event: SessionClosed, now: float) -> list[Action]:
@@ -731,6 +768,7 @@ class Scheduler:
             raise SchedulerError(ErrorCode.OUT_OF_ORDER, f"no session {event.session_id}")
         if self._session_of_pid.get(record.identity.pid) == event.session_id:
             del self._session_of_pid[record.identity.pid]
+        self._rivalry_below = self.rivals.session_closed(event.session_id)
         actions: list[Action] = []
         for lease_id in sorted(record.leases):
             lease = self.leases.get(lease_id)
@@ -845,6 +883,7 @@ class Scheduler:
             self._index.add(lease)
             record.leases.add(lease.lease_id)
         record.last_priority = priority
+        self._rivalry_below = self.rivals.asked(event.session_id, priority)
         return []
 
     def _on_LeaseRestored(self, event: LeaseRestored, now: float) -> list[Action]:
@@ -2214,6 +2253,48 @@ class Scheduler:
         return [
             replace(action, lease_id=leader.gang) if isinstance(action, NotifyQueued) else action
             for action in actions
+        ]
+
+    def _rivalry_changes(self, event: Event, actions: list[Action]) -> list[Action]:
+        """Tell the sessions whose rivalry changed (:mod:`~gpushare_ext.broker.rivals`).
+
+        Only sessions that may have changed are looked at: those the event or an action
+        names, and, when a session may now ask for another band, every session with a
+        lease on a GPU in a band below the one that changed (the waiters are never looked
+        at)."""
+        touched = {a.session_id for a in actions if not isinstance(a, NotifyQueued)}
+        named = getattr(event, "session_id", None)
+        if isinstance(event, ChaosChanged):
+            named = self._session_of_pid.get(event.pid)
+        if named is not None:
+            touched.add(named)
+        below, self._rivalry_below = self._rivalry_below, None
+        if below is not None:
+            touched.update(s for s, band in self._placed_band.items() if band < below)
+        if not touched:
+            return []
+        placed: dict[str, list[PlacedLease]] = {}
+        for session_id in touched:
+            record = self.sessions.get(session_id)
+            leases = [] if record is None else [self.leases.get(i) for i in record.leases]
+            on_gpu = [
+                PlacedLease(
+                    lease_id=lease.lease_id,
+                    session_id=session_id,
+                    priority=lease.base_priority,
+                    device_uuid=self.slots[lease.slot].device_uuid,
+                )
+                for lease in leases
+                if lease is not None and lease.state in ACTIVE_STATES and lease.slot in self.slots
+            ]
+            if on_gpu:
+                self._placed_band[session_id] = min(priority_band(p.priority) for p in on_gpu)
+            else:
+                self._placed_band.pop(session_id, None)
+            placed[session_id] = on_gpu
+        return [
+            RivalryChanged(session_id=session_id, unrivalled=unrivalled)
+            for session_id, unrivalled in self.rivals.changes(dict(sorted(placed.items())))
         ]
 
     def _settle_gangs(self, now: float) -> list[Action]:

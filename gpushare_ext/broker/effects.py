@@ -117,10 +117,17 @@ class Effects:
             core.ResumeLease: self.resume,
             core.Revoke: self.revoke,
             core.LeaseEnded: self.lease_ended,
+            core.RivalryChanged: self.rivalry_changed,
         }
 
     def carry_out(self, action: core.Action, reply: Reply = NO_REPLY) -> None:
         self._handlers[type(action)](action, reply)
+
+    def rivalry_changed(self, action: core.RivalryChanged, reply: Reply) -> None:
+        """The session's launch shim reads this word before each long launch."""
+        conn = self._conn(action.session_id)
+        if conn is not None and conn.control_block is not None:
+            conn.control_block.set_unrivalled(action.unrivalled)
 
     # ---- tasks
 

@@ -239,6 +239,8 @@ class Broker:
             journal_undone=self.journal.actuation_undone,
         )
         self.chaos[spec.pid] = runner
+        # While it runs, the process's long kernels must be ready to stop.
+        self.dispatch(core.ChaosChanged(now=time.time(), pid=spec.pid, on=True))
 
         async def run() -> None:
             try:
@@ -246,6 +248,8 @@ class Broker:
             finally:
                 if self.chaos.get(spec.pid) is runner:
                     del self.chaos[spec.pid]
+                if spec.pid not in self.chaos:  # stopped, and no newer chaos for it
+                    self.dispatch(core.ChaosChanged(now=time.time(), pid=spec.pid, on=False))
 
         self.effects.spawn(run())
         return runner

@@ -40,9 +40,13 @@ NATIVE = Path(__file__).with_name("native") / "libgpushare_interpose.so"
 GATE_OFFSET = 8  # the control block's words (control_block.py)
 STATE_OFFSET = 12
 IPC_IMPORTS_OFFSET = 24
+UNRIVALLED_OFFSET = 28
 DEFAULT_WINDOW = 2  # until a launch's GPU time is known, and in the fixed mode
 DEFAULT_RECORD_EVERY = 4
 DEFAULT_QUEUE_US = 3000  # GPU work kept queued: drains in ~3 ms, keeps small kernels fed
+# ... and while a session that could preempt this one exists: a pause drains about this
+# much (and at most one launch behind the running one), for a little more waiting here.
+DEFAULT_RIVALLED_QUEUE_US = 1000
 
 
 class InterposerError(SessionError):
@@ -67,6 +71,7 @@ class Stats(ctypes.Structure):
         ("cooperative", ctypes.c_uint64),
         ("with_attributes", ctypes.c_uint64),
         ("graphs", ctypes.c_uint64),
+        ("unrivalled", ctypes.c_uint64),
     ]
 
     def as_dict(self) -> dict[str, int]:
@@ -152,8 +157,9 @@ def native_library() -> ctypes.CDLL:
     library.gps_attach.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
     library.gps_attach.restype = ctypes.c_int
     library.gps_set_block.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    library.gps_set_rival_word.argtypes = [ctypes.c_void_p]
     library.gps_set_window.argtypes = [ctypes.c_uint, ctypes.c_uint]
-    library.gps_set_target.argtypes = [ctypes.c_uint]
+    library.gps_set_target.argtypes = [ctypes.c_uint, ctypes.c_uint]
     library.gps_get_stats.argtypes = [ctypes.POINTER(Stats)]
     library.gps_use_driver.argtypes = [ctypes.POINTER(DriverTable)]
     library.gps_launch_enter.argtypes = [ctypes.c_void_p, ctypes.c_int]
@@ -216,11 +222,17 @@ class Attached:
     window: int
     record_every: int
     mechanism: str  # "preload" or "cupti"
+    rivalled_queue_us: int = 0  # the tighter target while a rival exists (0: queue_us)
 
     def describe(self) -> str:
         how = "launch shim" if self.mechanism == "preload" else "CUPTI"
         if self.queue_us:
             bound = f"about {self.queue_us / 1000:g} ms of GPU work in flight at most"
+            if 0 < self.rivalled_queue_us < self.queue_us:
+                bound += (
+                    f" ({self.rivalled_queue_us / 1000:g} ms while another session could "
+                    "preempt this one)"
+                )
         elif self.window == 0:
             bound = "no bound on work in flight"
         else:
@@ -262,6 +274,7 @@ def attach(
         raise InterposerError("turned off by GPUSHARE_INTERPOSER=off")
     library = native_library()
     queue_us = _setting("GPUSHARE_QUEUE_US", queue_us, DEFAULT_QUEUE_US)
+    rivalled_us = _setting("GPUSHARE_QUEUE_US_RIVALLED", None, DEFAULT_RIVALLED_QUEUE_US)
     window = _setting("GPUSHARE_WINDOW", window, DEFAULT_WINDOW)
     record_every = _setting("GPUSHARE_RECORD_EVERY", record_every, DEFAULT_RECORD_EVERY)
     if _attached is None:
@@ -287,8 +300,9 @@ def attach(
             )
         _attached = Attached(queue_us=0, window=0, record_every=0, mechanism=mechanism)
     library.gps_set_window(window, record_every)
-    library.gps_set_target(queue_us if window else 0)
+    library.gps_set_target(queue_us if window else 0, rivalled_us)
     _attached.queue_us = queue_us if window else 0
+    _attached.rivalled_queue_us = rivalled_us
     _attached.window, _attached.record_every = window, record_every
     point_at(block_address)
     return _attached
@@ -303,7 +317,7 @@ def bound(enabled: bool) -> None:
     library = native_library()
     if enabled:
         library.gps_set_window(attached_now.window, attached_now.record_every)
-        library.gps_set_target(attached_now.queue_us)
+        library.gps_set_target(attached_now.queue_us, attached_now.rivalled_queue_us)
     else:
         library.gps_set_window(0, attached_now.record_every)
 
@@ -312,8 +326,10 @@ def point_at(block_address: int | None) -> None:
     """Follow a new control block (after a reconnect); None: never hold."""
     library = native_library()
     if block_address is None:
+        library.gps_set_rival_word(None)
         library.gps_set_block(None, None)
     else:
+        library.gps_set_rival_word(block_address + UNRIVALLED_OFFSET)
         library.gps_set_block(block_address + GATE_OFFSET, block_address + STATE_OFFSET)
 
 

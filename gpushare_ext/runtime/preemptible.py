@@ -563,7 +563,11 @@ def summary() -> str:
     registry = _registry
     if registry is None:
         return ""
-    if not registry.launched and not registry.fallbacks:
+    try:
+        unrivalled = interpose.stats().get("unrivalled", 0)
+    except interpose.InterposerError:
+        unrivalled = 0
+    if not registry.launched and not registry.fallbacks and not unrivalled:
         return "long kernels loaded from PTX are made preemptible"
     parts = [f"{registry.launched} long kernel launches preemptible"]
     if registry.yields or registry.aborts or registry.saves:
@@ -575,4 +579,6 @@ def summary() -> str:
         parts.append(", ".join(stops))
     if registry.fallbacks:
         parts.append(f"{registry.fallbacks} run unmodified")
+    if unrivalled:  # the shim's count: no cost while nobody could preempt this session
+        parts.append(f"{unrivalled} run as they are while no session could preempt this one")
     return ", ".join(parts)

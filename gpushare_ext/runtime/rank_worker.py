@@ -18,6 +18,7 @@ knows it needs them; or write anywhere but its own two files in the payload dire
 from __future__ import annotations
 
 import builtins
+import contextlib
 import ctypes
 import datetime
 import json
@@ -189,11 +190,19 @@ def init_distributed(payload: dict[str, Any], world_size: int) -> bool:
     return True
 
 
-def destroy_distributed() -> None:
+def destroy_distributed(ended_well: bool) -> None:
+    """Leave the process group.  After a target that ended well every rank first waits
+    for the others, so none tears its connections down while a peer still uses them
+    (Gloo aborts the process then); after a failure the launcher stops every rank, so
+    no rank waits for one that will never come."""
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    if ended_well:
+        with contextlib.suppress(Exception):
+            dist.barrier()
+    dist.destroy_process_group()
 
 
 def ready_name(rank: int) -> str:
@@ -288,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     directory, rank = Path(arguments[0]), int(arguments[1])
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    joined = False
+    joined = ended_well = False
     try:
         payload = load_payload(directory)
         joined = init_distributed(payload, world_size)
@@ -298,6 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = run_target(payload)
         release_exchanges()
         write_result(directory, rank, result)
+        ended_well = True
         return 0
     except KeyboardInterrupt as exc:
         print("interrupted", file=sys.stderr, flush=True)
@@ -306,6 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:
         if exc.code in (None, 0):
             write_result(directory, rank, None)
+            ended_well = True
             return 0
         write_error(directory, rank, exc, "")
         return exc.code if isinstance(exc.code, int) else 1
@@ -321,8 +332,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     finally:
         if joined:
-            destroy_distributed()
+            destroy_distributed(ended_well)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Past this point only the interpreter's teardown is left, in which Gloo's threads
+    # may still hold tensors and abort the process: the rank's work is done and said.
+    os._exit(status)

@@ -111,7 +111,13 @@ class Hub:
         return self.handle(core.Tick(now=self.now))
 
     def open(
-        self, user: str, *, uid: int | None = None, groups: tuple[str, ...] = (), pid: int = 0
+        self,
+        user: str,
+        *,
+        uid: int | None = None,
+        groups: tuple[str, ...] = (),
+        pid: int = 0,
+        reachable: tuple[str, ...] | None = None,
     ) -> str:
         self._sessions += 1
         self._pids += 1
@@ -123,7 +129,11 @@ class Hub:
             user=user,
             groups=groups,
         )
-        self.handle(core.SessionOpened(now=self.now, session_id=session, identity=identity))
+        self.handle(
+            core.SessionOpened(
+                now=self.now, session_id=session, identity=identity, reachable=reachable
+            )
+        )
         return session
 
     def close(self, session: str, reason: str = "connection closed") -> list[core.Action]:

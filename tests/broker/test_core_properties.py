@@ -296,6 +296,37 @@ def check_gangs_whole(scheduler: core.Scheduler) -> None:
             )
 
 
+def check_rivalry(scheduler: core.Scheduler, told: dict[str, bool]) -> None:
+    """A session with a lease on a GPU was last told it has no rival exactly when no
+    other open session may ask for a higher band on that GPU: its long kernels run as
+    they are only while nobody could preempt them, and are ready to stop otherwise."""
+    for session_id, record in scheduler.sessions.items():
+        placed = [
+            scheduler.leases[i]
+            for i in record.leases
+            if i in scheduler.leases
+            and scheduler.leases[i].state in core.ACTIVE_STATES
+            and scheduler.leases[i].slot in scheduler.slots
+        ]
+        if record.detached or not placed:
+            continue
+        rival = any(
+            other_id != session_id
+            and not other.detached
+            and priority_band(other.last_priority) > priority_band(lease.base_priority)
+            and (
+                other.reachable is None
+                or scheduler.slots[lease.slot].device_uuid in other.reachable  # type: ignore[index]
+            )
+            for lease in placed
+            for other_id, other in scheduler.sessions.items()
+        )
+        assert told.get(session_id) == (not rival), (
+            f"session {session_id} was told unrivalled={told.get(session_id)}, "
+            f"but a rival {'exists' if rival else 'does not exist'}"
+        )
+
+
 def check_all(scheduler: core.Scheduler) -> None:
     check_bookkeeping(scheduler)
     check_gangs_whole(scheduler)
@@ -318,6 +349,7 @@ class Run:
     outcomes: list[object] = field(default_factory=list)  # actions, or the error, per event
     requested: list[str] = field(default_factory=list)
     counter: int = 0
+    told: dict[str, bool] = field(default_factory=dict)  # unrivalled, as last told
 
     def feed(self, event: core.Event) -> list[core.Action]:
         self.events.append(event)
@@ -326,7 +358,10 @@ class Run:
         for action in actions:
             if isinstance(action, core.Preempt):
                 self.pending.append((action.lease_id, action.level))
+            elif isinstance(action, core.RivalryChanged):
+                self.told[action.session_id] = action.unrivalled
         check_all(self.scheduler)
+        check_rivalry(self.scheduler, self.told)
         check_grants_fit_what_is_seen(self.scheduler, actions)
         return actions
 
@@ -490,6 +525,8 @@ def test_capacity_and_priority_hold_after_every_event(script, policy):
     for kind in (core.Grant, core.Preempt, core.ResumeLease, core.NotifyQueued, core.Refuse):
         if any(isinstance(a, kind) for a in actions):
             event(f"has {kind.__name__}")
+    if any(isinstance(a, core.RivalryChanged) and not a.unrivalled for a in actions):
+        event("tells a session it has a rival")
     if any(isinstance(a, core.Preempt) and a.parks_bytes for a in actions):
         event("parks an idle session")
     if any(isinstance(a, core.ResumeLease) and a.restores_park for a in actions):

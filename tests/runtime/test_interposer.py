@@ -247,7 +247,7 @@ def test_a_window_of_zero_turns_the_bound_off(fake_gpu):
 )
 def test_the_bound_follows_the_gpu_time_a_launch_takes(fake_gpu, ms_between_events, window, every):
     library = interpose.native_library()
-    library.gps_set_target(3000)  # keep about 3 ms of GPU work queued
+    library.gps_set_target(3000, 0)  # keep about 3 ms of GPU work queued
     fake_gpu.gpu_ms_between_events = ms_between_events  # for the 4 launches between events
     for _ in range(4):
         for _ in range(4):
@@ -261,9 +261,45 @@ def test_the_bound_follows_the_gpu_time_a_launch_takes(fake_gpu, ms_between_even
     assert (stats["window"], stats["record_every"]) == (window, every)
 
 
+@pytest.mark.parametrize(
+    ("ms_between_events", "window", "every"),
+    [
+        pytest.param(10.0, 1, 1, id="long kernels: one behind the running one"),
+        pytest.param(0.1, 4, 10, id="short kernels: ~1 ms of them in flight"),
+    ],
+)
+def test_while_a_rival_exists_the_tighter_bound_holds(
+    fake_gpu, tmp_path, ms_between_events, window, every
+):
+    library = interpose.native_library()
+    library.gps_set_target(3000, 1000)
+    block = ControlBlock.create(tmp_path / "session.cb")
+    block.publish(gate_closed=False, state=LeaseState.RUNNING)
+    block.set_unrivalled(False)  # a session that could preempt this one exists
+    interpose.point_at(block.address())
+    try:
+        fake_gpu.gpu_ms_between_events = ms_between_events
+        for _ in range(4):
+            for _ in range(4):
+                library.gps_launch_exit(CONTEXT, None, 0)
+            if len(fake_gpu.outstanding) > 1:
+                fake_gpu.gpu_reaches(fake_gpu.outstanding[-2])
+        library.gps_launch_exit(CONTEXT, None, 0)
+        assert (interpose.stats()["window"], interpose.stats()["record_every"]) == (window, every)
+
+        block.set_unrivalled(True)  # the rival left: the usual ~3 ms again
+        library.gps_launch_exit(CONTEXT, None, 0)
+        for _ in range(8):
+            library.gps_launch_exit(CONTEXT, None, 0)
+        assert interpose.stats()["window"] >= 2
+    finally:
+        interpose.point_at(None)
+        block.close()
+
+
 def test_time_the_gpu_sat_idle_between_checkpoints_is_not_taken_for_launch_time(fake_gpu):
     library = interpose.native_library()
-    library.gps_set_target(3000)
+    library.gps_set_target(3000, 0)
     fake_gpu.gpu_ms_between_events = 50.0  # mostly the host's think time, not GPU work
     for _ in range(4):
         for _ in range(4):
@@ -477,6 +513,15 @@ block.publish(gate_closed=False, state=LeaseState.RUNNING)
 base = cuda.fake_launches()
 out["results_in_lease"] = run(fn, 2)  # handed to the hook: the original never runs
 out["originals_in_lease"] = cuda.fake_launches() - base
+block.set_unrivalled(True)  # nobody could preempt this session: no cost
+base, hooked = cuda.fake_launches(), len(seen["launches"])
+run(fn, 2)
+out["originals_unrivalled"] = cuda.fake_launches() - base
+out["hooked_unrivalled"] = len(seen["launches"]) - hooked
+block.set_unrivalled(False)  # a rival came: ready to stop again
+base, hooked = cuda.fake_launches(), len(seen["launches"])
+run(fn)
+out["hooked_rivalled_again"] = len(seen["launches"]) - hooked
 cuda.fake_set_elapsed_ms(0.05)
 base = cuda.fake_launches()
 run(short_fn, 5)
@@ -525,6 +570,11 @@ def test_the_shim_hands_long_kernels_loaded_from_ptx_to_the_runtime(fake_driver,
     # does not run; the caller sees success whatever the hook's own return value was.
     assert out["originals_in_lease"] == 0 and out["results_in_lease"] == [0, 0]
     assert out["seen"]["launches"][0] == [8, 1, 1, 128, 1, 1, 42]
+    # While the broker says no session could preempt this one, long kernels run as they
+    # are (counted); once a rival exists, the hook gets them again.
+    assert out["originals_unrivalled"] == 2 and out["hooked_unrivalled"] == 0
+    assert out["hooked_rivalled_again"] == 1
+    assert out["stats"]["unrivalled"] == 2
     # Short kernels are left alone after a few timed launches.
     assert out["short_state"] == interpose.TRACK_SHORT
     assert out["originals_of_short"] == 5
@@ -539,7 +589,7 @@ def test_the_shim_hands_long_kernels_loaded_from_ptx_to_the_runtime(fake_driver,
     assert out["after_lease_original"] == 1 and out["after_lease_hooked"] == 0
     assert len(out["seen"]["unloads"]) == 1
     assert out["stats"]["ptx_modules"] == 1
-    assert out["stats"]["preemptible"] == 3
+    assert out["stats"]["preemptible"] == 4
 
 
 NUMBA_SCRIPT = r"""

@@ -164,6 +164,8 @@ typedef struct {
     uint64_t cooperative;     /* cuLaunchCooperativeKernel: its blocks wait on each other */
     uint64_t with_attributes; /* cuLaunchKernelEx with attributes (clusters, cooperative) */
     uint64_t graphs;          /* cuGraphLaunch: a graph's kernels are not the shim's to see */
+    uint64_t unrivalled;      /* launches of long kernels run as they are: nobody could
+                               * have asked this session to stop (the broker's word) */
 } gps_stats;
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -171,8 +173,12 @@ static gps_driver g_driver;
 static int g_driver_ready;
 static volatile uint32_t *volatile g_gate;   /* control block: 0 open, else closed */
 static volatile uint32_t *volatile g_state;  /* control block: session state */
+/* control block: 1 while no session that could preempt this one exists (the broker
+ * decides): long kernels then run as they are, at no cost */
+static volatile uint32_t *volatile g_unrivalled;
 static unsigned g_window = 2, g_record_every = 4; /* fixed bound, or the start of an adaptive one */
 static unsigned g_target_us = 0;                   /* 0: the fixed bound */
+static unsigned g_rival_target_us = 0;             /* while rivalled (0: g_target_us) */
 static ContextWindow g_windows[MAX_CONTEXTS];
 static gps_stats g_stats;
 static volatile sig_atomic_t g_interrupt;
@@ -321,16 +327,33 @@ static void learn_from_completion(ContextWindow *w) {
     w->have_completed = 1;
 }
 
-/* The window and spacing for this context: fixed, or from its launches' GPU time. */
+static int lease_active(void);
+
+/* A session with a lease that somebody could preempt (the broker's word). */
+static int rivalled(void) {
+    volatile uint32_t *unrivalled = g_unrivalled;
+    return unrivalled != NULL && __atomic_load_n(unrivalled, __ATOMIC_ACQUIRE) == 0
+           && lease_active();
+}
+
+/* The window and spacing for this context: fixed, or from its launches' GPU time.
+ * While a rival may ask at any moment, the tighter target holds and at most one launch
+ * waits behind the running one: a pause then drains about that much. */
 static void bound_of(const ContextWindow *w, unsigned *window, unsigned *every) {
     *window = g_window;
     *every = g_record_every;
     if (g_target_us == 0 || w->per_launch_us <= 0) return;
+    unsigned target = g_target_us, least = 2;
+    if (g_rival_target_us != 0 && g_rival_target_us < target && rivalled()) {
+        target = g_rival_target_us;
+        least = 1;
+    }
     double per = w->per_launch_us;
-    double spacing = (double)g_target_us / (4.0 * per); /* about four events per target */
+    double spacing = (double)target / (4.0 * per); /* about four events per target */
     *every = spacing < 1 ? 1 : spacing > 64 ? 64 : (unsigned)(spacing + 1e-6);
-    double outstanding = (double)g_target_us / (per * (double)*every);
-    *window = outstanding < 2 ? 2 : outstanding > MAX_OUTSTANDING ? MAX_OUTSTANDING : (unsigned)(outstanding + 0.999);
+    double outstanding = (double)target / (per * (double)*every);
+    *window = outstanding < least ? least
+              : outstanding > MAX_OUTSTANDING ? MAX_OUTSTANDING : (unsigned)(outstanding + 0.999);
 }
 
 /* Exit of a successful launch: every record_every launches, record an event after it;
@@ -1015,6 +1038,14 @@ static int redirected(void *f, const unsigned *dims, unsigned shared, CUstream s
         pthread_mutex_unlock(&g_lock);
     }
     if (__atomic_load_n(&t->state, __ATOMIC_ACQUIRE) != TRACK_LONG) return 0;
+    volatile uint32_t *unrivalled = g_unrivalled;
+    if (unrivalled != NULL && __atomic_load_n(unrivalled, __ATOMIC_ACQUIRE) != 0) {
+        /* Nobody could ask us to stop now: the original costs nothing extra.  If a rival
+         * comes, the broker says so before it pauses us, and the next launch is ready;
+         * a pause waits for at most the launches already on the GPU. */
+        __atomic_add_fetch(&g_stats.unrivalled, 1, __ATOMIC_RELAXED);
+        return 0;
+    }
     if (!g_driver_ready || capturing(stream)) return 0;
     t_redirecting = 1;
     t_answer = LAUNCH_NOT_HANDLED;
@@ -1103,6 +1134,9 @@ void gps_set_block(volatile uint32_t *gate, volatile uint32_t *state) {
     if (gate != NULL) install_sigint();
 }
 
+/* Point at the control block's word that says no rival exists (NULL: always ready). */
+void gps_set_rival_word(volatile uint32_t *unrivalled) { g_unrivalled = unrivalled; }
+
 /* At most `window` recorded events outstanding, one every `record_every` launches;
  * window 0 turns the bound off. */
 void gps_set_window(unsigned window, unsigned record_every) {
@@ -1112,10 +1146,12 @@ void gps_set_window(unsigned window, unsigned record_every) {
     pthread_mutex_unlock(&g_lock);
 }
 
-/* Keep about `target_us` microseconds of GPU work queued (0: the fixed window above). */
-void gps_set_target(unsigned target_us) {
+/* Keep about `target_us` microseconds of GPU work queued (0: the fixed window above),
+ * and `rivalled_us` while a session that could preempt this one exists (0: the same). */
+void gps_set_target(unsigned target_us, unsigned rivalled_us) {
     pthread_mutex_lock(&g_lock);
     g_target_us = target_us;
+    g_rival_target_us = rivalled_us;
     pthread_mutex_unlock(&g_lock);
 }
 
