@@ -103,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
         "broker.metrics_token_file makes scrapers send a bearer token",
     )
     broker.add_argument(
+        "--exit-when-idle",
+        metavar="DURATION",
+        help="exit after no notebook session and no lease for this long, e.g. 10m (the "
+        "embedded broker a %%%%gpu cell starts uses 10m; default: run until stopped)",
+    )
+    broker.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
 
@@ -324,6 +330,14 @@ def _cmd_broker(args: argparse.Namespace) -> int:
     overrides, refusal = _broker_overrides(args)
     if refusal:
         return _fail(refusal, 2)
+    exit_when_idle_s = None
+    if args.exit_when_idle is not None:
+        from gpushare_ext.units import parse_duration
+
+        try:
+            exit_when_idle_s = parse_duration(args.exit_when_idle)
+        except ValueError as exc:
+            return _fail(f"--exit-when-idle {args.exit_when_idle!r}: {exc}", 2)
     if overrides:
         from dataclasses import replace
 
@@ -349,6 +363,7 @@ def _cmd_broker(args: argparse.Namespace) -> int:
                 inventory,
                 note,
                 config_path=Path(config_path).resolve() if config_path else None,
+                exit_when_idle_s=exit_when_idle_s,
             )
         )
     except RuntimeError as exc:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -83,6 +84,7 @@ def lease_cell(notebook) -> int:
 
 # The kernels running now, so that an interrupted demo can shut them down.
 RUNNING_KERNELS: set = set()
+KERNEL_FOLDERS: set[Path] = set()  # their channels' private folders, removed at the end
 STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -94,6 +96,7 @@ def execute_notebook(name: str, parameters: dict, *, timeout: int = 600):
     notebook = load_example(name, parameters)
     # IPC transport: the kernels' channels are Unix sockets in a private directory.
     ipc_dir = Path(tempfile.mkdtemp(prefix="gpushare-kernel-"))
+    KERNEL_FOLDERS.add(ipc_dir)
     manager = KernelManager(kernel_name="python3", transport="ipc", ip=str(ipc_dir / "kernel"))
     client = NotebookClient(notebook, km=manager, timeout=timeout, allow_errors=False)
     RUNNING_KERNELS.add(manager)
@@ -104,10 +107,8 @@ def execute_notebook(name: str, parameters: dict, *, timeout: int = 600):
         if manager.has_kernel:
             with contextlib.suppress(Exception):
                 manager.shutdown_kernel(now=False)
-        with contextlib.suppress(OSError):
-            for leftover in ipc_dir.iterdir():
-                leftover.unlink()
-            ipc_dir.rmdir()
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        KERNEL_FOLDERS.discard(ipc_dir)
     return notebook
 
 
@@ -274,6 +275,9 @@ def _stop_kernels() -> None:
     for manager in list(RUNNING_KERNELS):
         with contextlib.suppress(Exception):
             manager.shutdown_kernel(now=True)
+    for folder in list(KERNEL_FOLDERS):  # a notebook's thread ended early keeps none
+        shutil.rmtree(folder, ignore_errors=True)
+        KERNEL_FOLDERS.discard(folder)
 
 
 def run_demo(*, simulate: str | None = None, steps: int = 40, out: str | None = None) -> int:
@@ -383,6 +387,7 @@ def _run_demo(*, simulate: str | None, steps: int, out: str | None) -> int:
         with contextlib.suppress(BrokerStartError):
             broker.stop(timeout=10)
         os.environ.pop("GPUSHARE_SOCKET", None)
+        shutil.rmtree(workdir, ignore_errors=True)  # its socket, journal and logs
 
 
 def _report(

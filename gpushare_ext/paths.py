@@ -125,3 +125,12 @@ def trusted_broker_uids() -> frozenset[int]:
             with contextlib.suppress(KeyError):
                 uids.add(pwd.getpwnam(service).pw_uid)
     return frozenset(uids)
+
+
+def how_a_broker_starts(socket_path: Path) -> str:
+    """What brings a broker to ``socket_path``, in a sentence for a user who found none:
+    the admin for the system socket; the user's own first ``%%gpu`` cell otherwise
+    (single-user mode starts the embedded broker on demand)."""
+    if Path(socket_path) == SYSTEM_SOCKET:
+        return "The admin starts the system broker (ask yours)"
+    return "The first `%%gpu` cell of a notebook starts one for you (or run `gpushare broker`)"

@@ -393,6 +393,9 @@ def render_status(snapshot: Snapshot, console: Console | None = None) -> None:
 def status_text(snapshot: Snapshot, width: int = 110) -> str:
     buffer = StringIO()
     render_status(
-        snapshot, Console(file=buffer, width=width, force_terminal=False, color_system=None)
+        snapshot,
+        Console(
+            file=buffer, width=width, force_terminal=False, force_jupyter=False, color_system=None
+        ),
     )
     return buffer.getvalue()

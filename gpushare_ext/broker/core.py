@@ -2282,7 +2282,7 @@ class Scheduler:
                     lease_id=lease.lease_id,
                     session_id=session_id,
                     priority=lease.base_priority,
-                    device_uuid=self.slots[lease.slot].device_uuid,
+                    gpu_names=_names_of(self.slots[lease.slot]),
                 )
                 for lease in leases
                 if lease is not None and lease.state in ACTIVE_STATES and lease.slot in self.slots
@@ -2568,6 +2568,14 @@ class Scheduler:
         holders.estimate = round(min(remaining), 1) if remaining else None
         holders.estimated_in = self._passes
         return holders.estimate
+
+
+def _names_of(slot: Slot) -> frozenset[str]:
+    """What a session's reachable GPUs may call ``slot``'s GPU: its UUID, its host index,
+    its MIG instance's UUID (as :meth:`Scheduler._only_reachable` matches them)."""
+    return frozenset(
+        name for name in (slot.device_uuid, slot.mig_uuid, str(slot.device_index)) if name
+    )
 
 
 def _slots_of(device: DeviceInfo) -> list[Slot]:

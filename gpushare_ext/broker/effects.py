@@ -300,13 +300,18 @@ class Effects:
         # The rung that holds it (on a simulated GPU the gate), as status and the cell say.
         held_by = applied_level(action.level, broker.control.kind == "simulated")
         broker.timeline.paused(action.lease_id, int(held_by), time.time())
+        asked = (
+            ""
+            if held_by == action.level
+            else f"; level {int(action.level)} asked, which only the gate holds on a simulated GPU"
+        )
         events.info(
-            "%s (pid %s) %s at level %s (%s) for %s: %s",
+            "%s (pid %s) %s at level %s (%s) for %s%s: %s",
             action.lease_id, action.pid,
             "parked" if action.parks_bytes
             else "evicted" if action.level == PreemptionLevel.EVICT
             else "paused",
-            int(action.level), action.level.name.lower(), action.for_lease or "the broker",
+            int(held_by), held_by.name.lower(), action.for_lease or "the broker", asked,
             plain_text(action.reason, SENTENCE_LIMIT),
         )  # fmt: skip
         if action.parks_bytes:

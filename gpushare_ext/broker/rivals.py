@@ -31,7 +31,8 @@ class PlacedLease:
     lease_id: str
     session_id: str
     priority: int  # its base priority
-    device_uuid: str
+    gpu_names: frozenset[str]  # its GPU's UUID and host index (and MIG UUID), as a
+    # session's reachable GPUs may name them
 
 
 @dataclass
@@ -98,7 +99,7 @@ class Rivals:
                 if session_id == lease.session_id:
                     continue
                 reach = self._reach.get(session_id)
-                if reach is None or lease.device_uuid in reach:
+                if reach is None or lease.gpu_names.intersection(reach):
                     return session_id
         return None
 

@@ -94,6 +94,7 @@ from gpushare_ext.protocol import (
     encode_frame,
     peek_seq,
 )
+from gpushare_ext.units import format_duration
 
 log = logging.getLogger("gpushare.broker")
 
@@ -111,8 +112,13 @@ class Broker:
         *,
         inventory_note: str | None = None,
         config_path: Path | None = None,
+        exit_when_idle_s: float | None = None,
     ) -> None:
         self.config = config
+        # Seconds with no notebook session and no lease after which the broker exits
+        # (the embedded broker's lifetime; None: it runs until stopped).
+        self.exit_when_idle_s = exit_when_idle_s
+        self._idle_since = time.monotonic()
         self.config_path = config_path
         self.paths = paths
         self.inventory = inventory
@@ -358,7 +364,24 @@ class Broker:
 
     # ------------------------------------------------------------ periodic work
 
+    def _exit_if_idle_long(self) -> None:
+        """With ``exit_when_idle_s``: stop once no session and no lease has been there for
+        that long (watchers such as a panel do not count: they start nothing)."""
+        if self.exit_when_idle_s is None:
+            return
+        if self.connections or self.scheduler.active_leases():
+            self._idle_since = time.monotonic()
+            return
+        if time.monotonic() - self._idle_since >= self.exit_when_idle_s:
+            log.info(
+                "no notebook session for %s: exiting (--exit-when-idle); the next %%%%gpu "
+                "cell starts a broker again",
+                format_duration(self.exit_when_idle_s),
+            )
+            self.handle_exit()
+
     def _tick(self) -> None:
+        self._exit_if_idle_long()
         now = time.time()
         alive: dict[int, bool] = {}  # sessions of one process: one look at it
         for conn in list(self.connections.values()):
@@ -651,6 +674,10 @@ async def run_broker(
     inventory: InventoryBackend,
     note: str | None,
     config_path: Path | None = None,
+    exit_when_idle_s: float | None = None,
 ) -> None:
-    broker = Broker(config, paths, inventory, inventory_note=note, config_path=config_path)
+    broker = Broker(
+        config, paths, inventory, inventory_note=note, config_path=config_path,
+        exit_when_idle_s=exit_when_idle_s,
+    )  # fmt: skip
     await broker.serve()

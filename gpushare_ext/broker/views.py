@@ -34,6 +34,7 @@ from gpushare_ext.protocol import (
     Snapshot,
     TimelinePause,
     TimelineSpan,
+    applied_level,
     priority_class,
     split_member_id,
 )
@@ -57,9 +58,10 @@ def display_user(broker: Broker, identity: core.Identity, viewer: Connection | N
     return anonymous_name(broker.salt, identity.uid)
 
 
-def _level_of(lease: core.Lease) -> int | None:
+def _level_of(lease: core.Lease, simulated: bool) -> int | None:
+    """The rung that holds the lease (a simulated GPU's gate), as the cell says it."""
     level = lease.applied_level if lease.applied_level is not None else lease.pending_level
-    return None if level is None else int(level)
+    return None if level is None else int(applied_level(level, simulated))
 
 
 def _lease_view(
@@ -93,7 +95,7 @@ def _lease_view(
         label=plain_text(lease.label) if detailed else "",
         pid=lease.identity.pid if detailed else None,
         notebook=plain_text(session.notebook if session else "") if detailed else "",
-        preemption_level=_level_of(lease),
+        preemption_level=_level_of(lease, broker.control.kind == "simulated"),
         estimate_s=(
             round(max(0.0, lease.estimate_s - (now - lease.estimated_at)), 1)
             if lease.estimate_s is not None and lease.state == LeaseState.QUEUED

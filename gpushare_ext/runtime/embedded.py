@@ -4,7 +4,8 @@ With no system broker on the host, the first ``%%gpu`` cell of a user starts
 ``gpushare broker`` in user mode as a detached process (its own session, so it
 outlives the kernel that started it) and says so once.  Every other notebook of the
 same user finds it on the same socket.  A file lock keeps two kernels that start at
-the same moment from starting two brokers.
+the same moment from starting two brokers.  It exits :data:`EMBEDDED_LIFETIME` after
+its last notebook session and lease are gone.
 
 The runtime directory is made private (0700) if it is missing and trusted only if it
 is this user's and closed to others: one prepared by another user (a directory, a
@@ -30,6 +31,10 @@ from gpushare_ext.safe_fs import (
     open_private_file,
     trusted_directory,
 )
+
+# The embedded broker exits this long after its last session and lease are gone (it
+# says so in its log); the next %%gpu cell starts another.
+EMBEDDED_LIFETIME = "10m"
 
 
 class EmbeddedBrokerError(SessionError):
@@ -89,7 +94,10 @@ def ensure_embedded_broker(
         if broker_answers(socket_path):  # another kernel won the race
             return socket_path, False
         log_path = runtime / "broker.log"
-        command = [sys.executable, "-m", "gpushare_ext.cli", "broker", "--socket", str(socket_path)]
+        command = [
+            sys.executable, "-m", "gpushare_ext.cli", "broker", "--socket", str(socket_path),
+            "--exit-when-idle", EMBEDDED_LIFETIME,
+        ]  # fmt: skip
         inventory = os.environ.get("GPUSHARE_INVENTORY")
         if inventory:
             command += (

@@ -60,6 +60,7 @@ from gpushare_ext.protocol import (
     split_member_id,
 )
 from gpushare_ext.runtime import binding, interpose, memory, preemptible
+from gpushare_ext.runtime.cell_lines import PauseRecord, kernel_words, receipt_line
 from gpushare_ext.runtime.embedded import broker_answers, ensure_embedded_broker
 from gpushare_ext.runtime.errors import SessionError
 from gpushare_ext.runtime.gate import GateRelay
@@ -182,6 +183,10 @@ class LeaseHandle:
     revoked: str = ""
     paused_since: float | None = None
     pauses_s: list[float] = field(default_factory=list)  # each pause's length, in order
+    pause_log: list[PauseRecord] = field(default_factory=list)  # for the cell's receipt
+    asked_at: float = field(default_factory=time.monotonic)
+    granted_at: float | None = None  # monotonic, the first grant
+    kernels_at_grant: dict[str, int] = field(default_factory=dict)
     pause_text: str = "gpushare: paused for a higher-priority session"
     events: list[tuple[float, str]] = field(default_factory=list)
     changed: threading.Event = field(default_factory=threading.Event)
@@ -594,6 +599,9 @@ class GpuSession:
 
     def _apply_notice(self, handle: LeaseHandle, message: BrokerMessage) -> None:
         if isinstance(message, Granted):
+            if handle.granted_at is None:
+                handle.granted_at = time.monotonic()
+                handle.kernels_at_grant = preemptible.counts()
             handle.placement = message.placement
             handle.granted_priority = message.priority
             handle.ranks = list(message.ranks)
@@ -614,6 +622,9 @@ class GpuSession:
                 return
             self._watch_interrupts_while_paused()
             handle.paused_since = time.time()
+            handle.pause_log.append(
+                PauseRecord(message.for_user, applied_level(message.level, self.simulated))
+            )
             handle.note(f"paused at level {int(message.level)} for {message.for_user}")
             handle.pause_text = pause_line(message, self.simulated, self.protection())
             if handle.output is not None:
@@ -627,8 +638,17 @@ class GpuSession:
             if not handle.move(LeaseState.RUNNING):
                 handle.changed.set()
                 return
+            open_pause = (
+                handle.pause_log[-1]
+                if handle.pause_log and handle.pause_log[-1].seconds is None
+                else None
+            )
             if not message.note:
                 handle.pauses_s.append(message.paused_s)
+                if open_pause is not None:
+                    open_pause.seconds = message.paused_s
+            elif open_pause is not None:  # the pause never took effect
+                handle.pause_log.pop()
             text = (
                 f"gpushare: {message.note}"
                 if message.note
@@ -650,7 +670,10 @@ class GpuSession:
                     "on without a lease",
                 )
             else:
-                self._say_revoked(handle, f"gpushare: lease revoked: {message.reason}")
+                self._say_revoked(
+                    handle,
+                    f"gpushare: lease revoked: {message.reason}; the cell goes on without a lease",
+                )
         elif isinstance(message, Released):
             handle.move(LeaseState.RELEASED)
         handle.changed.set()
@@ -739,12 +762,16 @@ class GpuSession:
                 output.show("gpushare-announce", line)
             self.announcements.clear()
         request = options.request(self.capabilities(options, in_workers=not bind), label)
+        requested_at = time.monotonic()
         while True:
             reply, generation = self._request(request, output)
             if isinstance(reply, Refused):
                 raise LeaseRefused(f"gpushare: request refused: {reply.message}")
             handle = LeaseHandle(lease_id=reply.lease_id, options=options, output=output)
+            handle.asked_at = requested_at
             if isinstance(reply, Granted):
+                handle.granted_at = time.monotonic()
+                handle.kernels_at_grant = preemptible.counts()
                 handle.placement = reply.placement
                 handle.granted_priority = reply.priority
                 handle.ranks = list(reply.ranks)
@@ -1034,6 +1061,26 @@ class GpuSession:
                 yield handle
         finally:
             self.release(handle)
+            self._say_receipt(handle)
+
+    @staticmethod
+    def _say_receipt(handle: LeaseHandle) -> None:
+        """The cell's last line: what its lease went through (only for a lease that was
+        granted; a request that never was ends with its own error)."""
+        if handle.output is None or handle.granted_at is None:
+            return
+        if handle.state == LeaseState.REVOKED:
+            return  # the revocation's line is the lease's last word
+        now = time.monotonic()
+        handle.output.show(
+            handle.display_key + "-receipt",
+            receipt_line(
+                queued_s=handle.granted_at - handle.asked_at,
+                ran_s=now - handle.granted_at,
+                pauses=handle.pause_log,
+                kernels=kernel_words(handle.kernels_at_grant, preemptible.counts()),
+            ),
+        )
 
     def run_gang(
         self,

@@ -31,6 +31,7 @@ from jupyter_server.base.handlers import APIHandler
 from tornado.iostream import StreamClosedError
 
 from gpushare_ext.client import AsyncBrokerClient, BrokerError, BrokerUnavailable
+from gpushare_ext.paths import how_a_broker_starts
 from gpushare_ext.protocol import ErrorCode, Snapshot, encode_json, snapshot_to_builtins
 
 #: How long one broker round trip may take before the request fails with 503.
@@ -60,8 +61,8 @@ class AdminRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 def no_broker_message(socket_path: Path, reason: str) -> str:
     """The sentence a user reads when the server cannot reach a broker."""
     return (
-        f"No GPU broker reachable at {socket_path}: {reason}. Start one with "
-        "`gpushare broker` (or ask the admin to start the system broker), then reload."
+        f"No GPU broker reachable at {socket_path}: {reason}. "
+        f"{how_a_broker_starts(socket_path)}; this panel shows it as soon as it answers."
     )
 
 

@@ -918,10 +918,11 @@ function renderQueue(s, options) {
     undefined,
     columns.map((t) => h("th", undefined, t)),
   );
-  if (options.onAdmin) head.appendChild(h("th", undefined, ""));
-  const width = columns.length + (options.onAdmin ? 1 : 0);
+  const width = columns.length;
   // Each request is two rows: its facts, short enough for a narrow panel, then why it
-  // waits across the whole width (a column that narrow wraps a sentence word by word).
+  // waits across the whole width (a column that narrow wraps a sentence word by word),
+  // with an admin's Cancel button at its end: a column of its own would push the table
+  // past a narrow panel's edge as soon as a name is long.
   const rows = queued.flatMap((l) => {
     const own = l.own ? " gpushare-queue-own" : "";
     const row = h("tr", `gpushare-queue-row${own}`, undefined, [
@@ -930,14 +931,14 @@ function renderQueue(s, options) {
       h("td", undefined, describePriority(l.priority)),
       h("td", undefined, formatDuration(l.since_s)),
     ]);
+    let cancel = null;
     if (options.onAdmin) {
       const onAdmin = options.onAdmin;
-      const button = h("button", "gpushare-admin-button", "Cancel");
-      button.title = `Cancel ${l.user}'s queued request ${l.lease_id}`;
-      button.addEventListener("click", () =>
+      cancel = h("button", "gpushare-admin-button gpushare-queue-cancel", "Cancel");
+      cancel.title = `Cancel ${l.user}'s queued request ${l.lease_id}`;
+      cancel.addEventListener("click", () =>
         onAdmin({ action: "cancel", lease_id: l.lease_id }),
       );
-      row.appendChild(h("td", "gpushare-queue-action", undefined, [button]));
     }
     const estimate =
       l.estimate_s == null
@@ -953,6 +954,7 @@ function renderQueue(s, options) {
       h("td", undefined, undefined, [
         document.createTextNode(l.reason || l.label || ""),
         estimate,
+        cancel,
       ])
     );
     why.colSpan = width;

@@ -25,6 +25,7 @@ import anywidget
 import msgspec
 import traitlets
 
+from gpushare_ext.paths import how_a_broker_starts
 from gpushare_ext.protocol import Error, Snapshot, StateUpdate, snapshot_to_builtins
 
 _HERE = Path(__file__).parent
@@ -173,6 +174,6 @@ class OccupancyWidget(anywidget.AnyWidget):
 
     def _unavailable(self, path: Path, reason: str) -> None:
         self.error = (
-            f"No GPU broker reachable at {path}: {reason}. Start one with `gpushare broker`; "
-            f"this view retries every {RETRY_S:g} s."
+            f"No GPU broker reachable at {path}: {reason}. {how_a_broker_starts(path)}; "
+            f"this view looks again every {RETRY_S:g} s."
         )

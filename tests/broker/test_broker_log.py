@@ -36,8 +36,10 @@ def test_each_lease_event_is_one_line_in_the_broker_log(running_broker):
         rf"L1 granted to \w+ {pid} on GPU 0: 100 GiB, priority 50, after 0\.\d s", lines[0]
     ), lines
     assert re.fullmatch(
-        rf"L1 {pid} evicted at level 4 \(evict\) for L2: paused for a higher-priority session "
-        r"\(high lease L2\)",
+        # The rung that holds it, as the cell and status say (a simulated GPU's gate), and
+        # the level asked beside it.
+        rf"L1 {pid} evicted at level 0 \(gate\) for L2; level 4 asked, which only the gate "
+        r"holds on a simulated GPU: paused for a higher-priority session \(high lease L2\)",
         lines[1],
     ), lines
     assert re.fullmatch(rf"L2 granted to \w+ {pid} on GPU 0: 100 GiB, priority 250, .*", lines[2])

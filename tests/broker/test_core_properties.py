@@ -296,6 +296,10 @@ def check_gangs_whole(scheduler: core.Scheduler) -> None:
             )
 
 
+def _slot_names(slot: core.Slot) -> set[str]:
+    return {slot.device_uuid, str(slot.device_index), *([slot.mig_uuid] if slot.mig_uuid else [])}
+
+
 def check_rivalry(scheduler: core.Scheduler, told: dict[str, bool]) -> None:
     """A session with a lease on a GPU was last told it has no rival exactly when no
     other open session may ask for a higher band on that GPU: its long kernels run as
@@ -316,7 +320,7 @@ def check_rivalry(scheduler: core.Scheduler, told: dict[str, bool]) -> None:
             and priority_band(other.last_priority) > priority_band(lease.base_priority)
             and (
                 other.reachable is None
-                or scheduler.slots[lease.slot].device_uuid in other.reachable  # type: ignore[index]
+                or bool(_slot_names(scheduler.slots[lease.slot]) & set(other.reachable))  # type: ignore[index]
             )
             for lease in placed
             for other_id, other in scheduler.sessions.items()
@@ -468,7 +472,11 @@ def finish(run: Run) -> None:
     for session in run.sessions:  # no cell runs any more: idle sessions may be parked
         run.feed(core.SessionActivity(now=run.now, session_id=session, running=False))
     for _ in range(2_000):
-        for park in _parks(run):  # every parked session comes back for its next cell
+        while run.pending:
+            lease_id, level = run.pending.pop(0)
+            run.feed(core.PreemptionApplied(now=run.now, lease_id=lease_id, level=level))
+        # Every parked session comes back for its next cell: also one parked just above.
+        for park in _parks(run):
             if park.state == LeaseState.EVICTED and not park.restore_wanted:
                 run.feed(core.RestoreAsked(now=run.now, session_id=park.session_id,
                                            lease_id=park.lease_id))  # fmt: skip

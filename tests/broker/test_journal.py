@@ -18,7 +18,7 @@ from support import launch_broker, run_as
 
 from gpushare_ext.broker.journal import LEASE_NUMBER_BLOCK, Journal, JournaledLease
 from gpushare_ext.client import BrokerClient
-from gpushare_ext.protocol import Granted, Preempt
+from gpushare_ext.protocol import Granted, LeaseState, Preempt
 
 LOCK = 3
 
@@ -116,10 +116,16 @@ def test_after_kill_9_the_restarted_broker_undoes_locks_and_live_clients_reclaim
     try:
         assert high["granted"]
         assert paused.wait(timeout=5)
-        # The lock is applied (simulated) and recorded before anything else happens.
-        assert wait_for(lambda: _lease_view(broker.socket, low.lease_id).preemption_level == LOCK)
+        # The lock is recorded and applied (simulated: status names the gate that holds
+        # the session there) before anything else happens.
         pending = "SELECT level FROM actuations WHERE lease_id=? AND undone_at IS NULL"
-        assert _rows(broker.journal, pending, low.lease_id) == [(LOCK,)]
+        assert wait_for(lambda: _rows(broker.journal, pending, low.lease_id) == [(LOCK,)])
+        assert wait_for(
+            lambda: (
+                _lease_view(broker.socket, low.lease_id).state == LeaseState.PAUSED
+                and _lease_view(broker.socket, low.lease_id).preemption_level == 0
+            )
+        )
 
         broker.process.send_signal(signal.SIGKILL)
         broker.process.wait(timeout=10)

@@ -64,6 +64,17 @@ def test_a_session_that_cannot_reach_the_gpu_is_no_rival():
     assert hub.scheduler.rivals.told(ada) is False
 
 
+def test_a_session_that_names_the_gpu_by_its_host_index_is_a_rival():
+    # NVIDIA_VISIBLE_DEVICES=0 (a host index, as on a plain GPU host): that GPU is reachable.
+    hub = Hub(devices=h200_devices(2))
+    ada = hub.open("ada")
+    hub.request(ada, "A", priority=LOW, memory=10 * GIB, device="0")
+    hub.open("bo", reachable=("1",))
+    assert hub.scheduler.rivals.told(ada) is True
+    hub.open("cy", reachable=("0",))
+    assert hub.scheduler.rivals.told(ada) is False
+
+
 def test_the_broker_writes_the_word_the_shim_reads(start_broker):
     socket = start_broker(simulate="h200").socket
     with BrokerClient(socket) as low:

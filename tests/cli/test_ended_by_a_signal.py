@@ -131,3 +131,6 @@ def test_the_demo_stops_its_broker_and_its_notebook_kernels(tmp_path):
 
     assert _gone(broker)
     assert not _answers(socket)
+    # Its folders (the broker's socket, journal and log; the kernels' channels) are gone.
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("gpushare-"))
+    assert left == [], left

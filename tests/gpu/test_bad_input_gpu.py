@@ -5,7 +5,7 @@ once which protection applies and why.
 The workloads (graph capture and replay, a cooperative launch, ``cuLaunchKernelEx`` with
 a thread-block cluster attribute, dynamic parallelism, ``printf`` in a kernel, a long
 kernel on managed memory, a long kernel whose PTX reads a cluster register the
-transform does not model, a module unloaded while launches of it go on) run three
+transform does not model, a module unloaded while a launch of it runs) run three
 ways: in a plain Python process (no gpushare: the reference), in an unmarked cell of a
 kernel started as the server extension starts kernels (shim preloaded, CuPy compiling
 to PTX), and in a ``%%gpu priority=low`` cell while the broker's chaos mode pauses that
@@ -168,9 +168,9 @@ _CLUSTER_REGISTER = r"""extern "C" __global__ void gps_bad_cluster_rank(float *y
 def unmodelled_ptx():
     kernel = cupy.RawKernel(_CLUSTER_REGISTER, "gps_bad_cluster_rank")
     y = cupy.zeros(N, dtype=cupy.float32)
-    for _ in range(4):
+    for _ in range(4):  # one at a time: the shim learns it is long from the first
         kernel((N // 256,), (256,), (y, numpy.int32(N), numpy.int32(ITER)))
-    cupy.cuda.runtime.deviceSynchronize()
+        cupy.cuda.runtime.deviceSynchronize()
     return f"ok {bool((y.get() == 1.0).all())}"
 
 _UNLOAD_SOURCE = r"""extern "C" __global__ void gps_bad_unload(float *y, int n, int iters) {
@@ -200,14 +200,15 @@ def unload_during_launches():
     pointer, n, iters = ctypes.c_void_p(y.data.ptr), ctypes.c_int(N), ctypes.c_int(ITER)
     params = (_p * 3)(*(ctypes.addressof(v) for v in (pointer, n, iters)))
     codes = []
+    launched = threading.Event()
     def launches():
         set_context(context)
-        for _ in range(12):
-            codes.append(launch(function, N // 256, 1, 1, 256, 1, 1, 0, None, params, None))
-            synchronize()
+        codes.append(launch(function, N // 256, 1, 1, 256, 1, 1, 0, None, params, None))
+        launched.set()  # the unload comes while this launch runs
+        synchronize()
     worker = threading.Thread(target=launches)
     worker.start()
-    time.sleep(0.15)
+    launched.wait(60)
     unloaded = unload(module)
     worker.join(120)
     cupy.cuda.runtime.deviceSynchronize()
@@ -238,14 +239,18 @@ def outcomes():
 
 RUN_ALL = "import json\nprint('OUTCOMES', json.dumps(outcomes()))\n"
 
-# What the cell must say (once) for the launches the shim cannot make preemptible.
-SAID = {
+# What a cell says once for the launches the shim cannot make preemptible.  The shim
+# holds every launch, so these are said in any cell (Numba's grid-synchronised kernel is
+# launched with the cooperative attribute, so it counts as a launch with attributes):
+SAID_ANYWHERE = {
     "graph": "CUDA graph launches",
-    "cooperative": "cooperative launches",
     "cluster attribute": "launches with attributes",
-    "managed memory": "runs unmodified when host or managed memory",
-    "unmodelled PTX": "gps_bad_cluster_rank",
 }
+# Long kernels go to the runtime only in a lease that somebody could preempt (chaos
+# mode is such a somebody): a kernel the transform refuses is named there, once.  (The
+# managed-memory workload's kernel only writes its output, so it may run preemptibly
+# over managed memory too: its outcome is what is compared.)
+SAID_IN_A_RIVALLED_LEASE = {"unmodelled PTX": "gps_bad_cluster_rank"}
 
 
 def _outcomes(text: str) -> dict[str, str]:
@@ -297,9 +302,8 @@ def test_launches_the_shim_cannot_make_preemptible_run_unmodified_and_say_so_onc
         unmarked = kernel.run(RUN_ALL, timeout=600).ok()
         print("unmarked:", unmarked.final_text()[-3000:], unmarked.stderr[-3000:])
         assert _comparable(_outcomes(unmarked.final_text())) == _comparable(reference)
-        assert "gps-printf" in unmarked.final_text() + unmarked.stderr
         said = [line for line in unmarked.stderr.splitlines() if line.startswith("gpushare:")]
-        for name, words in SAID.items():
+        for name, words in SAID_ANYWHERE.items():
             assert sum(words in line for line in said) == 1, (name, said)
 
         # Under the lease, while chaos pauses the kernel at the gate, with the yield flag
@@ -318,7 +322,9 @@ def test_launches_the_shim_cannot_make_preemptible_run_unmodified_and_say_so_onc
         print("chaos:", chaos.final_text()[-3000:], chaos.stderr[-3000:], ended)
         assert _comparable(_outcomes(chaos.final_text())) == _comparable(reference)
         again = [line for line in chaos.stderr.splitlines() if line.startswith("gpushare:")]
-        assert not any(words in line for line in again for words in SAID.values()), again
+        assert not any(words in line for line in again for words in SAID_ANYWHERE.values())
+        for name, words in SAID_IN_A_RIVALLED_LEASE.items():
+            assert sum(words in line for line in again) == 1, (name, again)
         paused = re.search(r"(\d+) pauses so far", ended)
         assert paused and int(paused.group(1)) > 0, ended  # the broker did pause it
 

@@ -105,6 +105,18 @@ async def test_no_broker_is_a_503_with_a_clear_message(jp_fetch, running_broker)
         assert body["error"] == "unavailable"
         assert body["message"].startswith("No GPU broker reachable at ")
         assert str(running_broker.socket) in body["message"]
+        # A user's own socket: the first %%gpu cell starts a broker, and the panel
+        # follows it without a reload.
+        assert "The first `%%gpu` cell of a notebook starts one for you" in body["message"]
+        assert "reload" not in body["message"]
+
+
+def test_on_the_system_socket_the_message_sends_the_user_to_the_admin():
+    from gpushare_ext.paths import SYSTEM_SOCKET
+    from gpushare_ext.server_ext.handlers import no_broker_message
+
+    message = no_broker_message(SYSTEM_SOCKET, "connection refused")
+    assert "The admin starts the system broker" in message and "%%gpu" not in message
 
 
 async def test_stream_shows_a_new_session_within_a_few_seconds(jp_fetch, sessions):

@@ -159,9 +159,12 @@ CUresult cuModuleGetFunction(void **function, void *module, const char *name) {
     return 0;
 }
 
+static unsigned long launches_at_unload;
+unsigned long fake_launches_at_unload(void) { return launches_at_unload; }
 CUresult cuModuleUnload(void *module) {
     (void)module;
     unloads++;
+    launches_at_unload = launches;
     return 0;
 }
 

@@ -400,6 +400,58 @@ print(json.dumps(out))
 """
 
 
+UNLOAD_SCRIPT = r"""
+import ctypes, json, sys, threading, time
+from pathlib import Path
+from gpushare_ext.runtime import interpose
+from gpushare_ext.control_block import ControlBlock
+from gpushare_ext.lease_state import LeaseState
+
+u, p = ctypes.c_uint, ctypes.c_void_p
+cuda = ctypes.CDLL("libcuda.so.1")
+for name in ("fake_launches", "fake_unloads", "fake_launches_at_unload"):
+    getattr(cuda, name).restype = ctypes.c_ulong
+get_proc = cuda.cuGetProcAddress_v2
+get_proc.argtypes = [ctypes.c_char_p, ctypes.POINTER(p), ctypes.c_int, ctypes.c_uint64, p]
+def entry(name, kind):
+    found = p()
+    assert get_proc(name, ctypes.byref(found), 12080, 0, None) == 0
+    return kind(found.value)
+launch = entry(b"cuLaunchKernel", ctypes.CFUNCTYPE(ctypes.c_int, p, u, u, u, u, u, u, u, p, p, p))
+unload = entry(b"cuModuleUnload", ctypes.CFUNCTYPE(ctypes.c_int, p))
+block = ControlBlock.create(Path(sys.argv[1]) / "session.cb")
+block.publish(gate_closed=False, state=LeaseState.RUNNING)
+interpose.attach(block.address())
+block.publish(gate_closed=False, state=LeaseState.PAUSED, level=0)
+held = threading.Thread(target=launch, args=(p(0x1234), 1, 1, 1, 1, 1, 1, 0, None, None, None))
+held.start()
+time.sleep(0.2)
+unloader = threading.Thread(target=unload, args=(p(0x12),))
+unloader.start()
+time.sleep(0.3)
+out = {"unloads_while_held": cuda.fake_unloads(), "unloader_waits": unloader.is_alive()}
+block.publish(gate_closed=False, state=LeaseState.RUNNING)
+held.join(5)
+unloader.join(5)
+out["unloads"] = cuda.fake_unloads()
+out["launches_before_the_unload"] = cuda.fake_launches_at_unload()
+out["alone"] = unload(p(0x13)) == 0  # no launch in hand: at once
+print(json.dumps(out))
+"""
+
+
+def test_a_module_is_unloaded_only_after_a_launch_held_in_another_thread_went_on(
+    fake_driver, tmp_path
+):
+    out = run_preloaded(UNLOAD_SCRIPT, fake_driver, str(tmp_path))
+    # While the launch is held (the session paused), the unload waits: launching a
+    # function of a module already unloaded would be undefined.
+    assert out["unloads_while_held"] == 0 and out["unloader_waits"], out
+    # Resumed: the launch reaches the driver first, then the module goes.
+    assert out["unloads"] == 1 and out["launches_before_the_unload"] == 1, out
+    assert out["alone"]
+
+
 def run_preloaded(script: str, fake_driver: Path, *args: str) -> dict:
     """Run ``script`` in a fresh interpreter with the shim preloaded in front of the fake
     driver (as a kernel the server extension starts); its last line of output, as JSON."""

@@ -13,6 +13,7 @@ h200`` subprocesses:
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -125,9 +126,9 @@ def test_a_pause_on_the_simulated_gpu_says_the_rung_applied_as_status_does(
         ],
         "gpushare status to say what the ladder applied to the paused cell",
     )
-    assert view.preemption_level == 3  # asked for the process lock ...
+    assert view.preemption_level == 0  # the rung that holds it: the gate ...
     assert "simulated GPU: the process was gated, not locked" in view.reason
-    # ... and the cell says both, as status does: asked the lock, applied the gate.
+    # ... and the cell says both, as status does: asked the lock, the gate holds it.
     assert line.startswith(
         "gpushare: paused for a higher-priority session (" + ME + ") at ladder level 0, the "
         "gate (level 3, the process lock, was asked; a simulated GPU is gated, not locked)"
@@ -166,6 +167,13 @@ def test_every_pause_of_a_cell_is_counted_in_its_one_line(on_broker, kernels, tm
     (line,) = lines_with(paused, "resumed")
     assert "paused twice in this cell (" in line and " s in all)" in line, line
     assert sum(1 for _, shown in paused.shown if "(paused once before) ..." in shown) >= 1
+    # The cell's last line, its receipt: queued, ran, each pause for whom and at which rung.
+    (receipt,) = lines_with(paused, "cell done")
+    assert re.fullmatch(
+        r"gpushare: cell done: (queued \d+\.\d s, )?ran \d+\.\d s; paused 2 times, \d+\.\d s in all "
+        rf"\(\d+\.\d s for {re.escape(ME)} \(gate\), \d+\.\d s for {re.escape(ME)} \(gate\)\)",
+        receipt,
+    ), receipt
 
 
 def admin_cancel(broker, lease_id: str) -> None:
@@ -190,7 +198,9 @@ def test_an_admin_cancel_of_a_running_cell_is_one_line_in_it(on_broker, kernels,
     admin_cancel(on_broker, lease.lease_id)
 
     line = cell.wait_shown("gpushare: lease revoked")
-    assert line == "gpushare: lease revoked: cancelled by an admin", line
+    assert line == (
+        "gpushare: lease revoked: cancelled by an admin; the cell goes on without a lease"
+    ), line
     assert not [
         entry for entry in cli_status_json(on_broker.socket)["leases"] if entry["pid"] == kernel.pid
     ]

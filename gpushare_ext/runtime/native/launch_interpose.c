@@ -481,12 +481,25 @@ WRAPPED(LaunchExFn, 0) WRAPPED(LaunchExFn, 1) WRAPPED(GraphFn, 0) WRAPPED(GraphF
 static int redirected(void *f, const unsigned *dims, unsigned shared, CUstream stream,
                       void **params, void **extra, CUresult *result);
 static int sample_begin(void *f, CUstream stream);
+
+/* Launches inside a wrapper now (held while paused, run by the runtime, or on their way
+ * to the driver): a module is unloaded only once other threads' launches have gone on. */
+static unsigned g_in_launch;
+static __thread unsigned t_in_launch;
+static void launch_begins(void) {
+    t_in_launch++;
+    __atomic_add_fetch(&g_in_launch, 1, __ATOMIC_ACQ_REL);
+}
+static void launch_ends(void) {
+    __atomic_sub_fetch(&g_in_launch, 1, __ATOMIC_ACQ_REL);
+    t_in_launch--;
+}
 static void sample_end(void *f, CUstream stream, int slot);
 
 #define LAUNCH_WRAPPER(n)                                                                      \
-    static CUresult w_launch_##n(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,  \
-                                 unsigned by, unsigned bz, unsigned sh, CUstream st,          \
-                                 void **params, void **extra) {                               \
+    static CUresult launch_##n(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,    \
+                               unsigned by, unsigned bz, unsigned sh, CUstream st,            \
+                               void **params, void **extra) {                                 \
         const unsigned dims[6] = {gx, gy, gz, bx, by, bz};                                     \
         CUresult r;                                                                            \
         if (redirected(f, dims, sh, st, params, extra, &r)) return r;                          \
@@ -496,20 +509,37 @@ static void sample_end(void *f, CUstream stream, int slot);
         if (slot >= 0) sample_end(f, st, r == CUDA_SUCCESS ? slot : -1);                       \
         after_launch(r, st, 0);                                                                \
         return r;                                                                              \
+    }                                                                                          \
+    static CUresult w_launch_##n(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,  \
+                                 unsigned by, unsigned bz, unsigned sh, CUstream st,          \
+                                 void **params, void **extra) {                               \
+        launch_begins();                                                                       \
+        CUresult r = launch_##n(f, gx, gy, gz, bx, by, bz, sh, st, params, extra);             \
+        launch_ends();                                                                         \
+        return r;                                                                              \
     }
 #define COOP_WRAPPER(n)                                                                        \
     static CUresult w_coop_##n(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,    \
                                unsigned by, unsigned bz, unsigned sh, CUstream st,            \
                                void **params) {                                               \
         __atomic_add_fetch(&g_stats.cooperative, 1, __ATOMIC_RELAXED);                         \
+        launch_begins();                                                                       \
         before_launch(st, 0);                                                                  \
         CUresult r = real_CoopFn_##n(f, gx, gy, gz, bx, by, bz, sh, st, params);               \
         after_launch(r, st, 0);                                                                \
+        launch_ends();                                                                         \
         return r;                                                                              \
     }
 /* A launch with attributes (clusters, cooperative ...) is never redirected. */
 #define EX_WRAPPER(n)                                                                          \
+    static CUresult ex_##n(const LaunchConfig *c, void *f, void **params, void **extra);      \
     static CUresult w_ex_##n(const LaunchConfig *c, void *f, void **params, void **extra) {    \
+        launch_begins();                                                                       \
+        CUresult r = ex_##n(c, f, params, extra);                                              \
+        launch_ends();                                                                         \
+        return r;                                                                              \
+    }                                                                                          \
+    static CUresult ex_##n(const LaunchConfig *c, void *f, void **params, void **extra) {      \
         CUstream st = c ? c->hStream : NULL;                                                   \
         CUresult r;                                                                            \
         if (c != NULL && c->numAttrs > 0)                                                      \
@@ -920,6 +950,21 @@ static CUresult w_get_function(void **function, void *module, const char *name) 
 
 static CUresult w_mod_unload(void *module) {
     if (real_mod_unload == NULL) return 500;
+    /* Another thread's launch in our hands (held while the session is paused, say) goes
+     * to the driver before its module goes, as without the shim, where it was queued
+     * long before: launching a function of an unloaded module is undefined.  That wait
+     * ends when the launch does (a resume, a lease's end, a Ctrl-C); the GIL is let go
+     * meanwhile, so the session can hear the broker. */
+    if (__atomic_load_n(&g_in_launch, __ATOMIC_ACQUIRE) > t_in_launch) {
+        void *saved = NULL;
+        if (py_gil_check && py_save_thread && py_gil_check()) saved = py_save_thread();
+        long nap = 5;
+        while (__atomic_load_n(&g_in_launch, __ATOMIC_ACQUIRE) > t_in_launch) {
+            nap_us(nap);
+            if (nap < 200) nap *= 2;
+        }
+        if (saved) py_restore_thread(saved);
+    }
     if (g_on_unload && !t_redirecting) g_on_unload(module); /* its functions go first */
     return real_mod_unload(module);
 }

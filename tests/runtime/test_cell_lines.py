@@ -1,0 +1,50 @@
+"""The receipt a ``%%gpu`` cell shows when it ends (``runtime/cell_lines.py``)."""
+
+from __future__ import annotations
+
+from gpushare_ext.protocol import PreemptionLevel
+from gpushare_ext.runtime.cell_lines import PauseRecord, kernel_words, receipt_line
+
+
+def test_a_cell_granted_at_once_and_never_paused_says_so():
+    assert receipt_line(queued_s=0.04, ran_s=3.16, pauses=[]) == (
+        "gpushare: cell done: ran 3.2 s; never paused"
+    )
+    assert receipt_line(queued_s=1.26, ran_s=3.16, pauses=[]) == (
+        "gpushare: cell done: queued 1.3 s, ran 3.2 s; never paused"
+    )
+
+
+def test_each_pause_says_for_whom_at_which_rung_and_how_long():
+    pauses = [
+        PauseRecord("alice", PreemptionLevel.GATE, 1.24),
+        PauseRecord("bob", PreemptionLevel.LOCK, 2.0),
+    ]
+    assert receipt_line(queued_s=2.0, ran_s=12.2, pauses=pauses) == (
+        "gpushare: cell done: queued 2.0 s, ran 12.2 s; paused 2 times, 3.2 s in all "
+        "(1.2 s for alice (gate), 2.0 s for bob (lock))"
+    )
+
+
+def test_past_three_pauses_the_rest_are_counted():
+    pauses = [PauseRecord(f"u{n}", PreemptionLevel.YIELD, 1.0) for n in range(5)]
+    pauses.append(PauseRecord("u5", PreemptionLevel.EVICT))  # still paused at the end
+    line = receipt_line(queued_s=0.0, ran_s=9.0, pauses=pauses)
+    assert line.startswith("gpushare: cell done: ran 9.0 s; paused 6 times"), line
+    assert line.endswith(
+        "paused 6 times, 5.0 s in all (1.0 s for u0 (yield), 1.0 s for u1 (yield), "
+        "1.0 s for u2 (yield), 3 more, 2.0 s)"
+    ), line
+    assert "\n" not in line
+
+
+def test_what_the_long_kernels_got_over_the_cell():
+    before = {"preemptible": 2, "yields": 1, "aborts": 0, "saves": 0, "unmodified": 0,
+              "unrivalled": 5}  # fmt: skip
+    after = {"preemptible": 6, "yields": 4, "aborts": 1, "saves": 0, "unmodified": 1,
+             "unrivalled": 5}  # fmt: skip
+    assert kernel_words(before, after) == ("4 launches ready to stop (4 stops), 1 run unmodified")
+    assert kernel_words(after, after) == ""
+    line = receipt_line(queued_s=0, ran_s=1, pauses=[], kernels=kernel_words(before, after))
+    assert line.endswith("; never paused; long kernels: 4 launches ready to stop (4 stops), "
+                         "1 run unmodified")  # fmt: skip
