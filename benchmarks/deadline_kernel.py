@@ -15,6 +15,8 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
+from pathlib import Path
 
 
 class DeadlineKernel:
@@ -65,3 +67,28 @@ class DeadlineKernel:
             self.manager.shutdown_kernel(now=True)
         except Exception:  # a hung kernel: it goes anyway
             self.kill()
+
+
+def kernel_environment(
+    *,
+    shim: bool,
+    socket: Path | None,
+    package_root: Path | None = None,
+    cache_prefix: str = "gpushare-cupy-",
+) -> dict[str, str]:
+    """This process's environment for a kernel started as the gpushare server extension
+    starts kernels (``shim``: the launch shim preloaded, CuPy compiling to PTX) or as a
+    plain Jupyter server does, with its own CuPy cache and, given ``socket``, that broker.
+    ``package_root``: the copy of gpushare the kernel imports (first on its path)."""
+    root = package_root or Path(__file__).resolve().parents[1]
+    env = dict(os.environ)
+    if package_root is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    env.pop("LD_PRELOAD", None)
+    env["CUPY_CACHE_DIR"] = tempfile.mkdtemp(prefix=cache_prefix)
+    if shim:
+        env["LD_PRELOAD"] = str(root / "gpushare_ext/runtime/native/libgpushare_interpose.so")
+        env["CUPY_COMPILE_WITH_PTX"] = "1"
+    if socket is not None:
+        env["GPUSHARE_SOCKET"] = str(socket)
+    return env

@@ -27,19 +27,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.deadline_kernel import DeadlineKernel
+from benchmarks.deadline_kernel import DeadlineKernel, kernel_environment
 from benchmarks.stopping import exit_on_signals, track
 
 WAYS = ("plain", "unmarked", "alone", "rival")
 ROOT = Path(__file__).resolve().parents[1]
-SHIM = ROOT / "gpushare_ext" / "runtime" / "native" / "libgpushare_interpose.so"
 
 SETUP = r"""
 import hashlib, json, time
@@ -128,16 +126,7 @@ print("RESULT " + json.dumps(_result))
 
 
 def _env(way: str, socket: Path | None) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env.pop("LD_PRELOAD", None)
-    env["CUPY_CACHE_DIR"] = tempfile.mkdtemp(prefix="gpushare-cupy-")
-    if way != "plain":
-        env["LD_PRELOAD"] = str(SHIM)
-        env["CUPY_COMPILE_WITH_PTX"] = "1"
-    if socket is not None:
-        env["GPUSHARE_SOCKET"] = str(socket)
-    return env
+    return kernel_environment(shim=way != "plain", socket=socket, package_root=ROOT)
 
 
 def run_way(way: str, socket: Path | None, args: argparse.Namespace) -> dict:

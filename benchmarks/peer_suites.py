@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -39,11 +38,10 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.deadline_kernel import DeadlineKernel
+from benchmarks.deadline_kernel import DeadlineKernel, kernel_environment
 from benchmarks.stopping import exit_on_signals, track
 
 WAYS = ("plain", "unmarked", "lease", "chaos")
-SHIM = Path(__file__).resolve().parents[1] / "gpushare_ext/runtime/native/libgpushare_interpose.so"
 
 
 def outcomes(log: Path) -> dict[str, str]:
@@ -72,15 +70,9 @@ def pytest_args(args: argparse.Namespace, log: Path) -> list[str]:
 
 
 def environment(args: argparse.Namespace, way: str, socket: Path | None) -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("LD_PRELOAD", None)
-    env["CUPY_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"gpushare-peer-{way}-")
-    if way != "plain":
-        env["LD_PRELOAD"] = str(SHIM)
-        env["CUPY_COMPILE_WITH_PTX"] = "1"
-    if socket is not None:
-        env["GPUSHARE_SOCKET"] = str(socket)
-    return env
+    return kernel_environment(
+        shim=way != "plain", socket=socket, cache_prefix=f"gpushare-peer-{way}-"
+    )
 
 
 def run_plain(args: argparse.Namespace, out: Path) -> dict:

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.deadline_kernel import DeadlineKernel
+from benchmarks.deadline_kernel import DeadlineKernel, kernel_environment
 from benchmarks.stopping import exit_on_signals
 
 WAYS = ("plain", "unmarked", "lease")
@@ -81,17 +80,7 @@ def _calls(example: Path) -> list[tuple[str, str]]:
 
 
 def _env(way: str, package_root: Path, socket: Path | None) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(package_root), env.get("PYTHONPATH")]))
-    env.pop("LD_PRELOAD", None)
-    env["CUPY_CACHE_DIR"] = tempfile.mkdtemp(prefix="gpushare-cupy-")
-    if way != "plain":
-        shim = package_root / "gpushare_ext" / "runtime" / "native" / "libgpushare_interpose.so"
-        env["LD_PRELOAD"] = str(shim)
-        env["CUPY_COMPILE_WITH_PTX"] = "1"
-    if socket is not None:
-        env["GPUSHARE_SOCKET"] = str(socket)
-    return env
+    return kernel_environment(shim=way != "plain", socket=socket, package_root=package_root)
 
 
 def run_way(

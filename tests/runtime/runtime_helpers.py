@@ -354,6 +354,23 @@ class NotebookKernel:
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
+# The start of code run with the launch shim preloaded in front of the stand-in driver:
+# ``entry(name, kind)`` gets a driver entry point as CUDA's runtime does (through
+# cuGetProcAddress, whose answer the shim wraps); ``u`` and ``p`` are ctypes' unsigned int
+# and void pointer, ``cuda`` the driver library.
+DRIVER_ENTRIES = r"""
+import ctypes
+u, p = ctypes.c_uint, ctypes.c_void_p
+cuda = ctypes.CDLL("libcuda.so.1")
+get_proc = cuda.cuGetProcAddress_v2
+get_proc.argtypes = [ctypes.c_char_p, ctypes.POINTER(p), ctypes.c_int, ctypes.c_uint64, p]
+def entry(name, kind):
+    found = p()
+    assert get_proc(name, ctypes.byref(found), 12080, 0, None) == 0
+    return kind(found.value)
+"""
+
+
 def holding_cell(release_file: Path, priority: str = "high", extra: str = "") -> str:
     """A ``%%gpu`` cell that holds its lease until ``release_file`` exists (at most 120 s)."""
     return (

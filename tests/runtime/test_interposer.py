@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from runtime_helpers import DRIVER_ENTRIES
 
 from gpushare_ext.control_block import ControlBlock
 from gpushare_ext.lease_state import LeaseState
@@ -238,6 +239,17 @@ def test_a_window_of_zero_turns_the_bound_off(fake_gpu):
     assert fake_gpu.outstanding == []
 
 
+def _busy_stretch(library, fake_gpu) -> None:
+    """Four rounds of four launches with the GPU kept busy (the newest checkpoint still
+    ahead of it), then one more launch, at which the bound is worked out again."""
+    for _ in range(4):
+        for _ in range(4):
+            library.gps_launch_exit(CONTEXT, None, 0)
+        if len(fake_gpu.outstanding) > 1:
+            fake_gpu.gpu_reaches(fake_gpu.outstanding[-2])
+    library.gps_launch_exit(CONTEXT, None, 0)
+
+
 @pytest.mark.parametrize(
     ("ms_between_events", "window", "every"),
     [
@@ -249,12 +261,7 @@ def test_the_bound_follows_the_gpu_time_a_launch_takes(fake_gpu, ms_between_even
     library = interpose.native_library()
     library.gps_set_target(3000, 0)  # keep about 3 ms of GPU work queued
     fake_gpu.gpu_ms_between_events = ms_between_events  # for the 4 launches between events
-    for _ in range(4):
-        for _ in range(4):
-            library.gps_launch_exit(CONTEXT, None, 0)
-        if len(fake_gpu.outstanding) > 1:  # busy: the newest checkpoint is still ahead
-            fake_gpu.gpu_reaches(fake_gpu.outstanding[-2])
-    library.gps_launch_exit(CONTEXT, None, 0)  # the bound is worked out again here
+    _busy_stretch(library, fake_gpu)
 
     stats = interpose.stats()
     assert stats["per_launch_ns"] == pytest.approx(ms_between_events / 4 * 1e6, rel=0.01)
@@ -279,12 +286,7 @@ def test_while_a_rival_exists_the_tighter_bound_holds(
     interpose.point_at(block.address())
     try:
         fake_gpu.gpu_ms_between_events = ms_between_events
-        for _ in range(4):
-            for _ in range(4):
-                library.gps_launch_exit(CONTEXT, None, 0)
-            if len(fake_gpu.outstanding) > 1:
-                fake_gpu.gpu_reaches(fake_gpu.outstanding[-2])
-        library.gps_launch_exit(CONTEXT, None, 0)
+        _busy_stretch(library, fake_gpu)
         assert (interpose.stats()["window"], interpose.stats()["record_every"]) == (window, every)
 
         block.set_unrivalled(True)  # the rival left: the usual ~3 ms again
@@ -312,12 +314,7 @@ def test_time_the_gpu_sat_idle_between_checkpoints_is_not_taken_for_launch_time(
     assert (stats["window"], stats["record_every"]) == (2, 4)  # the fixed start
 
     fake_gpu.gpu_ms_between_events = 0.1  # then a busy stretch teaches the real figure
-    for _ in range(4):
-        for _ in range(4):
-            library.gps_launch_exit(CONTEXT, None, 0)
-        if len(fake_gpu.outstanding) > 1:
-            fake_gpu.gpu_reaches(fake_gpu.outstanding[-2])
-    library.gps_launch_exit(CONTEXT, None, 0)
+    _busy_stretch(library, fake_gpu)
     assert interpose.stats()["per_launch_ns"] == pytest.approx(25_000, rel=0.01)
 
 
@@ -400,23 +397,17 @@ print(json.dumps(out))
 """
 
 
-UNLOAD_SCRIPT = r"""
-import ctypes, json, sys, threading, time
+UNLOAD_SCRIPT = (
+    DRIVER_ENTRIES
+    + r"""
+import json, sys, threading, time
 from pathlib import Path
 from gpushare_ext.runtime import interpose
 from gpushare_ext.control_block import ControlBlock
 from gpushare_ext.lease_state import LeaseState
 
-u, p = ctypes.c_uint, ctypes.c_void_p
-cuda = ctypes.CDLL("libcuda.so.1")
 for name in ("fake_launches", "fake_unloads", "fake_launches_at_unload"):
     getattr(cuda, name).restype = ctypes.c_ulong
-get_proc = cuda.cuGetProcAddress_v2
-get_proc.argtypes = [ctypes.c_char_p, ctypes.POINTER(p), ctypes.c_int, ctypes.c_uint64, p]
-def entry(name, kind):
-    found = p()
-    assert get_proc(name, ctypes.byref(found), 12080, 0, None) == 0
-    return kind(found.value)
 launch = entry(b"cuLaunchKernel", ctypes.CFUNCTYPE(ctypes.c_int, p, u, u, u, u, u, u, u, p, p, p))
 unload = entry(b"cuModuleUnload", ctypes.CFUNCTYPE(ctypes.c_int, p))
 block = ControlBlock.create(Path(sys.argv[1]) / "session.cb")
@@ -438,6 +429,7 @@ out["launches_before_the_unload"] = cuda.fake_launches_at_unload()
 out["alone"] = unload(p(0x13)) == 0  # no launch in hand: at once
 print(json.dumps(out))
 """
+)
 
 
 def test_a_module_is_unloaded_only_after_a_launch_held_in_another_thread_went_on(
@@ -484,28 +476,21 @@ def test_preloaded_the_shim_wraps_what_the_driver_hands_out_and_holds_it(fake_dr
 
 # ------------------------------------------------------------------ kernels loaded from PTX
 
-PTX_SCRIPT = r"""
+PTX_SCRIPT = (
+    DRIVER_ENTRIES
+    + r"""
 import ctypes, json, os, signal, sys, time
 from pathlib import Path
 from gpushare_ext.control_block import ControlBlock
 from gpushare_ext.lease_state import LeaseState
 from gpushare_ext.runtime import interpose
 
-u, p = ctypes.c_uint, ctypes.c_void_p
 LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, p, u, u, u, u, u, u, u, p, p, p)
 LOAD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(p), ctypes.c_char_p)
 GET = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(p), p, ctypes.c_char_p)
 UNLOAD = ctypes.CFUNCTYPE(ctypes.c_int, p)
-cuda = ctypes.CDLL("libcuda.so.1")
 cuda.fake_launches.restype = ctypes.c_ulong
 cuda.fake_set_elapsed_ms.argtypes = [ctypes.c_float]
-get_proc = cuda.cuGetProcAddress_v2
-get_proc.argtypes = [ctypes.c_char_p, ctypes.POINTER(p), ctypes.c_int, ctypes.c_uint64, p]
-
-def entry(name, kind):
-    found = p()
-    assert get_proc(name, ctypes.byref(found), 12080, 0, None) == 0
-    return kind(found.value)
 
 load, get, unload = entry(b"cuModuleLoadData", LOAD), entry(b"cuModuleGetFunction", GET), entry(b"cuModuleUnload", UNLOAD)
 launch = entry(b"cuLaunchKernel", LAUNCH)
@@ -605,6 +590,7 @@ out["seen"] = seen
 out["stats"] = interpose.stats()
 print(json.dumps(out))
 """
+)
 
 
 def test_the_shim_hands_long_kernels_loaded_from_ptx_to_the_runtime(fake_driver, tmp_path):

@@ -13,18 +13,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from runtime_helpers import DRIVER_ENTRIES
+
 from gpushare_ext.runtime import interpose
 
-LAUNCHERS = r"""
-import ctypes
-_p, _u = ctypes.c_void_p, ctypes.c_uint
-_cuda = ctypes.CDLL("libcuda.so.1")
-_get = _cuda.cuGetProcAddress_v2
-_get.argtypes = [ctypes.c_char_p, ctypes.POINTER(_p), ctypes.c_int, ctypes.c_uint64, _p]
-def _entry(name, kind):
-    found = _p()
-    assert _get(name, ctypes.byref(found), 12080, 0, None) == 0
-    return kind(found.value)
+LAUNCHERS = (
+    DRIVER_ENTRIES
+    + r"""
+_p, _u, _entry = p, u, entry
 COOP = _entry(b"cuLaunchCooperativeKernel",
               ctypes.CFUNCTYPE(ctypes.c_int, _p, _u, _u, _u, _u, _u, _u, _u, _p, _p))
 EX = _entry(b"cuLaunchKernelEx", ctypes.CFUNCTYPE(ctypes.c_int, _p, _p, _p, _p))
@@ -37,6 +33,7 @@ attribute = ctypes.c_uint64(0)
 clustered = Config((_u * 3)(1, 1, 1), (_u * 3)(32, 1, 1), 0, None,
                    ctypes.cast(ctypes.byref(attribute), _p), 1)
 """
+)
 
 
 def _env(fake_driver: Path) -> dict[str, str]:

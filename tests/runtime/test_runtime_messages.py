@@ -30,6 +30,14 @@ max_priority = "normal"
 """
 
 
+def loaded(kernels, count: int) -> list:
+    """``count`` real kernels with ``%load_ext gpushare_ext`` run in each."""
+    started = kernels(count)
+    for kernel in started:
+        kernel.run("%load_ext gpushare_ext").ok()
+    return started
+
+
 def lines_with(run, text: str) -> list[str]:
     """The lines of the cell's final output that contain ``text``."""
     return [line for line in run.final_text().splitlines() if text in line]
@@ -45,9 +53,7 @@ def test_a_priority_the_policy_lowered_is_one_line_in_the_cell_granted_at_once_o
 ):
     broker = extra_broker(LOWERING_POLICY)
     monkeypatch.setenv("GPUSHARE_SOCKET", str(broker.socket))
-    holder, waiter = kernels(2)
-    for kernel in (holder, waiter):
-        kernel.run("%load_ext gpushare_ext").ok()
+    holder, waiter = loaded(kernels, 2)
     notice = "gpushare: priority lowered from high to normal by policy"
     release = tmp_path / "release"
 
@@ -107,9 +113,7 @@ def test_with_the_built_in_policy_a_299_cell_runs_at_250_and_says_so(on_broker, 
 def test_a_pause_on_the_simulated_gpu_says_the_rung_applied_as_status_does(
     on_broker, kernels, tmp_path
 ):
-    low, high = kernels(2)
-    for kernel in (low, high):
-        kernel.run("%load_ext gpushare_ext").ok()
+    low, high = loaded(kernels, 2)
     low_release, high_release = tmp_path / "low", tmp_path / "high"
     paused = low.submit(holding_cell(low_release, priority="low"))
     paused.wait_shown("holding since")
@@ -145,9 +149,7 @@ def test_a_pause_on_the_simulated_gpu_says_the_rung_applied_as_status_does(
 def test_every_pause_of_a_cell_is_counted_in_its_one_line(on_broker, kernels, tmp_path):
     """Paused twice: the cell's line ends naming both pauses and their sum, not only the
     last one."""
-    low, high = kernels(2)
-    for kernel in (low, high):
-        kernel.run("%load_ext gpushare_ext").ok()
+    low, high = loaded(kernels, 2)
     low_release = tmp_path / "low-release"
     paused = low.submit(holding_cell(low_release, priority="low"))
     paused.wait_shown("holding since")
@@ -211,9 +213,7 @@ def test_an_admin_cancel_of_a_running_cell_is_one_line_in_it(on_broker, kernels,
 
 
 def test_an_admin_cancel_of_a_paused_cell_replaces_its_pause_line(on_broker, kernels, tmp_path):
-    low, high = kernels(2)
-    for kernel in (low, high):
-        kernel.run("%load_ext gpushare_ext").ok()
+    low, high = loaded(kernels, 2)
     release = tmp_path / "release"
     paused = low.submit(holding_cell(release, priority="low"))
     paused.wait_shown("holding since")
@@ -235,9 +235,7 @@ def test_an_admin_cancel_of_a_paused_cell_replaces_its_pause_line(on_broker, ker
 
 
 def test_an_admin_cancel_of_a_waiting_cell_is_its_one_error_line(on_broker, kernels, tmp_path):
-    holder, waiter = kernels(2)
-    for kernel in (holder, waiter):
-        kernel.run("%load_ext gpushare_ext").ok()
+    holder, waiter = loaded(kernels, 2)
     release = tmp_path / "release"
     held = holder.submit(holding_cell(release, priority="high"))
     held.wait_shown("holding since")
@@ -271,9 +269,7 @@ def test_interrupting_a_queued_cell_says_withdrawn_in_its_line_and_nothing_more(
 ):
     broker = extra_broker('[broker]\nsharing = "exclusive"\n')
     monkeypatch.setenv("GPUSHARE_SOCKET", str(broker.socket))
-    holder, waiter = kernels(2)
-    for kernel in (holder, waiter):
-        kernel.run("%load_ext gpushare_ext").ok()
+    holder, waiter = loaded(kernels, 2)
     release = tmp_path / "release"
     held = holder.submit(holding_cell(release, priority="high"))
     held.wait_shown("holding since")
