@@ -852,6 +852,7 @@ function renderUtilization(d) {
     width,
     height,
     viewBox: `0 0 ${width} ${height}`,
+    preserveAspectRatio: "none",
   });
   spark.appendChild(
     svg("polyline", {

@@ -256,6 +256,9 @@ def test_panel_at_its_default_width_shows_the_queue_first_and_keeps_it_inside(pa
     line = 1.4 * reason.first.evaluate("cell => parseFloat(getComputedStyle(cell).fontSize)")
     height = reason.first.bounding_box()
     assert height is not None and height["height"] < 3.5 * line, height  # not a word a line
+    # "utilization 100 %" is one line, its number and sign together.
+    caption = panel.locator(".gpushare-utilization .gpushare-caption").first.bounding_box()
+    assert caption is not None and caption["height"] < 1.5 * line, caption
     # The queue is above the GPU, and the GPU's seven profiles are folded away.
     queue_y = panel.locator(".gpushare-queue").bounding_box()["y"]
     assert queue_y < panel.locator(".gpushare-device").bounding_box()["y"]
