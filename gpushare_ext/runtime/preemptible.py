@@ -580,10 +580,7 @@ def summary() -> str:
     registry = _registry
     if registry is None:
         return ""
-    try:
-        unrivalled = interpose.stats().get("unrivalled", 0)
-    except interpose.InterposerError:
-        unrivalled = 0
+    unrivalled = counts().get("unrivalled", 0)
     if not registry.launched and not registry.fallbacks and not unrivalled:
         return "long kernels loaded from PTX are made preemptible"
     parts = [f"{registry.launched} long kernel launches preemptible"]

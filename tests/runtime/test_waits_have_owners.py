@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from runtime_helpers import holding_cell, short_tempdir, wait_for
+from runtime_helpers import DRIVER_ENTRIES, holding_cell, short_tempdir, wait_for
 
 from gpushare_ext.control_block import ControlBlock
 from gpushare_ext.lease_state import LeaseState
@@ -158,22 +158,18 @@ def test_ctrl_c_ends_a_held_launch_after_python_put_its_own_handler_back(tmp_pat
 
 # ------------------------------------------------------------------ in real notebook kernels
 
-FAKE_DRIVER_CELL = r"""
-import ctypes, os, time
+FAKE_DRIVER_CELL = (
+    DRIVER_ENTRIES
+    + r"""
+import os, time
 from gpushare_ext.runtime import interpose
-_p, _u = ctypes.c_void_p, ctypes.c_uint
+_p, _u, _cuda, _entry = p, u, cuda, entry
 _LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, _p, _u, _u, _u, _u, _u, _u, _u, _p, _p, _p)
-_cuda = ctypes.CDLL("libcuda.so.1")
-_get = _cuda.cuGetProcAddress_v2
-_get.argtypes = [ctypes.c_char_p, ctypes.POINTER(_p), ctypes.c_int, ctypes.c_uint64, _p]
-def _entry(name, kind):
-    found = _p()
-    assert _get(name, ctypes.byref(found), 12080, 0, None) == 0
-    return kind(found.value)
 _launch = _entry(b"cuLaunchKernel", _LAUNCH)  # the shim's wrapper, as CUDA's runtime gets it
 def one_launch(function=None, params=None):
     return _launch(function, 1, 1, 1, 1, 1, 1, 0, None, params, None)
 """
+)
 
 
 def _shim_env(fake_driver: Path, **extra: str) -> dict[str, str]:
