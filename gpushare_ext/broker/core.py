@@ -58,7 +58,38 @@ import bisect
 import math
 from dataclasses import dataclass, field, replace
 
-from gpushare_ext.broker.errors import DaemonError
+from gpushare_ext.broker.actions import (
+    Action,
+    Grant,
+    LeaseEnded,
+    NotifyQueued,
+    Preempt,
+    Refuse,
+    ResumeLease,
+    Revoke,
+    RivalryChanged,
+)
+from gpushare_ext.broker.events import (
+    ChaosChanged,
+    DeviceDrained,
+    DeviceMemorySeen,
+    Event,
+    LeaseReclaimed,
+    LeaseReleased,
+    LeaseRequested,
+    LeaseRestored,
+    MemoryObserved,
+    ParkAsked,
+    PolicyChanged,
+    PreemptionApplied,
+    PreemptionFailed,
+    RanksAttached,
+    RestoreAsked,
+    SessionActivity,
+    SessionClosed,
+    SessionOpened,
+    Tick,
+)
 from gpushare_ext.broker.gangs import assign_ranks, member_id, most_ranks, split_member_id
 from gpushare_ext.broker.inventory import DeviceInfo
 from gpushare_ext.broker.lease_index import (
@@ -90,26 +121,74 @@ from gpushare_ext.broker.policy import (
     stopping_level,
     victim_order_key,
 )
+from gpushare_ext.broker.records import (
+    ACTIVE_STATES,
+    MIB,
+    Identity,
+    Lease,
+    SchedulerError,
+    SessionRecord,
+    Slot,
+    names_of,
+    slots_of,
+)
 from gpushare_ext.broker.rivals import PlacedLease, Rivals
-from gpushare_ext.lease_state import ACTIVE, check_move
+from gpushare_ext.lease_state import check_move
 from gpushare_ext.protocol import (
     PARKED_LABEL,
-    PRIORITY_CLASSES,
     Capabilities,
     ErrorCode,
     LeaseState,
     Placement,
     PreemptionLevel,
     RankPlacement,
-    RequestLease,
     SliceWish,
     describe_priority,
     priority_class,
 )
 
-MIB = 1024 * 1024
+# The events, actions and records live in their own modules; the server, its parts and
+# the tools name them through the core, as before.
+__all__ = [
+    "ACTIVE_STATES",
+    "LINE_FROM",
+    "Action",
+    "ChaosChanged",
+    "DeviceDrained",
+    "DeviceMemorySeen",
+    "Event",
+    "Grant",
+    "Identity",
+    "Lease",
+    "LeaseEnded",
+    "LeaseReclaimed",
+    "LeaseReleased",
+    "LeaseRequested",
+    "LeaseRestored",
+    "MemoryObserved",
+    "NotifyQueued",
+    "ParkAsked",
+    "PolicyChanged",
+    "Preempt",
+    "PreemptionApplied",
+    "PreemptionFailed",
+    "RanksAttached",
+    "Refuse",
+    "RestoreAsked",
+    "ResumeLease",
+    "Revoke",
+    "RivalryChanged",
+    "Scheduler",
+    "SchedulerError",
+    "SessionActivity",
+    "SessionClosed",
+    "SessionOpened",
+    "SessionRecord",
+    "Slot",
+    "Tick",
+]
+
 CONTEXT_ALLOWANCE = 1024 * MIB
-ACTIVE_STATES = ACTIVE  # queued, running, paused, evicted: the core still keeps it
 # What making room on a slot takes: leases to pause, leases to evict, idle sessions to park.
 RoomPlan = tuple[list["Lease"], list["Lease"], list[IdleSession]]
 CANDIDATE_MEMO = 256  # device wishes whose matching slots are remembered
@@ -117,405 +196,6 @@ HOLDERS_MEMO = 256  # sets of slots whose running leases are remembered, per ver
 # Waiters a pass serves one by one without a waiting line: for so few, sorting them and
 # serving each costs less than keeping the line.
 LINE_FROM = 4
-
-
-class SchedulerError(DaemonError):
-    """An event the core cannot accept; state is unchanged.  ``code`` is a protocol ErrorCode."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-# ------------------------------------------------------------------ identities
-
-
-@dataclass(frozen=True, kw_only=True)
-class Identity:
-    """Who a session belongs to, as the kernel vouches for it (peer credentials)."""
-
-    uid: int
-    gid: int
-    pid: int
-    user: str
-    groups: tuple[str, ...] = ()
-    start_ticks: int | None = None  # when the process started: a reused pid is not it
-
-
-# ------------------------------------------------------------------ events
-
-
-@dataclass(frozen=True, kw_only=True)
-class SessionOpened:
-    now: float
-    session_id: str
-    identity: Identity
-    notebook: str = ""
-    # The GPUs its process can reach (GPU or MIG UUIDs, or host indices: a container
-    # given only some of the node's GPUs); None: every GPU.  Its leases go only there.
-    reachable: tuple[str, ...] | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class SessionClosed:
-    now: float
-    session_id: str
-    reason: str = "connection closed"
-
-
-@dataclass(frozen=True, kw_only=True)
-class LeaseRequested:
-    """A session asks for a lease: its request as it sent it (the one request struct the
-    runtime builds, carried unchanged over the wire and into the core)."""
-
-    now: float
-    session_id: str
-    lease_id: str
-    request: RequestLease
-
-
-@dataclass(frozen=True, kw_only=True)
-class LeaseReleased:
-    now: float
-    session_id: str
-    lease_id: str
-    by_admin: bool = False
-
-
-@dataclass(frozen=True, kw_only=True)
-class LeaseRestored:
-    """At start-up: a lease the journal kept for a process that still lives.
-
-    It comes back *detached*, in the state it had, under a placeholder session of its
-    process: it keeps its slot and memory, is neither granted nor resumed while
-    detached, and waits for its process to reconnect (:class:`LeaseReclaimed`) or for
-    its placeholder session to close.  Nothing is applied to it: the broker undid every
-    actuator before (shutdown) or at (crash recovery) this start.
-    """
-
-    now: float
-    session_id: str
-    identity: Identity
-    lease_id: str
-    state: LeaseState
-    priority: int
-    memory_bytes: int
-    slot: str | None
-    sm_share: float = 1.0
-    slice: SliceWish = SliceWish.AUTO
-    device: str = "auto"
-    capabilities: Capabilities = Capabilities()  # noqa: RUF009 - frozen, shared safely
-    label: str = ""
-    requested_at: float = 0.0
-    granted_at: float | None = None
-    aging_bonus: float = 0.0
-    paused_for: str = ""
-    reason: str = ""
-
-
-@dataclass(frozen=True, kw_only=True)
-class LeaseReclaimed:
-    """A reconnected session takes back a detached lease of its own process, or, with
-    ``keep_process``, the rank of one of its gangs that a worker process it started runs
-    (the server checked that the worker descends from it); the rank stays that worker's."""
-
-    now: float
-    session_id: str
-    lease_id: str
-    keep_process: bool = False
-
-
-@dataclass(frozen=True, kw_only=True)
-class RanksAttached:
-    """The worker processes of a gang started: ``pids[k]`` (with its start time) runs
-    rank k, so preemption and the watchdog act on them (the server checked that each is
-    a descendant of the session's process, of its user)."""
-
-    now: float
-    session_id: str
-    gang: str
-    pids: tuple[tuple[int, int | None], ...]
-
-
-@dataclass(frozen=True, kw_only=True)
-class PreemptionApplied:
-    now: float
-    lease_id: str
-    level: PreemptionLevel
-
-
-@dataclass(frozen=True, kw_only=True)
-class PreemptionFailed:
-    now: float
-    lease_id: str
-    level: PreemptionLevel
-    reason: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class MemoryObserved:
-    """The watchdog saw ``pid`` holding ``used_bytes`` on a device (NVML)."""
-
-    now: float
-    pid: int
-    used_bytes: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class DeviceMemorySeen:
-    """What each process holds on a whole GPU (MIG off), or with ``mig_uuid`` on that MIG
-    instance, as NVML reads it: leased or not, idle notebooks and processes the broker
-    does not know included."""
-
-    now: float
-    device_index: int
-    used_by_pid: tuple[tuple[int, int], ...]  # (pid, bytes)
-    mig_uuid: str | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class SessionActivity:
-    """A session's cell started (``running``) or ended: a running cell is never parked,
-    and idle time counts from the end of the last one."""
-
-    now: float
-    session_id: str
-    running: bool
-    unparkable: str = ""  # why its process must not be checkpointed ("" if it may be)
-
-
-@dataclass(frozen=True, kw_only=True)
-class RestoreAsked:
-    """A parked session wants its memory back before its next cell (or, ``cancel``, no
-    longer waits for it)."""
-
-    now: float
-    session_id: str
-    lease_id: str
-    cancel: bool = False
-
-
-@dataclass(frozen=True, kw_only=True)
-class ParkAsked:
-    """Someone asks to park the idle notebook of ``pid`` now (the server checked that
-    they may: its owner or an admin); ``by`` names them in the park's reason."""
-
-    now: float
-    pid: int
-    by: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class DeviceDrained:
-    now: float
-    device_index: int
-    drained: bool
-
-
-@dataclass(frozen=True, kw_only=True)
-class PolicyChanged:
-    now: float
-    policy: Policy
-
-
-@dataclass(frozen=True, kw_only=True)
-class ChaosChanged:
-    """An admin's chaos mode started (or ended) for the process ``pid``: while on, the
-    broker may pause its session at any moment, as a rival would."""
-
-    now: float
-    pid: int
-    on: bool
-
-
-@dataclass(frozen=True, kw_only=True)
-class Tick:
-    """Once a second; with the host's memory as read then (``/proc/meminfo``), which is
-    what parking may still move there (None: not read, the last reading stands)."""
-
-    now: float
-    host: HostMemory | None = None
-
-
-Event = (
-    SessionOpened
-    | SessionClosed
-    | LeaseRequested
-    | LeaseReleased
-    | LeaseRestored
-    | LeaseReclaimed
-    | RanksAttached
-    | PreemptionApplied
-    | PreemptionFailed
-    | MemoryObserved
-    | DeviceMemorySeen
-    | SessionActivity
-    | RestoreAsked
-    | ParkAsked
-    | DeviceDrained
-    | PolicyChanged
-    | ChaosChanged
-    | Tick
-)
-
-# ------------------------------------------------------------------ actions
-
-
-@dataclass(frozen=True, kw_only=True)
-class Grant:
-    """A lease is granted; for a gang, ``lease_id`` is the gang's, ``placement`` its rank
-    0's, and ``ranks`` every member's lease and placement in rank order."""
-
-    session_id: str
-    lease_id: str
-    placement: Placement
-    priority: int
-    notice: str = ""
-    ranks: tuple[RankPlacement, ...] = ()
-
-
-@dataclass(frozen=True, kw_only=True)
-class NotifyQueued:
-    session_id: str
-    lease_id: str
-    position: int
-    waiting_for: tuple[str, ...]  # lease ids in the way (the server anonymises their owners)
-    holder_priority: int | None
-    estimate_s: float | None
-    reason: str
-    notice: str = ""  # what the policy changed in the request (said while it waits too)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Preempt:
-    session_id: str
-    lease_id: str
-    pid: int
-    device_index: int
-    level: PreemptionLevel
-    for_lease: str
-    reason: str
-    parks_bytes: int = 0  # > 0: this parks an idle session holding that much
-
-
-@dataclass(frozen=True, kw_only=True)
-class ResumeLease:
-    session_id: str
-    lease_id: str
-    pid: int
-    device_index: int
-    undo_level: PreemptionLevel  # the highest level applied, to undo
-    paused_s: float
-    restores_park: bool = False  # the memory of a parked session comes back
-
-
-@dataclass(frozen=True, kw_only=True)
-class Refuse:
-    session_id: str
-    lease_id: str
-    code: ErrorCode
-    message: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class Revoke:
-    session_id: str
-    lease_id: str
-    pid: int
-    reason: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class LeaseEnded:
-    """A lease left the system (released, revoked, its session died).
-
-    ``undo_level`` is the preemption level still applied to its process, which the
-    actuators must undo (None when nothing is applied).
-    """
-
-    session_id: str
-    lease_id: str
-    pid: int
-    device_index: int | None
-    held_s: float
-    undo_level: PreemptionLevel | None
-    reason: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class RivalryChanged:
-    """Whether a session has no rival (:mod:`~gpushare_ext.broker.rivals`): its long
-    kernels may then run as they are, at no cost."""
-
-    session_id: str
-    unrivalled: bool
-
-
-Action = (
-    Grant | NotifyQueued | Preempt | ResumeLease | Refuse | Revoke | LeaseEnded | RivalryChanged
-)
-
-# ------------------------------------------------------------------ state
-
-
-@dataclass(frozen=True, kw_only=True)
-class Slot:
-    """A unit of placement: a whole GPU, or one MIG instance."""
-
-    key: str
-    device_index: int
-    device_uuid: str
-    memory_bytes: int
-    multiprocessor_count: int
-    mig_uuid: str | None = None
-    mig_profile: str | None = None
-
-
-@dataclass(kw_only=True)
-class Lease:
-    lease_id: str
-    session_id: str
-    identity: Identity
-    base_priority: int
-    memory_bytes: int
-    sm_share: float
-    slice: SliceWish
-    device_wish: str
-    reachable: tuple[str, ...] | None = None  # its process's GPUs (None: every one)
-    capabilities: Capabilities
-    label: str
-    arrival: int  # tie-breaker: FIFO within equal effective priority
-    requested_at: float
-    # state, slot, identity and awaiting_memory_from change only through the scheduler's
-    # LeaseIndex, which keeps the per-slot aggregates placement reads in step with them.
-    state: LeaseState = LeaseState.QUEUED
-    state_since: float = 0.0
-    slot: str | None = None
-    granted_at: float | None = None
-    waited_s: float = 0.0
-    aging_bonus: float = 0.0  # priority earned while waiting, kept while running
-    applied_level: PreemptionLevel | None = None  # what the actuators have applied
-    pending_level: PreemptionLevel | None = None  # asked for, not yet confirmed
-    lockable: bool = True
-    evictable: bool = True
-    awaiting_memory_from: frozenset[str] = frozenset()  # victims whose eviction we wait for
-    target_slot: str | None = None  # where those evictions make room
-    held_by_watchdog: bool = False  # paused for breaking its quota: not resumed by the queue
-    reason: str = ""
-    notice: str = ""
-    last_queue_notice: tuple | None = None
-    estimate_s: float | None = None  # the last wait estimate told, and when (for status)
-    estimated_at: float = 0.0
-    paused_for: str = ""  # the lease it was paused for (shown to the paused session)
-    detached: bool = False  # restored after a restart, its process not yet reconnected
-    parks_session: bool = False  # the memory of an idle session, checkpointed to the host
-    restore_wanted: bool = False  # a park whose session asked for its memory back
-    gang: str | None = None  # the gang it is a rank of (:mod:`~gpushare_ext.broker.gangs`)
-    rank: int = 0
-
-    def running_priority(self) -> float:
-        return min(299.0, self.base_priority + self.aging_bonus)
 
 
 @dataclass(kw_only=True)
@@ -528,21 +208,6 @@ class _Holders:
     top: int | None  # the highest running priority among them, whole
     estimate: float | None = None
     estimated_in: int = -1  # the scheduling pass that worked the estimate out
-
-
-@dataclass(kw_only=True)
-class SessionRecord:
-    identity: Identity
-    notebook: str
-    reachable: tuple[str, ...] | None = None  # the GPUs its process can use (None: all)
-    leases: set[str] = field(default_factory=set)
-    detached: bool = False  # the placeholder of a process that has not reconnected yet
-    idle_since: float = 0.0  # when its last cell or lease ended
-    cell_running: bool = False  # a cell runs now (with or without a lease): never parked
-    last_priority: int = PRIORITY_CLASSES["normal"]  # its last lease's, for park order
-    unparkable: str = ""  # why it is never parked (its checkpoint failed once)
-    checkpoint_unsafe: str | None = None  # what it last said of itself; None: nothing yet
-    parks: int = 0  # parks so far, for the park leases' ids
 
 
 @dataclass(kw_only=True)
@@ -605,7 +270,7 @@ class Scheduler:
         self.slots: dict[str, Slot] = {}
         self.drained: set[int] = set()
         for device in devices:
-            for slot in _slots_of(device):
+            for slot in slots_of(device):
                 self.slots[slot.key] = slot
         self.sessions: dict[str, SessionRecord] = {}
         self.leases: dict[str, Lease] = {}
@@ -2282,7 +1947,7 @@ class Scheduler:
                     lease_id=lease.lease_id,
                     session_id=session_id,
                     priority=lease.base_priority,
-                    gpu_names=_names_of(self.slots[lease.slot]),
+                    gpu_names=names_of(self.slots[lease.slot]),
                 )
                 for lease in leases
                 if lease is not None and lease.state in ACTIVE_STATES and lease.slot in self.slots
@@ -2568,36 +2233,3 @@ class Scheduler:
         holders.estimate = round(min(remaining), 1) if remaining else None
         holders.estimated_in = self._passes
         return holders.estimate
-
-
-def _names_of(slot: Slot) -> frozenset[str]:
-    """What a session's reachable GPUs may call ``slot``'s GPU: its UUID, its host index,
-    its MIG instance's UUID (as :meth:`Scheduler._only_reachable` matches them)."""
-    return frozenset(
-        name for name in (slot.device_uuid, slot.mig_uuid, str(slot.device_index)) if name
-    )
-
-
-def _slots_of(device: DeviceInfo) -> list[Slot]:
-    if device.mig_enabled:
-        return [
-            Slot(
-                key=f"{device.index}/{instance.uuid}",
-                device_index=device.index,
-                device_uuid=device.uuid,
-                memory_bytes=instance.memory_mib * MIB,
-                multiprocessor_count=instance.multiprocessor_count,
-                mig_uuid=instance.uuid,
-                mig_profile=instance.name,
-            )
-            for instance in device.instances
-        ]
-    return [
-        Slot(
-            key=str(device.index),
-            device_index=device.index,
-            device_uuid=device.uuid,
-            memory_bytes=device.memory_total_mib * MIB,
-            multiprocessor_count=device.multiprocessor_count,
-        )
-    ]
