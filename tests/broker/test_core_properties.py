@@ -199,7 +199,7 @@ def _wanted_slots(scheduler: core.Scheduler, lease: core.Lease) -> set[str]:
         return {lease.target_slot} if lease.target_slot else set()
     if lease.slot is not None:
         return {lease.slot}
-    keys, _ = scheduler._candidate_slots(lease.device_wish, lease.slice)
+    keys, _ = scheduler.finder.candidate_slots(lease.device_wish, lease.slice)
     return {
         k
         for k in keys
@@ -217,7 +217,7 @@ def check_no_needless_wait(scheduler: core.Scheduler) -> None:
             continue  # a gang needs all its slots at once: its own property covers it
         if lease.awaiting_memory_from:
             # Waiting for exactly one round of evictions, all of lower-band leases.
-            band = priority_band(scheduler._effective(lease, now))
+            band = priority_band(scheduler.book.effective(lease, now))
             for victim_id in lease.awaiting_memory_from:
                 victim = scheduler.leases[victim_id]
                 if victim.parks_session:  # an idle session of its band or lower
@@ -226,14 +226,14 @@ def check_no_needless_wait(scheduler: core.Scheduler) -> None:
                     assert priority_band(victim.running_priority()) < band
                 assert victim.pending_level == PreemptionLevel.EVICT
             continue
-        key = scheduler._queue_key(lease, now)
-        band = priority_band(scheduler._effective(lease, now))
+        key = scheduler.book.queue_key(lease, now)
+        band = priority_band(scheduler.book.effective(lease, now))
         reserved: set[str] = set()
         for other in waiters:
             if (
                 other is not lease
                 and not other.held_by_watchdog
-                and scheduler._queue_key(other, now) < key
+                and scheduler.book.queue_key(other, now) < key
             ):
                 reserved |= _wanted_slots(scheduler, other)
         for slot in _wanted_slots(scheduler, lease) - reserved:
@@ -249,7 +249,7 @@ def check_no_needless_wait(scheduler: core.Scheduler) -> None:
                 and h.evictable
                 for holder in holders
                 # A rank is stopped with its whole gang: every rank must allow it.
-                for h in scheduler._gang_mates(holder)
+                for h in scheduler.book.gang_mates(holder)
                 if h is holder or h.state == LeaseState.RUNNING
             )
             # Memory no lease accounts for is not freed by preempting (parking frees it).
@@ -278,10 +278,10 @@ def check_index(scheduler: core.Scheduler) -> None:
     for lease in scheduler.queue():
         for key in scheduler.slots:
             _, running = scheduler.slot_usage(key)
-            load = scheduler._index.slots[key]
-            assert scheduler._compatible_with_slot(
+            load = scheduler.book.index.slots[key]
+            assert scheduler.placer.compatible_with_slot(
                 lease, load, now
-            ) == scheduler._compute_compatible(lease, running, now), (lease.lease_id, key)
+            ) == scheduler.placer.compute_compatible(lease, running, now), (lease.lease_id, key)
 
 
 def check_gangs_whole(scheduler: core.Scheduler) -> None:

@@ -60,7 +60,7 @@ def test_spatial_shares_are_summed_exactly_however_leases_come_and_go():
             hub.release(ada, f"T{round_}-{n}")
     for n in range(9):
         hub.request(ada, f"K{n}", memory=1 * GIB, sm_share=0.1)
-    load = hub.scheduler._index.slots["0"]
+    load = hub.scheduler.book.index.slots["0"]
     assert load.shares == 9 * exact_share(0.1)
 
 
@@ -71,9 +71,9 @@ def test_an_eviction_awaited_is_tracked_until_it_lands():
     actions = hub.request(bo, "H1", priority=HIGH, memory=100 * GIB)
     [preempt] = of_type(actions, core.Preempt)
     assert preempt.level == PreemptionLevel.EVICT
-    assert set(hub.scheduler._index.making_room) == {"H1"}
+    assert set(hub.scheduler.book.index.making_room) == {"H1"}
     hub.applied("L1", PreemptionLevel.EVICT)
-    assert hub.scheduler._index.making_room == {}
+    assert hub.scheduler.book.index.making_room == {}
     assert hub.state("H1") == LeaseState.RUNNING
 
 
