@@ -414,3 +414,17 @@ def test_an_unstoppable_victim_time_slices_and_status_can_say_why():
     assert not of_type(actions, core.Preempt)
     assert of_type(actions, core.Grant)
     assert not hub.lease("low").lockable
+
+
+def test_an_event_the_scheduler_has_no_handler_for_is_refused_and_changes_nothing():
+    hub = Hub()
+    hub.open("ada")
+    before = fingerprint(hub.scheduler)
+
+    class Unknown:
+        now = 5.0
+
+    with pytest.raises(core.SchedulerError, match="no handler for Unknown") as refused:
+        hub.scheduler.handle(Unknown())  # type: ignore[arg-type]
+    assert refused.value.code == ErrorCode.INVALID
+    assert fingerprint(hub.scheduler) == before
