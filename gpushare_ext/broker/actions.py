@@ -54,6 +54,9 @@ class Preempt:
     level: PreemptionLevel
     for_lease: str
     reason: str
+    # If the stop fails, whether what it locked stays locked (the core's decision:
+    # :func:`~gpushare_ext.broker.policy.lock_kept_when_failing`).
+    keeps_lock: bool
     parks_bytes: int = 0  # > 0: this parks an idle session holding that much
 
 

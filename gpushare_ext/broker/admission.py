@@ -25,7 +25,13 @@ from gpushare_ext.broker.events import (
 from gpushare_ext.broker.gangs import member_id, most_ranks, split_member_id
 from gpushare_ext.broker.lease_book import LeaseBook
 from gpushare_ext.broker.placement import Placer, traits
-from gpushare_ext.broker.policy import Limits, StopCause, format_size, ladder_level
+from gpushare_ext.broker.policy import (
+    Limits,
+    StopCause,
+    format_size,
+    ladder_level,
+    lock_kept_when_failing,
+)
 from gpushare_ext.broker.records import ACTIVE_STATES, Lease, SchedulerError, SessionRecord
 from gpushare_ext.broker.rivalry_watch import RivalryWatch
 from gpushare_ext.broker.slot_finder import SlotFinder
@@ -273,6 +279,7 @@ class Admission:
                 level=level,
                 for_lease=lease.paused_for,
                 reason=lease.reason,
+                keeps_lock=lock_kept_when_failing(level, parks=False),
             )
         ]
 

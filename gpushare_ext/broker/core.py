@@ -117,7 +117,13 @@ from gpushare_ext.broker.lease_moves import LeaseMoves
 from gpushare_ext.broker.memory_seen import MemorySeen
 from gpushare_ext.broker.parking import HostMemory
 from gpushare_ext.broker.placement import Placer, traits
-from gpushare_ext.broker.policy import Policy, StopCause, format_size, ladder_level
+from gpushare_ext.broker.policy import (
+    Policy,
+    StopCause,
+    format_size,
+    ladder_level,
+    lock_kept_when_failing,
+)
 from gpushare_ext.broker.queue_notices import QueueNotices
 from gpushare_ext.broker.records import (
     ACTIVE_STATES,
@@ -529,6 +535,7 @@ class Scheduler:
                     level=level,
                     for_lease="",
                     reason=reason,
+                    keeps_lock=lock_kept_when_failing(level, parks=False),
                 )
             )
         return actions

@@ -474,8 +474,7 @@ class Effects:
         log.warning(
             "preemption of %s at level %s failed: %s", action.lease_id, int(action.level), exc
         )
-        keeps_lock = action.level == PreemptionLevel.EVICT and not action.parks_bytes
-        if not (keeps_lock and broker.ladder.is_locked(target.pid)):
+        if not (action.keeps_lock and broker.ladder.is_locked(target.pid)):
             # Whatever was applied (the gate) is undone: it keeps running, time-sliced.
             # (A failed eviction keeps the lock: it stays paused, its memory on the device;
             # a failed park is undone whole: the idle session must be able to run again.)

@@ -27,6 +27,7 @@ from gpushare_ext.broker.parking import (
     park_order,
     plan_parks,
 )
+from gpushare_ext.broker.policy import lock_kept_when_failing
 from gpushare_ext.broker.records import Lease, SchedulerError, SessionRecord, Slot
 from gpushare_ext.protocol import (
     PARKED_LABEL,
@@ -183,6 +184,7 @@ class IdleParking:
             level=PreemptionLevel.EVICT,
             for_lease=for_lease,
             reason=reason,
+            keeps_lock=lock_kept_when_failing(PreemptionLevel.EVICT, parks=True),
             parks_bytes=lease.memory_bytes,
         )
 

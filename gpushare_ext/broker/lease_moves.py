@@ -19,7 +19,12 @@ from gpushare_ext.broker.idle_parking import IdleParking
 from gpushare_ext.broker.lease_book import LeaseBook
 from gpushare_ext.broker.parking import parked_for_reason
 from gpushare_ext.broker.placement import Placer, RoomPlan
-from gpushare_ext.broker.policy import StopCause, effective_priority, ladder_level
+from gpushare_ext.broker.policy import (
+    StopCause,
+    effective_priority,
+    ladder_level,
+    lock_kept_when_failing,
+)
 from gpushare_ext.broker.queue_notices import QueueNotices
 from gpushare_ext.broker.records import Lease, Slot
 from gpushare_ext.protocol import (
@@ -209,4 +214,5 @@ class LeaseMoves:
             level=level,
             for_lease=for_lease,
             reason=reason,
+            keeps_lock=lock_kept_when_failing(level, parks=False),
         )

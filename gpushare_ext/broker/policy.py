@@ -65,6 +65,7 @@ __all__ = [
     "effective_priority",
     "format_size",
     "ladder_level",
+    "lock_kept_when_failing",
     "parse_policy",
     "parse_size",
     "policy_from_document",
@@ -236,6 +237,16 @@ def ladder_level(
     if any(level is None for level in levels):
         return None
     return max(levels)  # type: ignore[type-var]
+
+
+def lock_kept_when_failing(level: PreemptionLevel, parks: bool) -> bool:
+    """Whether a stop at ``level`` that fails keeps the lock it took.
+
+    A failed eviction keeps it: the lease stays paused, its memory on the device.  A
+    failed park is undone whole, since the idle session must be able to run again, and
+    so is a failed pause, whose lease runs on, time-sliced with the newcomer.
+    """
+    return level == PreemptionLevel.EVICT and not parks
 
 
 def victim_order_key(priority: float, memory_bytes: int, started_seq: int) -> tuple:

@@ -45,6 +45,7 @@ def test_high_preempts_low_immediately_at_the_cheapest_level(capabilities, level
 
     preempt = only(actions, core.Preempt)
     assert (preempt.lease_id, preempt.level, preempt.for_lease) == ("low", level, "high")
+    assert not preempt.keeps_lock  # a failed pause is undone: it runs on, time-sliced
     assert preempt.pid == hub.pid_of(trainer)
     grant = only(actions, core.Grant)
     assert grant.lease_id == "high"
@@ -120,6 +121,7 @@ def test_a_grant_that_needs_memory_waits_for_the_eviction():
 
     preempt = only(actions, core.Preempt)
     assert (preempt.lease_id, preempt.level) == ("low", PreemptionLevel.EVICT)
+    assert preempt.keeps_lock  # a failed eviction leaves it paused, its memory on the device
     assert not of_type(actions, core.Grant)
     assert "evicted" in only(actions, core.NotifyQueued).reason
     assert hub.state("high") == LeaseState.QUEUED

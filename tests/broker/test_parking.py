@@ -68,6 +68,7 @@ def test_a_request_that_needs_idle_memory_parks_the_lowest_priority_idle_session
     [park] = _parks(actions)  # 140 - 120 + 60 = 80: one park is enough
     assert park.session_id == ada and park.level == PreemptionLevel.EVICT
     assert park.parks_bytes == 60 * GIB and park.for_lease == "H1"
+    assert not park.keeps_lock  # a failed park is undone whole: the session runs again
     assert "parked to free its GPU memory for high lease H1" in park.reason
     assert not of_type(actions, core.Grant)
     queued = only(actions, core.NotifyQueued)
