@@ -21,9 +21,10 @@ from gpushare_ext.protocol import (
 
 
 @dataclass(frozen=True, kw_only=True)
-class Grant:
-    """A lease is granted; for a gang, ``lease_id`` is the gang's, ``placement`` its rank
-    0's, and ``ranks`` every member's lease and placement in rank order."""
+class GrantLease:
+    """A lease is granted (the wire's ``Granted``); for a gang, ``lease_id`` is the
+    gang's, ``placement`` its rank 0's, and ``ranks`` every member's lease and placement
+    in rank order."""
 
     session_id: str
     lease_id: str
@@ -46,7 +47,11 @@ class NotifyQueued:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Preempt:
+class PauseLease:
+    """Stop a lease's work at ``level`` of the ladder (level 4 evicts its memory to the
+    host; with ``parks_bytes``, the park of an idle session); its session hears of it as
+    the wire's ``Preempt`` (or ``Parked``)."""
+
     session_id: str
     lease_id: str
     pid: int
@@ -72,7 +77,9 @@ class ResumeLease:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Refuse:
+class RefuseRequest:
+    """A request the policy or the host's slots refuse (the wire's ``Refused``)."""
+
     session_id: str
     lease_id: str
     code: ErrorCode
@@ -80,7 +87,9 @@ class Refuse:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Revoke:
+class RevokeLease:
+    """An admin cancelled a lease (the wire's ``Revoked``)."""
+
     session_id: str
     lease_id: str
     pid: int
@@ -114,5 +123,12 @@ class RivalryChanged:
 
 
 Action = (
-    Grant | NotifyQueued | Preempt | ResumeLease | Refuse | Revoke | LeaseEnded | RivalryChanged
+    GrantLease
+    | NotifyQueued
+    | PauseLease
+    | ResumeLease
+    | RefuseRequest
+    | RevokeLease
+    | LeaseEnded
+    | RivalryChanged
 )

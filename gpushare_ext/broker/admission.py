@@ -1,8 +1,8 @@
 """Leases coming in: requests checked against the policy, leases restored and reclaimed.
 
 What it is for: :class:`Admission` turns a :class:`LeaseRequested` into the lease (or
-a gang's rank leases) the queue serves, or a :class:`Refuse` that says why not (range,
-quota, lease count, no matching slot, a gang that can never run at once); it brings back
+a gang's rank leases) the queue serves, or a :class:`RefuseRequest` that says why not
+(range, quota, lease count, no matching slot, a gang that can never run at once); it brings back
 the leases the journal kept at start-up (:class:`LeaseRestored`, detached), hands them
 to the reconnected process that owns them (:class:`LeaseReclaimed`), and names the
 processes that run a gang's ranks (:class:`RanksAttached`).
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from gpushare_ext.broker.actions import Action, Preempt, Refuse
+from gpushare_ext.broker.actions import Action, PauseLease, RefuseRequest
 from gpushare_ext.broker.events import (
     LeaseReclaimed,
     LeaseRequested,
@@ -75,7 +75,7 @@ class Admission:
         if refusal is not None:
             code, message = refusal
             return [
-                Refuse(
+                RefuseRequest(
                     session_id=event.session_id, lease_id=event.lease_id, code=code, message=message
                 )
             ]
@@ -271,7 +271,7 @@ class Admission:
         lease.pending_level = level
         lease.reason = lease.reason or "paused for a higher-priority session"
         return [
-            Preempt(
+            PauseLease(
                 session_id=lease.session_id,
                 lease_id=lease.lease_id,
                 pid=lease.identity.pid,

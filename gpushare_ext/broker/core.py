@@ -78,13 +78,13 @@ from typing import Any
 
 from gpushare_ext.broker.actions import (
     Action,
-    Grant,
+    GrantLease,
     LeaseEnded,
     NotifyQueued,
-    Preempt,
-    Refuse,
+    PauseLease,
+    RefuseRequest,
     ResumeLease,
-    Revoke,
+    RevokeLease,
     RivalryChanged,
 )
 from gpushare_ext.broker.admission import Admission
@@ -149,7 +149,7 @@ __all__ = [
     "DeviceDrained",
     "DeviceMemorySeen",
     "Event",
-    "Grant",
+    "GrantLease",
     "Identity",
     "Lease",
     "LeaseEnded",
@@ -160,15 +160,15 @@ __all__ = [
     "MemoryObserved",
     "NotifyQueued",
     "ParkAsked",
+    "PauseLease",
     "PolicyChanged",
-    "Preempt",
     "PreemptionApplied",
     "PreemptionFailed",
     "RanksAttached",
-    "Refuse",
+    "RefuseRequest",
     "RestoreAsked",
     "ResumeLease",
-    "Revoke",
+    "RevokeLease",
     "RivalryChanged",
     "Scheduler",
     "SchedulerError",
@@ -433,7 +433,7 @@ class Scheduler:
         actions: list[Action] = []
         if event.by_admin and lease.session_id in book.sessions:
             actions.append(
-                Revoke(
+                RevokeLease(
                     session_id=lease.session_id,
                     lease_id=lease.gang or lease.lease_id,
                     pid=lease.identity.pid,
@@ -527,7 +527,7 @@ class Scheduler:
             lease.reason = reason + "; release the lease or restart the kernel"
             lease.held_by_watchdog = True
             actions.append(
-                Preempt(
+                PauseLease(
                     session_id=lease.session_id,
                     lease_id=lease.lease_id,
                     pid=lease.identity.pid,

@@ -110,12 +110,12 @@ class Effects:
         # was journaled before it was decided, never a newer pause still on its way.
         self._last_actuation: dict[str, int] = {}
         self._handlers: dict[type, Callable[[Any, Reply], None]] = {
-            core.Grant: self.grant,
+            core.GrantLease: self.grant,
             core.NotifyQueued: self.notify_queued,
-            core.Refuse: self.refuse,
-            core.Preempt: self.preempt,
+            core.RefuseRequest: self.refuse,
+            core.PauseLease: self.preempt,
             core.ResumeLease: self.resume,
-            core.Revoke: self.revoke,
+            core.RevokeLease: self.revoke,
             core.LeaseEnded: self.lease_ended,
             core.RivalryChanged: self.rivalry_changed,
         }
@@ -180,7 +180,7 @@ class Effects:
 
     # ---- one method per action
 
-    def grant(self, action: core.Grant, reply: Reply) -> None:
+    def grant(self, action: core.GrantLease, reply: Reply) -> None:
         broker = self.broker
         leases = broker.scheduler.members(action.lease_id)  # a gang: each of its ranks
         for lease in leases:
@@ -259,7 +259,7 @@ class Effects:
             ),
         )
 
-    def refuse(self, action: core.Refuse, reply: Reply) -> None:
+    def refuse(self, action: core.RefuseRequest, reply: Reply) -> None:
         self.broker.metrics.observe_refusal(action.code.value)
         events.info(
             "%s refused (%s): %s",
@@ -277,7 +277,7 @@ class Effects:
                 ),
             )
 
-    def preempt(self, action: core.Preempt, reply: Reply) -> None:
+    def preempt(self, action: core.PauseLease, reply: Reply) -> None:
         broker = self.broker
         conn = self._conn(action.session_id)
         self._last_actuation[action.lease_id] = broker.journal.actuation_applied(
@@ -369,7 +369,7 @@ class Effects:
             )
         )
 
-    def revoke(self, action: core.Revoke, reply: Reply) -> None:
+    def revoke(self, action: core.RevokeLease, reply: Reply) -> None:
         events.info(
             "%s (pid %s) revoked: %s",
             action.lease_id, action.pid, plain_text(action.reason, SENTENCE_LIMIT),
@@ -424,7 +424,7 @@ class Effects:
     # ---- the ladder, off the event loop
 
     async def _apply_preemption(
-        self, target: Target, action: core.Preempt, already: PreemptionLevel | None
+        self, target: Target, action: core.PauseLease, already: PreemptionLevel | None
     ) -> None:
         broker = self.broker
         block = target.control_block
@@ -462,7 +462,7 @@ class Effects:
             )
 
     async def _preemption_failed(
-        self, target: Target, action: core.Preempt, exc: ActuatorError
+        self, target: Target, action: core.PauseLease, exc: ActuatorError
     ) -> None:
         broker = self.broker
         broker.metrics.observe_preemption(int(action.level), failed=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from gpushare_ext.broker.actions import Action, Grant, NotifyQueued
+from gpushare_ext.broker.actions import Action, GrantLease, NotifyQueued
 from gpushare_ext.broker.gangs import assign_ranks
 from gpushare_ext.broker.lease_book import LeaseBook
 from gpushare_ext.broker.lease_moves import LeaseMoves
@@ -230,10 +230,10 @@ class GangTurns:
     def _start(self, members: list[Lease], slots: list[str], now: float) -> list[Action]:
         """Every rank on its slot at once: one grant for the gang (or a resume per rank)."""
         actions: list[Action] = []
-        grants: list[Grant] = []
+        grants: list[GrantLease] = []
         for member, key in zip(members, slots, strict=True):
             for action in self._moves.start(member, key, now):
-                if isinstance(action, Grant):
+                if isinstance(action, GrantLease):
                     grants.append(action)
                 else:
                     actions.append(action)

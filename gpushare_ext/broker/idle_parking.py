@@ -14,7 +14,7 @@ request goes (placement asks it for parks when memory is needed).
 
 from __future__ import annotations
 
-from gpushare_ext.broker.actions import Action, Preempt
+from gpushare_ext.broker.actions import Action, PauseLease
 from gpushare_ext.broker.events import ParkAsked, RestoreAsked, SessionActivity, Tick
 from gpushare_ext.broker.lease_book import LeaseBook
 from gpushare_ext.broker.memory_seen import MemorySeen
@@ -146,7 +146,7 @@ class IdleParking:
 
     def park(
         self, session: IdleSession, key: str, reason: str, for_lease: str, now: float
-    ) -> Preempt:
+    ) -> PauseLease:
         """Make the park lease of an idle session and evict it (lock, then checkpoint)."""
         book = self._book
         record = book.sessions[session.session_id]
@@ -176,7 +176,7 @@ class IdleParking:
         lease.pending_level = PreemptionLevel.EVICT
         lease.reason = reason
         lease.paused_for = for_lease
-        return Preempt(
+        return PauseLease(
             session_id=lease.session_id,
             lease_id=lease.lease_id,
             pid=lease.identity.pid,

@@ -1,6 +1,6 @@
 """Carrying out placement's decisions on the core's state: start, resume, pause, evict, park.
 
-What it is for: :class:`LeaseMoves` starts a lease on a slot (a :class:`Grant` for a
+What it is for: :class:`LeaseMoves` starts a lease on a slot (a :class:`GrantLease` for a
 request, a :class:`ResumeLease` for a paused or evicted lease, with the aging it earned
 kept), and carries out a room plan: parks the idle sessions, pauses the victims at the
 level that stops them (a rank stops its whole gang), evicts what must leave, and either
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from gpushare_ext.broker.actions import Action, Grant, Preempt, ResumeLease
+from gpushare_ext.broker.actions import Action, GrantLease, PauseLease, ResumeLease
 from gpushare_ext.broker.idle_parking import IdleParking
 from gpushare_ext.broker.lease_book import LeaseBook
 from gpushare_ext.broker.parking import parked_for_reason
@@ -96,7 +96,7 @@ class LeaseMoves:
             )
         ]
 
-    def _grant(self, lease: Lease, slot: Slot) -> Grant:
+    def _grant(self, lease: Lease, slot: Slot) -> GrantLease:
         blocks = max(1, round(lease.sm_share * slot.multiprocessor_count))
         placement = Placement(
             device_index=slot.device_index,
@@ -108,7 +108,7 @@ class LeaseMoves:
             max_blocks_per_sm_share=blocks if lease.sm_share < 1.0 else None,
             mps=self._book.policy.mps and slot.mig_uuid is None,
         )
-        return Grant(
+        return GrantLease(
             session_id=lease.session_id,
             lease_id=lease.lease_id,
             placement=placement,
@@ -195,7 +195,7 @@ class LeaseMoves:
 
     def _pause(
         self, victim: Lease, level: PreemptionLevel, lease: Lease, reason: str, now: float
-    ) -> Preempt:
+    ) -> PauseLease:
         self._book.index.move(victim, LeaseState.PAUSED)
         victim.state_since = now
         victim.pending_level = level
@@ -205,8 +205,8 @@ class LeaseMoves:
 
     def _preempt(
         self, victim: Lease, level: PreemptionLevel, for_lease: str, reason: str
-    ) -> Preempt:
-        return Preempt(
+    ) -> PauseLease:
+        return PauseLease(
             session_id=victim.session_id,
             lease_id=victim.lease_id,
             pid=victim.identity.pid,

@@ -130,7 +130,8 @@ class SessionRecord:
 
 def names_of(slot: Slot) -> frozenset[str]:
     """What a session's reachable GPUs may call ``slot``'s GPU: its UUID, its host index,
-    its MIG instance's UUID (as :meth:`~gpushare_ext.broker.slot_finder.SlotFinder.only_reachable` matches them)."""
+    its MIG instance's UUID (as
+    :meth:`~gpushare_ext.broker.slot_finder.SlotFinder.only_reachable` matches them)."""
     return frozenset(
         name for name in (slot.device_uuid, slot.mig_uuid, str(slot.device_index)) if name
     )

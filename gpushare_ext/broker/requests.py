@@ -316,7 +316,7 @@ class Requests:
                 "process's GPU memory (CUDA IPC), which a checkpoint cannot restore",
             )
         actions = broker.dispatch(core.ParkAsked(now=time.time(), pid=message.pid, by=conn.user))
-        parked = next(a for a in actions if isinstance(a, core.Preempt) and a.parks_bytes)
+        parked = next(a for a in actions if isinstance(a, core.PauseLease) and a.parks_bytes)
         broker.send(
             conn,
             Ok(

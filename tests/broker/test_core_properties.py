@@ -175,7 +175,7 @@ def check_capacity(scheduler: core.Scheduler) -> None:
 def check_grants_fit_what_is_seen(scheduler: core.Scheduler, actions: list) -> None:
     """A grant never takes memory that NVML shows held by processes no lease accounts
     for (idle notebooks, unknown processes): leases plus that memory fit the slot."""
-    for grant in (a for a in actions if isinstance(a, core.Grant)):
+    for grant in (a for a in actions if isinstance(a, core.GrantLease)):
         ranks = [r.lease_id for r in grant.ranks] or [grant.lease_id]
         keys = {scheduler.leases[lease_id].slot for lease_id in ranks}
         assert None not in keys
@@ -360,7 +360,7 @@ class Run:
         actions = self.scheduler.handle(event)
         self.outcomes.append(actions)
         for action in actions:
-            if isinstance(action, core.Preempt):
+            if isinstance(action, core.PauseLease):
                 self.pending.append((action.lease_id, action.level))
             elif isinstance(action, core.RivalryChanged):
                 self.told[action.session_id] = action.unrivalled
@@ -530,12 +530,18 @@ def lease_outcomes(run: Run) -> dict[str, list[core.Action]]:
 def test_capacity_and_priority_hold_after_every_event(script, policy):
     run = play(script, policy)  # check_all runs after each event
     actions = [a for outcome in run.outcomes if isinstance(outcome, list) for a in outcome]
-    for kind in (core.Grant, core.Preempt, core.ResumeLease, core.NotifyQueued, core.Refuse):
+    for kind in (
+        core.GrantLease,
+        core.PauseLease,
+        core.ResumeLease,
+        core.NotifyQueued,
+        core.RefuseRequest,
+    ):
         if any(isinstance(a, kind) for a in actions):
             event(f"has {kind.__name__}")
     if any(isinstance(a, core.RivalryChanged) and not a.unrivalled for a in actions):
         event("tells a session it has a rival")
-    if any(isinstance(a, core.Preempt) and a.parks_bytes for a in actions):
+    if any(isinstance(a, core.PauseLease) and a.parks_bytes for a in actions):
         event("parks an idle session")
     if any(isinstance(a, core.ResumeLease) and a.restores_park for a in actions):
         event("restores a parked session")
@@ -551,8 +557,8 @@ def test_every_request_is_granted_refused_with_a_reason_or_ends_with_its_session
     closed_sessions = {e.session_id for e in run.events if isinstance(e, core.SessionClosed)}
     withdrawn = {e.lease_id for e in run.events if isinstance(e, core.LeaseReleased)}
     for lease_id, actions in lease_outcomes(run).items():
-        granted = [a for a in actions if isinstance(a, core.Grant)]
-        refused = [a for a in actions if isinstance(a, core.Refuse)]
+        granted = [a for a in actions if isinstance(a, core.GrantLease)]
+        refused = [a for a in actions if isinstance(a, core.RefuseRequest)]
         ended = [a for a in actions if isinstance(a, core.LeaseEnded)]
         if refused:
             assert refused[0].message, f"{lease_id} refused without a reason"
@@ -617,7 +623,7 @@ def _stream_with_low_waiting(aging_per_minute: float, minutes: int) -> float | N
             now=1.0, session_id="S0", lease_id="low", request=RequestLease(priority=LOW)
         )
     )
-    assert not any(isinstance(a, core.Grant) for a in actions)
+    assert not any(isinstance(a, core.GrantLease) for a in actions)
     running = [(30.0, "S1", "N0")]
     now, number = 1.0, 0
     while now < minutes * 60:
@@ -639,7 +645,7 @@ def _stream_with_low_waiting(aging_per_minute: float, minutes: int) -> float | N
             )
         )
         running.append((now + 30.0, f"S{1 + number % 2}", lease_id))
-        if any(isinstance(a, core.Grant) and a.lease_id == "low" for a in granted):
+        if any(isinstance(a, core.GrantLease) and a.lease_id == "low" for a in granted):
             return now
     return None
 

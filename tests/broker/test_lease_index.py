@@ -23,7 +23,7 @@ def test_the_index_agrees_with_a_recount_through_a_busy_story():
     hub.request(bo, "X", memory=10 * GIB, slice=SliceWish.EXCLUSIVE)
     hub.request(bo, "L1", priority=LOW, memory=100 * GIB)
     actions = hub.request(cy, "H1", priority=HIGH, memory=120 * GIB)
-    for preempt in of_type(actions, core.Preempt):
+    for preempt in of_type(actions, core.PauseLease):
         hub.applied(preempt.lease_id, preempt.level)
     hub.advance(30)
     hub.release(cy, "H1")
@@ -69,7 +69,7 @@ def test_an_eviction_awaited_is_tracked_until_it_lands():
     ada, bo = hub.open("ada"), hub.open("bo")
     hub.request(ada, "L1", priority=LOW, memory=100 * GIB)
     actions = hub.request(bo, "H1", priority=HIGH, memory=100 * GIB)
-    [preempt] = of_type(actions, core.Preempt)
+    [preempt] = of_type(actions, core.PauseLease)
     assert preempt.level == PreemptionLevel.EVICT
     assert set(hub.scheduler.book.index.making_room) == {"H1"}
     hub.applied("L1", PreemptionLevel.EVICT)
