@@ -99,7 +99,6 @@ class SchedulingPass:
         self._notices = notices
         self._moves = moves
         self._gangs = gangs
-        moves.grant_watcher = self
         # Serve every waiter on every pass (the reference the tests hold the kept pass to).
         self.recompute_every_waiter = recompute_every_waiter
         self.line_from = line_from  # more waiters than this: the pass keeps them in a line
