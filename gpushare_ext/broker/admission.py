@@ -32,8 +32,13 @@ from gpushare_ext.broker.policy import (
     ladder_level,
     lock_kept_when_failing,
 )
-from gpushare_ext.broker.records import ACTIVE_STATES, Lease, SchedulerError, SessionRecord
 from gpushare_ext.broker.rivalry_watch import RivalryWatch
+from gpushare_ext.broker.scheduler_records import (
+    ACTIVE_STATES,
+    Lease,
+    SchedulerError,
+    SessionRecord,
+)
 from gpushare_ext.broker.slot_finder import SlotFinder
 from gpushare_ext.protocol import (
     ErrorCode,

@@ -125,7 +125,9 @@ from gpushare_ext.broker.policy import (
     lock_kept_when_failing,
 )
 from gpushare_ext.broker.queue_notices import QueueNotices
-from gpushare_ext.broker.records import (
+from gpushare_ext.broker.rivalry_watch import RivalryWatch
+from gpushare_ext.broker.rivals import Rivals
+from gpushare_ext.broker.scheduler_records import (
     ACTIVE_STATES,
     Identity,
     Lease,
@@ -133,8 +135,6 @@ from gpushare_ext.broker.records import (
     SessionRecord,
     Slot,
 )
-from gpushare_ext.broker.rivalry_watch import RivalryWatch
-from gpushare_ext.broker.rivals import Rivals
 from gpushare_ext.broker.scheduling_pass import LINE_FROM, SchedulingPass
 from gpushare_ext.broker.slot_finder import SlotFinder
 from gpushare_ext.protocol import ErrorCode, LeaseState, PreemptionLevel

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from gpushare_ext.broker.parking import HostMemory
 from gpushare_ext.broker.policy import Policy
-from gpushare_ext.broker.records import Identity
+from gpushare_ext.broker.scheduler_records import Identity
 from gpushare_ext.protocol import (
     Capabilities,
     LeaseState,

@@ -28,7 +28,7 @@ from gpushare_ext.broker.parking import (
     plan_parks,
 )
 from gpushare_ext.broker.policy import lock_kept_when_failing
-from gpushare_ext.broker.records import Lease, SchedulerError, SessionRecord, Slot
+from gpushare_ext.broker.scheduler_records import Lease, SchedulerError, SessionRecord, Slot
 from gpushare_ext.protocol import (
     PARKED_LABEL,
     Capabilities,

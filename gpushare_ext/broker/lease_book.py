@@ -15,7 +15,7 @@ from __future__ import annotations
 from gpushare_ext.broker.actions import LeaseEnded
 from gpushare_ext.broker.lease_index import LeaseIndex
 from gpushare_ext.broker.policy import Policy, effective_priority
-from gpushare_ext.broker.records import Lease, SchedulerError, SessionRecord, Slot
+from gpushare_ext.broker.scheduler_records import Lease, SchedulerError, SessionRecord, Slot
 from gpushare_ext.lease_state import check_move
 from gpushare_ext.protocol import ErrorCode, LeaseState
 

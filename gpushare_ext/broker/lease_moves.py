@@ -26,7 +26,7 @@ from gpushare_ext.broker.policy import (
     lock_kept_when_failing,
 )
 from gpushare_ext.broker.queue_notices import QueueNotices
-from gpushare_ext.broker.records import Lease, Slot
+from gpushare_ext.broker.scheduler_records import Lease, Slot
 from gpushare_ext.protocol import (
     LeaseState,
     Placement,

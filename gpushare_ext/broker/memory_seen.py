@@ -14,7 +14,7 @@ from __future__ import annotations
 from gpushare_ext.broker.actions import Action
 from gpushare_ext.broker.events import DeviceMemorySeen
 from gpushare_ext.broker.lease_index import LeaseIndex
-from gpushare_ext.broker.records import Lease
+from gpushare_ext.broker.scheduler_records import Lease
 from gpushare_ext.protocol import LeaseState
 
 

@@ -26,7 +26,7 @@ from gpushare_ext.broker.policy import (
     priority_band,
     victim_order_key,
 )
-from gpushare_ext.broker.records import Lease, Slot
+from gpushare_ext.broker.scheduler_records import Lease, Slot
 from gpushare_ext.protocol import LeaseState, PreemptionLevel, SliceWish
 
 # What making room on a slot takes: leases to pause, leases to evict, idle sessions to park.

@@ -18,7 +18,7 @@ from gpushare_ext.broker.actions import Action, NotifyQueued
 from gpushare_ext.broker.idle_parking import IdleParking
 from gpushare_ext.broker.lease_book import LeaseBook
 from gpushare_ext.broker.memory_seen import MemorySeen
-from gpushare_ext.broker.records import Lease
+from gpushare_ext.broker.scheduler_records import Lease
 from gpushare_ext.broker.slot_finder import SlotFinder
 from gpushare_ext.protocol import LeaseState, priority_class
 from gpushare_ext.units import format_size

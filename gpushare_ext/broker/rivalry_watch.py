@@ -14,8 +14,8 @@ from __future__ import annotations
 from gpushare_ext.broker.actions import Action, NotifyQueued, RivalryChanged
 from gpushare_ext.broker.events import ChaosChanged, Event
 from gpushare_ext.broker.lease_book import LeaseBook
-from gpushare_ext.broker.records import ACTIVE_STATES, Slot, names_of
 from gpushare_ext.broker.rivals import PlacedLease, Rivals
+from gpushare_ext.broker.scheduler_records import ACTIVE_STATES, Slot, names_of
 from gpushare_ext.units import priority_band
 
 

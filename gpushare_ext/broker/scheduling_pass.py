@@ -29,7 +29,7 @@ from gpushare_ext.broker.lease_moves import LeaseMoves
 from gpushare_ext.broker.placement import Placer, plan_cost
 from gpushare_ext.broker.policy import Policy
 from gpushare_ext.broker.queue_notices import QueueNotices
-from gpushare_ext.broker.records import Lease
+from gpushare_ext.broker.scheduler_records import Lease
 from gpushare_ext.broker.slot_finder import SlotFinder
 from gpushare_ext.protocol import LeaseState
 

@@ -111,7 +111,7 @@ CORE_MODULES = (
     "memory_seen",
     "placement",
     "queue_notices",
-    "records",
+    "scheduler_records",
     "rivalry_watch",
     "scheduling_pass",
     "slot_finder",
