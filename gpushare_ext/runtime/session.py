@@ -1027,6 +1027,9 @@ class GpuSession:
         self.leases.pop(handle.lease_id, None)
         if not self.leases:
             memory.apply_quota(None)
+            # Outside a lease nobody can pause this session: a short queue would only
+            # slow its unmarked cells down.
+            interpose.bound(False)
         client = self.client
         if client is None or client.closed.is_set():
             return
