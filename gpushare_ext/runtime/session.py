@@ -61,10 +61,11 @@ from gpushare_ext.protocol import (
 )
 from gpushare_ext.runtime import binding, interpose, memory, preemptible
 from gpushare_ext.runtime.cell_lines import PauseRecord, kernel_words, receipt_line
+from gpushare_ext.runtime.cell_output import CellOutput
 from gpushare_ext.runtime.embedded import broker_answers, ensure_embedded_broker
 from gpushare_ext.runtime.errors import SessionError
 from gpushare_ext.runtime.gate import GateRelay
-from gpushare_ext.runtime.parking import ParkedMemory
+from gpushare_ext.runtime.parked import ParkedMemory
 from gpushare_ext.units import format_size, priority_band
 
 OPEN_STATES = ACTIVE  # what a reconnect reclaims: queued, running, paused, evicted
@@ -114,53 +115,6 @@ class LeaseOptions:
             label=label[:256],
             ranks=self.ranks,
         )
-
-
-# ------------------------------------------------------------------ cell output
-
-
-class CellOutput:
-    """Live lines in the output area of one cell, writable from any thread.
-
-    In a Jupyter kernel it sends display/update messages with the parent header of the
-    cell that was running when it was created, so a notice from the broker's listener
-    thread lands under the right cell.  Elsewhere (terminal IPython, scripts) it prints.
-    """
-
-    def __init__(self) -> None:
-        self._kernel = None
-        self._parent = None
-        self._shown: set[str] = set()
-        self._lock = threading.Lock()
-        try:
-            from IPython import get_ipython
-
-            shell = get_ipython()
-            kernel = getattr(shell, "kernel", None)
-            if kernel is not None and hasattr(kernel, "session"):
-                self._kernel = kernel
-                getter = getattr(kernel, "get_parent", None)
-                self._parent = (
-                    getter("shell") if getter else getattr(kernel, "_parent_header", None)
-                )
-        except ImportError:
-            pass
-
-    def show(self, key: str, text: str) -> None:
-        """Show ``text`` as the line ``key``: a new line the first time, replaced after."""
-        with self._lock:
-            first = key not in self._shown
-            self._shown.add(key)
-        if self._kernel is None:
-            print(text, flush=True)
-            return
-        kernel = self._kernel
-        content = {"data": {"text/plain": text}, "metadata": {}, "transient": {"display_id": key}}
-        kind = "display_data" if first else "update_display_data"
-        with contextlib.suppress(Exception):
-            kernel.session.send(
-                kernel.iopub_socket, kind, content, parent=self._parent, ident=kernel._topic(kind)
-            )
 
 
 # ------------------------------------------------------------------ leases
