@@ -31,6 +31,7 @@ import uuid
 from typing import Any
 
 from gpushare_ext.client import BrokerError, BrokerUnavailable
+from gpushare_ext.runtime import cell_lines
 from gpushare_ext.runtime.cell_output import CellOutput
 from gpushare_ext.runtime.errors import SessionError
 from gpushare_ext.runtime.parked import ParkedMemory
@@ -41,13 +42,10 @@ class RestoreFailed(SessionError):
     """The parked memory could not be brought back; the message says what was lost."""
 
 
-def restoring_line(park: ParkedMemory, what: str, waited_s: float) -> str:
-    if park.queued is not None:
-        return (
-            f"gpushare: restoring {what}: waiting for the memory ({park.queued.reason}) -- "
-            f"{waited_s:.0f} s (interrupt the kernel to leave it parked)"
-        )
-    return f"gpushare: restoring {what} ... {waited_s:.1f} s"
+def _restoring_line(park: ParkedMemory, what: str, waited_s: float) -> str:
+    return cell_lines.restoring_line(
+        what, waited_s, park.queued.reason if park.queued is not None else None
+    )
 
 
 def restore(session: GpuSession, park: ParkedMemory, output: CellOutput) -> None:
@@ -60,27 +58,27 @@ def restore(session: GpuSession, park: ParkedMemory, output: CellOutput) -> None
         client = session.connect()
     except BrokerUnavailable as exc:
         session.forget_park(park)
-        output.show(key, f"gpushare: could not restore {what}: {exc}; running the cell")
+        output.show(key, cell_lines.restore_failed_line(what, exc))
         return
     if session.parked is not park:
         # The connection was new: a broker that starts restores every process its
         # journal held before it serves anyone, so nothing is parked any more.
-        output.show(key, f"gpushare: {what} was restored when the broker started again")
+        output.show(key, cell_lines.restored_by_restart_line(what))
         return
-    output.show(key, f"gpushare: restoring {what} ...")
+    output.show(key, cell_lines.restore_starts_line(what))
     park.asked = True
     try:
         client.restore(park.lease_id)
     except (BrokerError, BrokerUnavailable) as exc:
         session.forget_park(park)
-        output.show(key, f"gpushare: could not restore {what}: {exc}; running the cell")
+        output.show(key, cell_lines.restore_failed_line(what, exc))
         return
     last_shown = -1.0
     try:
         while not park.done.is_set():
             waited = time.monotonic() - started
             if waited - last_shown >= 1.0 or park.changed.is_set():
-                output.show(key, restoring_line(park, what, waited))
+                output.show(key, _restoring_line(park, what, waited))
                 last_shown = waited
             park.changed.clear()
             park.done.wait(0.1)  # short waits keep Ctrl-C responsive
@@ -89,15 +87,13 @@ def restore(session: GpuSession, park: ParkedMemory, output: CellOutput) -> None
             session.connect().restore(park.lease_id, cancel=True)
         park.queued = None
         park.asked = False
-        output.show(
-            key, f"gpushare: restore of {what} withdrawn; it stays parked and the cell did not run"
-        )
+        output.show(key, cell_lines.restore_withdrawn_line(what))
         raise
     session.forget_park(park)
     if park.failed:
-        output.show(key, f"gpushare: {park.failed}")
-        raise RestoreFailed(f"gpushare: {park.failed}")
-    output.show(key, f"gpushare: restored {what} in {time.monotonic() - started:.1f} s")
+        output.show(key, cell_lines.notice(park.failed))
+        raise RestoreFailed(cell_lines.notice(park.failed))
+    output.show(key, cell_lines.restored_line(what, time.monotonic() - started))
     with contextlib.suppress(BrokerError, BrokerUnavailable):
         session.connect().release(park.lease_id)
 
