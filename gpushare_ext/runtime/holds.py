@@ -18,7 +18,7 @@ from typing import Any
 
 from gpushare_ext.client import BrokerClient
 from gpushare_ext.control_block import ControlBlock, ControlBlockError
-from gpushare_ext.runtime import cell_lines, interpose, memory, preemptible
+from gpushare_ext.runtime import cell_lines, frameworks, interpose, preemptible
 from gpushare_ext.runtime.gate import DeviceGate, GateRelay, open_device_gate
 from gpushare_ext.runtime.leases import LeaseHandle, queue_is_bounded
 from gpushare_ext.runtime.paused import asked_to_yield, cuda_blocked, wait_until_resumed
@@ -76,8 +76,7 @@ class ProcessHolds:
     ) -> None:
         """The lease is bound to CUDA device ``ordinal`` of a real GPU: quotas, its gate,
         the launch shim and the preemptible kernels' hooks follow it."""
-        memory.install_cupy_quota()
-        memory.install_numba_quota()
+        frameworks.install_quotas()
         if ordinal not in self.gates and self.control_block is not None:
             gate, self.gate_note = open_device_gate(self.control_block)
             if gate is not None:
