@@ -23,6 +23,7 @@ from gpushare_ext.protocol import (
     applied_level,
     describe_priority,
 )
+from gpushare_ext.units import format_size
 
 SHOWN_PAUSES = 3  # a count past these
 QUEUED_WORTH_SAYING_S = 0.05  # below this the grant came with the answer
@@ -235,6 +236,32 @@ def restore_withdrawn_line(what: str) -> str:
 
 def restored_line(what: str, took_s: float) -> str:
     return f"gpushare: restored {what} in {took_s:.1f} s"
+
+
+# ---- the magics' own lines
+
+
+def released_line(lease_ids: list[str]) -> str:
+    """``%gpu release``: what it gave back."""
+    return "released " + ", ".join(lease_ids) if lease_ids else "no lease was held"
+
+
+def defaults_line(
+    *,
+    priority: int,
+    memory_bytes: int | None,
+    device: str,
+    timeout_s: float | None,
+    slice_wish: str,
+    sm_share: float,
+) -> str:
+    """``%gpuconfig``: the session's defaults for ``%%gpu`` cells."""
+    memory = format_size(memory_bytes) if memory_bytes else "policy default"
+    timeout = f"{timeout_s:g}s" if timeout_s is not None else "none"
+    return (
+        f"gpushare defaults: priority={describe_priority(priority)} mem={memory} "
+        f"device={device} timeout={timeout} slice={slice_wish} share={sm_share:g}"
+    )
 
 
 # ---- the receipt
