@@ -47,8 +47,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
-import importlib.abc
-import importlib.util
 import os
 import signal
 import struct
@@ -58,7 +56,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpushare_ext.runtime import interpose
+from gpushare_ext.runtime import frameworks, interpose
 
 __all__ = [
     "DEFAULT_LONG_US",
@@ -428,65 +426,8 @@ def install() -> Registry | None:
         long_us,
     )  # fmt: skip
     _registry = registry
-    _watch_numba()
+    frameworks.adopt_kernels(installed)  # kernels a framework links itself, unseen as PTX
     return registry
-
-
-def _adopt_numba_kernels(codegen: Any) -> None:
-    """Have Numba's code library hand each kernel's PTX and handle to the registry when
-    it loads the kernel (``CUDACodeLibrary.get_cufunc``, once per kernel and device)."""
-    library_class = getattr(codegen, "CUDACodeLibrary", None)
-    original = getattr(library_class, "get_cufunc", None)
-    if original is None or getattr(original, "_gpushare", False):
-        return
-
-    def get_cufunc(self: Any) -> Any:
-        cached = bool(getattr(self, "_cufunc_cache", None))
-        cufunc = original(self)
-        registry = _registry
-        if registry is not None and not cached:
-            # If Numba's internals moved, its kernels just run as they are.
-            with contextlib.suppress(Exception):
-                registry.adopt(int(cufunc.handle), self.get_asm_str(), str(self._entry_name))
-        return cufunc
-
-    get_cufunc._gpushare = True  # type: ignore[attr-defined]
-    library_class.get_cufunc = get_cufunc
-
-
-class _NumbaWatcher(importlib.abc.MetaPathFinder):
-    """Adopts Numba's kernels once ``numba.cuda.codegen`` is imported (not before: a
-    notebook that never uses Numba never imports it)."""
-
-    NAME = "numba.cuda.codegen"
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != self.NAME:
-            return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        run_module = loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            run_module(module)
-            _adopt_numba_kernels(module)
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-
-def _watch_numba() -> None:
-    codegen = sys.modules.get(_NumbaWatcher.NAME)
-    if codegen is not None:
-        _adopt_numba_kernels(codegen)
-    elif not any(isinstance(f, _NumbaWatcher) for f in sys.meta_path):
-        sys.meta_path.insert(0, _NumbaWatcher())
 
 
 _report_sink: Callable[[str], None] | None = None
