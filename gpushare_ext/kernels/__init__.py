@@ -19,21 +19,21 @@ from gpushare_ext.kernels.analysis import (
     analyse_module,
     classify_launch,
 )
-from gpushare_ext.kernels.frontends import Kernel, NumbaKernel, compile_cuda, jit, kernel
-from gpushare_ext.kernels.launch import (
-    LaunchMode,
-    LaunchReport,
-    YieldFlag,
-    set_session_yield_flag,
-    write_yield_flag_from_handle,
-)
+from gpushare_ext.kernels.frontends import Kernel, NumbaKernel, jit, kernel
+from gpushare_ext.kernels.launch import LaunchMode, LaunchReport
 from gpushare_ext.kernels.ptx import KernelError, PtxModule, parse_ptx
+from gpushare_ext.kernels.toolchain import compile_cuda
 from gpushare_ext.kernels.transform import (
     PreemptibleKernel,
     TransformOptions,
     assemble,
     find_ptxas,
     make_preemptible,
+)
+from gpushare_ext.kernels.yield_flags import (
+    YieldFlag,
+    set_session_yield_flag,
+    write_yield_flag_from_handle,
 )
 
 __all__ = [

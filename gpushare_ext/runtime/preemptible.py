@@ -324,7 +324,7 @@ def raw_arguments(kernel: Any, params: Any) -> Any:
     """The launch's arguments as the shim got them (an array of pointers to each value),
     with each pointer parameter's extent: up to the end of its allocation.  None when a
     pointer is not device memory (host or managed memory: the buffers are not known)."""
-    from gpushare_ext.kernels.launch import BoundArgs
+    from gpushare_ext.kernels.arguments import BoundArgs
 
     values = [ctypes.string_at(params[i], p.size) for i, p in enumerate(kernel.entry.params)]
     index = {p.name: i for i, p in enumerate(kernel.entry.params)}
