@@ -27,8 +27,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from gpushare_ext.kernels.analysis import KernelReport, analyse_entry
+from gpushare_ext.kernels.analysis import analyse_entry
 from gpushare_ext.kernels.ptx import KernelError, PtxModule, parse_ptx
+from gpushare_ext.kernels.report import KernelReport
 from gpushare_ext.kernels.signatures import kernel_definitions, name_entries, strip_comments
 from gpushare_ext.kernels.sourcefile import find_entry
 from gpushare_ext.kernels.toolchain import DEFAULT_ARCH, CompileOptions, compile_cuda, compile_file

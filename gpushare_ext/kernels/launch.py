@@ -49,9 +49,10 @@ from typing import Any
 import gpushare_ext.kernels.driver as driver
 import gpushare_ext.kernels.progress as progress
 import gpushare_ext.kernels.yield_flags as yield_flags
-from gpushare_ext.kernels.analysis import Classification, Idempotence, classify_launch
 from gpushare_ext.kernels.arguments import BoundArgs, bind_arguments, dim3
+from gpushare_ext.kernels.classification import classify_launch
 from gpushare_ext.kernels.ptx import KernelError
+from gpushare_ext.kernels.report import Classification, Idempotence
 from gpushare_ext.kernels.transform import (
     NO_BLOCK,
     PROGRESS_RECORD_BYTES,
@@ -68,12 +69,14 @@ from gpushare_ext.kernels.yield_flags import (
 # The yield flag's names stay importable from here for the callers that reach them
 # through this module (the session, the broker's actuator, the benchmarks).
 __all__ = [
+    "LaunchDecision",
     "LaunchHooks",
     "LaunchMode",
     "LaunchReport",
     "LaunchShape",
     "LaunchTransaction",
     "YieldFlag",
+    "decide_launch",
     "launch_kernel",
     "poll_until_resumed",
     "session_hooks",
@@ -179,6 +182,31 @@ class LaunchReport:
     notes: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class LaunchDecision:
+    """How one launch runs, decided once before it starts: the classification of the
+    kernel with the buffers as passed, and the mode that follows from it (or was forced)."""
+
+    classification: Classification
+    mode: LaunchMode
+
+
+def decide_launch(
+    kernel: Any,
+    extents: dict[str, tuple[int, int]],
+    mode: LaunchMode | str | None = None,
+    *,
+    preemptible: bool = True,
+) -> LaunchDecision:
+    """Classify the launch with these buffers and choose its mode: ``off`` when it is not
+    to be preemptible, else ``mode`` when forced (restart only for an idempotent launch),
+    else resume for an idempotent launch and snapshot for any other."""
+    classification = classify_launch(kernel.report, extents)
+    if not preemptible or mode in (LaunchMode.OFF, "off"):
+        return LaunchDecision(classification, LaunchMode.OFF)
+    return LaunchDecision(classification, _choose_mode(kernel, classification, mode))
+
+
 def _choose_mode(kernel: Any, cls: Classification, forced: Any) -> LaunchMode:
     if forced is not None:
         mode = LaunchMode(forced)
@@ -216,6 +244,7 @@ def launch_kernel(
     bound: BoundArgs | None = None,
     max_aborts: int | None = None,
     hooks: LaunchHooks | None = None,
+    decision: LaunchDecision | None = None,
 ) -> LaunchReport:
     """Run one launch as a transaction (:class:`LaunchTransaction`). See the module
     docstring for the modes.
@@ -238,6 +267,10 @@ def launch_kernel(
     ``chunk_target_us``: the wall time a chunk should take (default ``CHUNK_TARGET_US``).
 
     ``hooks``: the gate and the wait for resume (default: :func:`session_hooks`).
+
+    ``decision``: the classification and mode the caller already decided for these
+    arguments (:func:`decide_launch`, or a policy of its own); ``mode`` and
+    ``preemptible`` are then not looked at, and the launch is not classified again.
     """
     if bound is None:
         kernel = kernel.bind(args)
@@ -250,12 +283,13 @@ def launch_kernel(
         raise KernelError(
             "grid-too-large", f"{total} blocks exceed the 32-bit logical id", step="launch"
         )
-    cls = classify_launch(kernel.report, bound.extents)
     sh = driver.stream_handle(stream)
     ctx = driver.ensure_context()
-    if not preemptible or mode in (LaunchMode.OFF, "off"):
+    if decision is None:
+        decision = decide_launch(kernel, bound.extents, mode, preemptible=preemptible)
+    cls, chosen = decision.classification, decision.mode
+    if chosen is LaunchMode.OFF:
         return _run_unmodified(kernel, g, b, shared_mem, sh, bound, cls, ctx, sync, "", hooks)
-    chosen = _choose_mode(kernel, cls, mode)
     use_abort = (
         abort_checks
         if abort_checks is not None

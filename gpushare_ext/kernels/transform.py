@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpushare_ext.kernels.analysis import KernelReport, analyse_entry
+from gpushare_ext.kernels.analysis import analyse_entry
 from gpushare_ext.kernels.ptx import (
     Entry,
     Instruction,
@@ -81,6 +81,7 @@ from gpushare_ext.kernels.ptx import (
     Statement,
     render_entry,
 )
+from gpushare_ext.kernels.report import KernelReport
 
 __all__ = [
     "PROGRESS_RECORD_BYTES",

@@ -17,7 +17,6 @@ import pytest
 import gpushare_ext.kernels.driver as driver
 import gpushare_ext.kernels.progress as progress
 import gpushare_ext.kernels.yield_flags as yield_flags
-from gpushare_ext.kernels.analysis import Classification, Idempotence
 from gpushare_ext.kernels.arguments import BoundArgs
 from gpushare_ext.kernels.launch import (
     LaunchHooks,
@@ -26,6 +25,7 @@ from gpushare_ext.kernels.launch import (
     LaunchShape,
     LaunchTransaction,
 )
+from gpushare_ext.kernels.report import Classification, Idempotence
 
 SESSION_FLAG, ZERO_FLAG = 0x1000, 0x2000
 TOTAL = 100

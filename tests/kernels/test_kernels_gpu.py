@@ -18,7 +18,7 @@ import pytest
 from corpus_specs import CASES, Case
 
 from gpushare_ext.kernels import kernel
-from gpushare_ext.kernels.analysis import Idempotence
+from gpushare_ext.kernels.report import Idempotence
 
 
 def _gpu_ready() -> str | None:

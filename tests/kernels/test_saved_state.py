@@ -16,7 +16,7 @@ from corpus_specs import CORPUS
 from numba_corpus import NUMBA_CASES
 
 from gpushare_ext.kernels import Kernel, TransformOptions, assemble, kernel, make_preemptible
-from gpushare_ext.kernels.analysis import build_cfg
+from gpushare_ext.kernels.dataflow import build_cfg
 from gpushare_ext.kernels.frontends import compile_numba
 from gpushare_ext.kernels.liveness import (
     live_before,
