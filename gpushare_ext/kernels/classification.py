@@ -1,9 +1,9 @@
 """The verdict: idempotent, non-idempotent or unknown, with reasons a user can read.
 
-What it is for: turning what the analysis found (:class:`~gpushare_ext.kernels.report.KernelReport`:
-buffers, accesses, grid-wide synchronisation, what the transform refuses) into a
-:class:`~gpushare_ext.kernels.report.Classification` (:func:`classify`), and settling
-aliasing at launch from the buffers actually passed (:func:`classify_launch`).
+What it is for: turning what the analysis found (a ``KernelReport``: buffers, accesses,
+grid-wide synchronisation, what the transform refuses) into a ``Classification``
+(:func:`classify`), and settling aliasing at launch from the buffers actually passed
+(:func:`classify_launch`).
 
 What it must not do: look at PTX instructions beyond the accesses it is given, rewrite
 PTX or touch CUDA.  It over-approximates where it must: a write it cannot attribute

@@ -13,7 +13,7 @@ notebook's arrays half updated by a non-idempotent kernel:
   passed) is copied device-to-device before the first launch; an abort, Ctrl-C or error
   restores it. Yields between blocks still resume.
 
-Where the variant saves state (``transform.SavePlan``: no shared or local memory, no
+Where the variant saves state (``saved_state.plan_save``: no shared or local memory, no
 barriers, no warp collectives), an abort is not undone at all: every stopped thread
 saved its live registers, and the next slice reloads them and goes on, so an abort
 keeps all the work done, whatever the kernel's idempotence. A snapshot is still taken
@@ -53,11 +53,8 @@ from gpushare_ext.kernels.arguments import BoundArgs, bind_arguments, dim3
 from gpushare_ext.kernels.classification import classify_launch
 from gpushare_ext.kernels.ptx import KernelError
 from gpushare_ext.kernels.report import Classification, Idempotence
-from gpushare_ext.kernels.transform import (
-    NO_BLOCK,
-    PROGRESS_RECORD_BYTES,
-    PreemptibleKernel,
-)
+from gpushare_ext.kernels.rewrite import NO_BLOCK, PROGRESS_RECORD_BYTES
+from gpushare_ext.kernels.transform import PreemptibleKernel
 from gpushare_ext.kernels.yield_flags import (
     YieldFlag,
     poll_until_resumed,

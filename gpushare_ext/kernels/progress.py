@@ -1,7 +1,7 @@
 """A persistent launch's progress record and its chunk size.
 
 What it is for: the record the transformed kernel keeps its counter, stamps and abort
-marks in (``transform.RecordLayout``): its first state (:func:`initial_record`), reading
+marks in (``rewrite.RecordLayout``): its first state (:func:`initial_record`), reading
 it back (:func:`parse_record`), and the page-locked host slot each slice's record
 traffic goes through (:class:`PinnedSlot`); and how many logical blocks one claim takes
 (:func:`choose_chunk`, from the time per logical block :class:`BlockTimes` measured on
@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from gpushare_ext.kernels.driver import check, cuda_driver
 from gpushare_ext.kernels.ptx import KernelError
-from gpushare_ext.kernels.transform import NO_BLOCK, PROGRESS_RECORD_BYTES, RecordLayout
+from gpushare_ext.kernels.rewrite import NO_BLOCK, PROGRESS_RECORD_BYTES, RecordLayout
 
 __all__ = [
     "CHUNK_FIRST",

@@ -15,7 +15,7 @@ import pytest
 
 from gpushare_ext.kernels import Idempotence, Kernel, TransformOptions, assemble
 from gpushare_ext.kernels.dataflow import struct_pointer_fields
-from gpushare_ext.kernels.transform import RecordLayout
+from gpushare_ext.kernels.rewrite import RecordLayout
 from gpushare_ext.runtime.preemptible import FINISH_BOUND_US, decide_mode
 
 CUPY = Path(__file__).with_name("fixtures") / "cupy"

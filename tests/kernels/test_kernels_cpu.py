@@ -42,7 +42,7 @@ from gpushare_ext.kernels.progress import (
     initial_record,
     parse_record,
 )
-from gpushare_ext.kernels.transform import PROGRESS_RECORD_BYTES, RecordLayout
+from gpushare_ext.kernels.rewrite import PROGRESS_RECORD_BYTES, RecordLayout
 
 VARIANTS = [
     TransformOptions(),

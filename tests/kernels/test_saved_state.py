@@ -25,7 +25,7 @@ from gpushare_ext.kernels.liveness import (
     uses_and_defs,
 )
 from gpushare_ext.kernels.ptx import parse_instruction, parse_ptx
-from gpushare_ext.kernels.transform import SAVE_HEADER_CELLS
+from gpushare_ext.kernels.rewrite import SAVE_HEADER_CELLS
 
 CUPY = Path(__file__).with_name("fixtures") / "cupy"
 
