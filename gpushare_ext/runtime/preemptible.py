@@ -322,7 +322,7 @@ def raw_arguments(kernel: Any, params: Any) -> Any:
     """The launch's arguments as the shim got them (an array of pointers to each value),
     with each pointer parameter's extent: up to the end of its allocation.  None when a
     pointer is not device memory (host or managed memory: the buffers are not known)."""
-    from gpushare_ext.kernels.launch import BoundArgs
+    from gpushare_ext.kernels.arguments import BoundArgs
 
     values = [ctypes.string_at(params[i], p.size) for i, p in enumerate(kernel.entry.params)]
     index = {p.name: i for i, p in enumerate(kernel.entry.params)}
@@ -341,20 +341,26 @@ def raw_arguments(kernel: Any, params: Any) -> Any:
     return BoundArgs(values, extents, {})
 
 
-def choose_mode(kernel: Any, extents: dict[str, tuple[int, int]], longest_us: float = 0.0) -> Any:
-    """restart for a launch that is idempotent with these buffers, else snapshot.  An
+def decide_mode(kernel: Any, extents: dict[str, tuple[int, int]], longest_us: float = 0.0) -> Any:
+    """The launch's classification and mode (a ``LaunchDecision``), decided once here and
+    passed to the launch, or None when it must run as it is (the analysis cannot tell
+    what it writes): restart for a launch that is idempotent with these buffers, else
+    snapshot.  An
     idempotent launch of a kernel whose launches take ``FINISH_BOUND_US`` or more gets a
     snapshot too: a Ctrl-C during it is then rolled back at once, where without one the
     rest of the kernel would have to run before the cell got control back."""
     from gpushare_ext.kernels import Idempotence, classify_launch
-    from gpushare_ext.kernels.launch import LaunchMode
+    from gpushare_ext.kernels.launch import LaunchDecision, LaunchMode
 
-    verdict = classify_launch(kernel.report, extents).verdict
+    classification = classify_launch(kernel.report, extents)
+    verdict = classification.verdict
     if verdict is Idempotence.IDEMPOTENT:
-        return LaunchMode.RESTART if longest_us < FINISH_BOUND_US else LaunchMode.SNAPSHOT
-    if verdict is Idempotence.NON_IDEMPOTENT:
-        return LaunchMode.SNAPSHOT
-    return None
+        mode = LaunchMode.RESTART if longest_us < FINISH_BOUND_US else LaunchMode.SNAPSHOT
+    elif verdict is Idempotence.NON_IDEMPOTENT:
+        mode = LaunchMode.SNAPSHOT
+    else:
+        return None
+    return LaunchDecision(classification, mode)
 
 
 def run_launch(
@@ -370,14 +376,14 @@ def run_launch(
     bound = raw_arguments(kernel, params)
     if bound is None:
         return None
-    mode = choose_mode(kernel, bound.extents, longest_us)
-    if mode is None:
+    decision = decide_mode(kernel, bound.extents, longest_us)
+    if decision is None:
         return None
     hooks = session_hooks()
     if interrupted is not None:
         hooks = replace(hooks, interrupted=interrupted, exempt_from_hold=interpose.exempt_from_hold)
     return launch_kernel(
-        kernel, grid, block, (), stream=stream, shared_mem=shared, mode=mode,
+        kernel, grid, block, (), stream=stream, shared_mem=shared, decision=decision,
         abort_checks=bool(kernel.report.loops), bound=bound, max_aborts=MAX_ABORTS,
         hooks=hooks,
     )  # fmt: skip
