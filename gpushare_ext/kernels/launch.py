@@ -758,17 +758,3 @@ class LaunchTransaction:
         if self.slot is not None and self.drained:
             self.slot.release()  # else a record copy may be in flight: never reuse it
         self.kernel.last_launch = self.out
-
-
-# The benchmarks reach into the launcher by the names these had before the driver, the
-# arguments and the progress record got modules of their own.
-_driver = driver.cuda_driver
-_check = driver.check
-_modules = driver.modules
-_Device = driver.DeviceFacts
-_side_stream = driver.side_stream
-_launch_raw = driver.launch_raw
-_as_flag = yield_flags.as_flag
-_read_record = progress.read_record
-choose_chunk = progress.choose_chunk
-initial_record = progress.initial_record

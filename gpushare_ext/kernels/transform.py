@@ -87,26 +87,18 @@ from gpushare_ext.kernels.persistent import PersistentBlocks
 from gpushare_ext.kernels.ptx import KernelError, Param, PtxModule
 from gpushare_ext.kernels.report import KernelReport
 from gpushare_ext.kernels.rewrite import (
-    NO_BLOCK,
-    PROGRESS_RECORD_BYTES,
     SAVE_HEADER_CELLS,
     Item,
     Pass,
     Pipeline,
-    RecordLayout,
     TransformOptions,
     TransformState,
 )
 
-# NO_BLOCK, PROGRESS_RECORD_BYTES and RecordLayout stay importable from here for the
-# benchmarks; the code imports them from ``rewrite``.
 __all__ = [
-    "NO_BLOCK",
-    "PROGRESS_RECORD_BYTES",
     "Pass",
     "Pipeline",
     "PreemptibleKernel",
-    "RecordLayout",
     "TransformOptions",
     "assemble",
     "find_ptxas",

@@ -114,13 +114,13 @@ class ProcessHolds:
         """Give preemptible kernels the session's gate and yield flag, and tell the broker
         where the flag is (a CUDA IPC handle), so it can stop them at level 1 or 2."""
         try:
-            from gpushare_ext.kernels import launch
+            from gpushare_ext.kernels import launch, yield_flags
         except ImportError:  # the kernel toolchain is optional
             return
         try:
             if self.yield_flag is None:
-                self.yield_flag = launch.YieldFlag()
-                launch.set_session_yield_flag(self.yield_flag)
+                self.yield_flag = yield_flags.YieldFlag()
+                yield_flags.set_session_yield_flag(self.yield_flag)
             gate = self.device_gate
             launch.set_session_hooks(
                 launch.LaunchHooks(
