@@ -55,16 +55,8 @@ from gpushare_ext.kernels.ptx import KernelError
 from gpushare_ext.kernels.report import Classification, Idempotence
 from gpushare_ext.kernels.rewrite import NO_BLOCK, PROGRESS_RECORD_BYTES
 from gpushare_ext.kernels.transform import PreemptibleKernel
-from gpushare_ext.kernels.yield_flags import (
-    YieldFlag,
-    poll_until_resumed,
-    resume_without_owner,
-    set_session_yield_flag,
-    write_yield_flag_from_handle,
-)
+from gpushare_ext.kernels.yield_flags import YieldFlag, resume_without_owner
 
-# The yield flag's names stay importable from here for the callers that reach them
-# through this module (the session, the broker's actuator, the benchmarks).
 __all__ = [
     "LaunchDecision",
     "LaunchHooks",
@@ -72,14 +64,10 @@ __all__ = [
     "LaunchReport",
     "LaunchShape",
     "LaunchTransaction",
-    "YieldFlag",
     "decide_launch",
     "launch_kernel",
-    "poll_until_resumed",
     "session_hooks",
     "set_session_hooks",
-    "set_session_yield_flag",
-    "write_yield_flag_from_handle",
 ]
 
 
