@@ -5,7 +5,8 @@ the grant, the withdrawn and timed-out request, the pause and resume lines, a re
 lease, the broker going away and coming back, a parked session's restore, and the
 receipt a cell shows when it ends, which answers "why was my cell slow?" in one line
 (time queued, time running, each pause: for whom, at which rung, how long; what the
-long kernels got).
+long kernels got), and what a cell is told once about its launches (a long kernel run
+unmodified, launches run as they are, no device gate).
 
 Pure: text from plain values; no clock, no broker, no I/O.  It must not decide what is
 shown when (the session does), only how it reads.
@@ -320,3 +321,64 @@ def kernel_words(before: dict[str, int], after: dict[str, int]) -> str:
     if got.get("unmodified"):
         parts.append(f"{got['unmodified']} run unmodified")
     return ", ".join(parts)
+
+
+# What the launch shim and the preemptible registry say in the cell that ran a launch.
+
+
+def unmodified_with_host_memory_line(kernel: str) -> str:
+    return (
+        f"gpushare: long kernel `{kernel}` runs unmodified when host or managed memory is "
+        "among its arguments (which buffers it writes is not known); a pause waits for it "
+        "to finish"
+    )
+
+
+def unmodified_line(kernel: str, reason: str) -> str:
+    return (
+        f"gpushare: long kernel `{kernel}` runs unmodified ({reason}); a pause waits for it "
+        "to finish"
+    )
+
+
+#: Launches the shim holds and the checkpoint lock stops, but never makes preemptible,
+#: by kind (the shim's counters): each kind is said once, in the cell that first ran one.
+RUN_AS_IS = {
+    "cooperative": "cooperative launches (their blocks wait on each other: none may stop alone)",
+    "with_attributes": "launches with attributes (thread-block clusters, cooperative)",
+    "graphs": "CUDA graph launches (the kernels of a graph are not launched one by one)",
+}
+
+
+def run_as_is_line(kind: str) -> str:
+    return (
+        f"gpushare: {RUN_AS_IS[kind]} run as they are: a pause holds the next one and the "
+        "checkpoint lock stops the process, but one already on the GPU finishes first"
+    )
+
+
+def long_kernels_summary(counted: dict[str, int]) -> str:
+    """A few words for the pause notice and status: what the long kernels got so far
+    (``counted`` as :func:`preemptible.counts` reads it)."""
+    launched, fallbacks = counted.get("preemptible", 0), counted.get("unmodified", 0)
+    unrivalled = counted.get("unrivalled", 0)
+    if not launched and not fallbacks and not unrivalled:
+        return "long kernels loaded from PTX are made preemptible"
+    parts = [f"{launched} long kernel launches preemptible"]
+    yields, saves, aborts = (counted.get(k, 0) for k in ("yields", "saves", "aborts"))
+    if yields or aborts or saves:
+        stops = [f"{yields} yields"]
+        if saves:
+            stops.append(f"{saves} stops that kept their work")
+        if aborts:
+            stops.append(f"{aborts} aborts undone")
+        parts.append(", ".join(stops))
+    if fallbacks:
+        parts.append(f"{fallbacks} run unmodified")
+    if unrivalled:  # the shim's count: no cost while nobody could preempt this session
+        parts.append(f"{unrivalled} run as they are while no session could preempt this one")
+    return ", ".join(parts)
+
+
+def no_device_gate_words(why: object) -> str:
+    return f"no device gate ({why}); launch points wait on the host"

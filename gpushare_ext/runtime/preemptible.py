@@ -56,7 +56,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpushare_ext.runtime import frameworks, interpose
+from gpushare_ext.runtime import cell_lines, frameworks, interpose
 
 __all__ = [
     "DEFAULT_LONG_US",
@@ -206,10 +206,7 @@ class Registry:
         if report is None:  # host or managed memory among its arguments
             self.fallbacks += 1
             self._say_once(
-                f"memory:{twin.name}",
-                f"gpushare: long kernel `{twin.name}` runs unmodified when host or managed "
-                "memory is among its arguments (which buffers it writes is not known); a "
-                "pause waits for it to finish",
+                f"memory:{twin.name}", cell_lines.unmodified_with_host_memory_line(twin.name)
             )
             return
         interpose.answer_launch(0)  # done: the shim must not launch the original too
@@ -237,10 +234,7 @@ class Registry:
         interpose.track_function(int(function), interpose.TRACK_OFF)
         if not twin.said:
             twin.said = True
-            line = (
-                f"gpushare: long kernel `{twin.name}` runs unmodified ({reason}); a pause "
-                "waits for it to finish"
-            )
+            line = cell_lines.unmodified_line(twin.name, reason)
             self.said.append(line)
             _to_stderr(line)  # the cell's stderr: the note lands in the cell that ran it
         _report(f"`{twin.name}` runs unmodified ({reason}); {summary()}")
@@ -463,22 +457,11 @@ def uninstall() -> None:
     _registry = None
 
 
-# Launches the shim holds and the checkpoint lock stops, but never makes preemptible, by
-# kind (the shim's counters): each kind is said once, in the cell that first ran one.
-RUN_AS_IS = {
-    "cooperative": "cooperative launches (their blocks wait on each other: none may stop alone)",
-    "with_attributes": "launches with attributes (thread-block clusters, cooperative)",
-    "graphs": "CUDA graph launches (the kernels of a graph are not launched one by one)",
-}
-_AS_IS_PROTECTION = (
-    "run as they are: a pause holds the next one and the checkpoint lock stops the "
-    "process, but one already on the GPU finishes first"
-)
 _as_is_seen: dict[str, int] = {}
 
 
 def say_what_runs_as_is() -> list[str]:
-    """After a cell: for each kind of launch in :data:`RUN_AS_IS` the cell ran for the
+    """After a cell: for each kind of launch in ``cell_lines.RUN_AS_IS`` the cell ran for the
     first time in this process, one line in the cell saying which protection applies
     and why.  Nothing where the shim is not preloaded (no counters)."""
     if _registry is None:
@@ -488,10 +471,10 @@ def say_what_runs_as_is() -> list[str]:
     except interpose.InterposerError:
         return []
     lines = []
-    for kind, what in RUN_AS_IS.items():
+    for kind in cell_lines.RUN_AS_IS:
         if counted.get(kind, 0) and kind not in _as_is_seen:
             _as_is_seen[kind] = counted[kind]
-            line = f"gpushare: {what} {_AS_IS_PROTECTION}"
+            line = cell_lines.run_as_is_line(kind)
             _registry.said.append(line)
             lines.append(line)
     for line in lines:
@@ -524,22 +507,6 @@ def counts() -> dict[str, int]:
 
 def summary() -> str:
     """A few words for the pause notice and status: what the long kernels got."""
-    registry = _registry
-    if registry is None:
+    if _registry is None:
         return ""
-    unrivalled = counts().get("unrivalled", 0)
-    if not registry.launched and not registry.fallbacks and not unrivalled:
-        return "long kernels loaded from PTX are made preemptible"
-    parts = [f"{registry.launched} long kernel launches preemptible"]
-    if registry.yields or registry.aborts or registry.saves:
-        stops = [f"{registry.yields} yields"]
-        if registry.saves:
-            stops.append(f"{registry.saves} stops that kept their work")
-        if registry.aborts:
-            stops.append(f"{registry.aborts} aborts undone")
-        parts.append(", ".join(stops))
-    if registry.fallbacks:
-        parts.append(f"{registry.fallbacks} run unmodified")
-    if unrivalled:  # the shim's count: no cost while nobody could preempt this session
-        parts.append(f"{unrivalled} run as they are while no session could preempt this one")
-    return ", ".join(parts)
+    return cell_lines.long_kernels_summary(counts())
