@@ -64,7 +64,7 @@ extern "C" __global__ void stamp(unsigned long long* at) {
 
 CHILD = r"""
 import sys
-from gpushare_ext.kernels.launch import write_yield_flag_from_handle as w
+from gpushare_ext.kernels.yield_flags import write_yield_flag_from_handle as w
 h = bytes.fromhex(sys.argv[1])
 w(h, 0, 0)  # open the handle once, before timing
 print("ready", flush=True)
@@ -118,28 +118,28 @@ def raw_launcher(k, case, fence: bool, sized=None, chunk=None):
     launcher's choice for a first launch (``choose_chunk`` without a measurement)."""
     import cupy as cp
 
-    from gpushare_ext.kernels import launch as L
-    from gpushare_ext.kernels.transform import PROGRESS_RECORD_BYTES
+    from gpushare_ext.kernels import arguments, driver, progress, yield_flags
+    from gpushare_ext.kernels.rewrite import PROGRESS_RECORD_BYTES
 
     if sized is None:
         args = case.make_args(cp, np.random.default_rng(0))
         g, b, shared = case.grid, case.block, case.shared
     else:
         g, b, shared, args = sized
-    bound = L.bind_arguments(k, args)
+    bound = arguments.bind_arguments(k, args)
     variant = k.preemptible(fence=fence)
-    fn = L._modules.function(variant.ptx, k.entry.name)
-    orig = L._modules.function(k.ptx, k.entry.name)
+    fn = driver.modules.function(variant.ptx, k.entry.name)
+    orig = driver.modules.function(k.ptx, k.entry.name)
     total = g[0] * g[1] * g[2]
-    sms = L._Device.sm_count()
-    per_sm = L._modules.blocks_per_sm(fn, b[0] * b[1] * b[2], shared)
+    sms = driver.DeviceFacts.sm_count()
+    per_sm = driver.modules.blocks_per_sm(fn, b[0] * b[1] * b[2], shared)
     persistent = max(1, min(total, sms * int(per_sm)))
     if chunk is None:
-        chunk = L.choose_chunk(total, persistent, None)
+        chunk = progress.choose_chunk(total, persistent, None)
     chunk_box = chunk if isinstance(chunk, list) else [int(chunk)]
     record = cp.zeros(PROGRESS_RECORD_BYTES, dtype=cp.uint8)
-    init = cp.asarray(np.frombuffer(L.initial_record(0), dtype=np.uint8))
-    flag = L._as_flag(None)
+    init = cp.asarray(np.frombuffer(progress.initial_record(0), dtype=np.uint8))
+    flag = yield_flags.as_flag(None)
     fence_vals = []
     for p in variant.fenced_params:
         addr, n = bound.extents.get(p, (0, 0))
@@ -152,7 +152,7 @@ def raw_launcher(k, case, fence: bool, sized=None, chunk=None):
 
     def transformed():
         vals = [*bound.values, *extra, struct.pack("<I", chunk_box[0]), *fence_vals]
-        L._launch_raw(fn, (persistent, 1, 1), b, shared, 0, vals)
+        driver.launch_raw(fn, (persistent, 1, 1), b, shared, 0, vals)
 
     transformed.record = record  # for calibration: read after a launch
     transformed.persistent = persistent
@@ -160,7 +160,7 @@ def raw_launcher(k, case, fence: bool, sized=None, chunk=None):
     transformed.chunk = chunk_box
 
     def original():
-        L._launch_raw(orig, g, b, shared, 0, bound.values)
+        driver.launch_raw(orig, g, b, shared, 0, bound.values)
 
     return original, transformed, reset
 
@@ -173,20 +173,20 @@ def _calibrate_chunk(cp, launch, reset, rounds: int = 3) -> tuple[int, float | N
     """The launcher's adaptive choice: start from the first-launch chunk, measure the time
     per logical block from the record's stamps (as ``launch_kernel`` does after each
     completed slice) and re-choose, a few rounds. Returns (chunk, ns per logical block)."""
-    from gpushare_ext.kernels import launch as L
+    from gpushare_ext.kernels import progress
 
     est = None
     box = launch.chunk
-    box[0] = L.choose_chunk(launch.total, launch.persistent, None)
+    box[0] = progress.choose_chunk(launch.total, launch.persistent, None)
     for _ in range(rounds):
         reset()
         launch()
         cp.cuda.Device().synchronize()
-        rec = L._read_record(launch.record)
+        rec = progress.read_record(launch.record)
         if rec["end_ns"] > rec["start_ns"] and launch.total >= 2 * launch.persistent:
             new = (rec["end_ns"] - rec["start_ns"]) * launch.persistent / launch.total
             est = new if est is None else 0.5 * (est + new)
-        box[0] = L.choose_chunk(launch.total, launch.persistent, est)
+        box[0] = progress.choose_chunk(launch.total, launch.persistent, est)
     return box[0], est
 
 
@@ -448,11 +448,11 @@ def bench_overhead_realistic(
 def _same_outputs(cp, k, case, sized, chunk=None) -> bool:
     """Idempotent kernels only: the transformed kernel's outputs equal the original's (its
     write-set is filled with a byte pattern first, so an output it skips shows up)."""
-    from gpushare_ext.kernels import launch as L
+    from gpushare_ext.kernels import arguments
 
     args = sized[3]
     orig, plain, reset = raw_launcher(k, case, fence=False, sized=sized, chunk=chunk)
-    bound = L.bind_arguments(k, args)
+    bound = arguments.bind_arguments(k, args)
     outputs = [bound.arrays[p] for p in k.report.write_set if p in bound.arrays]
     for a in outputs:  # the same pattern under both runs: elements neither writes agree
         a.view(cp.uint8).fill(0xA5)
@@ -514,19 +514,18 @@ def bench_launch_path(cp, reps: int) -> list[dict]:
 
 
 def bench_drain(cp, block_us: list[int], reps: int, ipc: bool) -> dict:
-    from gpushare_ext.kernels import kernel
-    from gpushare_ext.kernels import launch as L
-    from gpushare_ext.kernels.transform import PROGRESS_RECORD_BYTES
+    from gpushare_ext.kernels import driver, kernel, progress, yield_flags
+    from gpushare_ext.kernels.rewrite import PROGRESS_RECORD_BYTES
 
     k = kernel(SPIN_SRC, "spin_block")
     variant = k.preemptible()
-    fn = L._modules.function(variant.ptx, k.entry.name)
+    fn = driver.modules.function(variant.ptx, k.entry.name)
     st = kernel(SPIN_SRC, "stamp")
-    stamp_fn = L._modules.function(st.ptx, st.entry.name)
+    stamp_fn = driver.modules.function(st.ptx, st.entry.name)
     stamp_at = cp.zeros(1, dtype=cp.uint64)
-    side = L._side_stream()
-    sms = L._Device.sm_count()
-    flag = L.YieldFlag()
+    side = driver.side_stream()
+    sms = driver.DeviceFacts.sm_count()
+    flag = yield_flags.YieldFlag()
     out_buf = cp.zeros(1 << 20, dtype=cp.float32)
     record = cp.zeros(PROGRESS_RECORD_BYTES, dtype=cp.uint8)
     stream = cp.cuda.Stream(non_blocking=True)
@@ -544,22 +543,22 @@ def bench_drain(cp, block_us: list[int], reps: int, ipc: bool) -> dict:
             before_stamp = 0
             total = min(1 << 20, max(64 * sms, int(200_000 / max(us, 1)) * sms))
             # What the launcher would pick once it has measured blocks of `us`.
-            chunk = L.choose_chunk(total, sms, us * 1000.0)
+            chunk = progress.choose_chunk(total, sms, us * 1000.0)
             for _ in range(reps):
                 flag.clear()
-                record.set(np.frombuffer(L.initial_record(0), dtype=np.uint8), stream=stream)
+                record.set(np.frombuffer(progress.initial_record(0), dtype=np.uint8), stream=stream)
                 vals = bound_vals(k, out_buf, us * 1000)
                 extra = [struct.pack("<Q", record.data.ptr), struct.pack("<Q", flag.device_ptr),
                          struct.pack("<I", total), struct.pack("<I", 1), struct.pack("<I", 1),
                          struct.pack("<I", total), struct.pack("<I", chunk)]  # fmt: skip
-                L._launch_raw(fn, (sms, 1, 1), (32, 1, 1), 0, stream.ptr, [*vals, *extra])
+                driver.launch_raw(fn, (sms, 1, 1), (32, 1, 1), 0, stream.ptr, [*vals, *extra])
                 time.sleep(0.001 + 2 * us * 1e-6)  # let it run a few logical blocks
                 t0 = time.perf_counter()
                 if child is not None:
                     child.stdin.write("1\n")
                     child.stdin.flush()
                     child.stdout.readline()
-                    L._launch_raw(
+                    driver.launch_raw(
                         stamp_fn,
                         (1, 1, 1),
                         (1, 1, 1),
@@ -568,9 +567,9 @@ def bench_drain(cp, block_us: list[int], reps: int, ipc: bool) -> dict:
                         [struct.pack("<Q", stamp_at.data.ptr)],
                     )  # after the child's write
                 else:
-                    drv = L._driver()
+                    drv = driver.cuda_driver()
                     drv.cuStreamWriteValue32(side, drv.CUdeviceptr(flag.device_ptr), 1, 0)
-                    L._launch_raw(
+                    driver.launch_raw(
                         stamp_fn,
                         (1, 1, 1),
                         (1, 1, 1),
@@ -580,8 +579,8 @@ def bench_drain(cp, block_us: list[int], reps: int, ipc: bool) -> dict:
                     )  # right behind the write
                 stream.synchronize()
                 e2e.append((time.perf_counter() - t0) * 1e6)
-                L._check(L._driver().cuStreamSynchronize(side), "sync")
-                rec = L._read_record(record)
+                driver.check(driver.cuda_driver().cuStreamSynchronize(side), "sync")
+                rec = progress.read_record(record)
                 t_flag = int(stamp_at.get()[0])
                 if rec["first_yield_ns"] != (1 << 64) - 1:
                     # flag visible (stamp) -> last persistent block gone. The stamp kernel

@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     faulthandler.dump_traceback_later(240, exit=True)  # a hang shows where, then ends
 
-    from gpushare_ext.kernels import launch
+    from gpushare_ext.kernels import launch, yield_flags
     from gpushare_ext.runtime import interpose, preemptible
 
     registry = preemptible.install()
@@ -163,14 +163,14 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("start this with the launch shim in LD_PRELOAD (see the docstring)")
     import cupy
 
-    flag = launch.YieldFlag()
-    launch.set_session_yield_flag(flag)
+    flag = yield_flags.YieldFlag()
+    yield_flags.set_session_yield_flag(flag)
     stops: list[float] = []  # flag raised -> the kernel left the GPU, seconds
 
     def timed_wait(f, interrupted) -> None:
         # The Preempter below owns the flag (it stands in for the broker): it lowers it.
         stops.append(time.perf_counter())
-        launch.poll_until_resumed(f, interrupted)
+        yield_flags.poll_until_resumed(f, interrupted)
 
     launch.set_session_hooks(launch.LaunchHooks(wait_for_resume=timed_wait))
     # Long kernels run preemptibly only inside a lease: a control block that says one is

@@ -180,7 +180,7 @@ def _cuda_worker(device_index: int, conn) -> None:  # pragma: no cover - runs on
                 conn.send(("ok", int(value)))
                 continue
             elif op == "flag":
-                from gpushare_ext.kernels.launch import write_yield_flag_from_handle
+                from gpushare_ext.kernels.yield_flags import write_yield_flag_from_handle
 
                 handle_hex, offset, value = args
                 if offset:

@@ -9,25 +9,23 @@
    period ends.  A paused lease is paused again on reconnect if it still has to be.
 3. Leases of processes that ended are closed.
 
-It runs before the socket accepts anyone and must not serve clients itself.
+It runs before the socket accepts anyone and must not serve clients itself; it reads
+the journal back and writes through the context's recorder.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import msgspec
 
 from gpushare_ext.broker import core
 from gpushare_ext.broker.actuators import ActuatorError, pid_alive
+from gpushare_ext.broker.context import BrokerContext
 from gpushare_ext.broker.journal import JournaledLease
 from gpushare_ext.broker.peers import process_start_ticks, user_and_groups
 from gpushare_ext.protocol import Capabilities, LeaseState, SliceWish
-
-if TYPE_CHECKING:
-    from gpushare_ext.broker.server import Broker
 
 log = logging.getLogger("gpushare.broker")
 
@@ -43,16 +41,16 @@ def same_process(pid: int, start_ticks: int | None) -> bool:
     return start_ticks is None or process_start_ticks(pid) in (start_ticks, None)
 
 
-def undo_applied_actuators(broker: Broker) -> None:
-    for step in broker.journal.pending_actuations():
+def undo_applied_actuators(ctx: BrokerContext) -> None:
+    for step in ctx.journal.pending_actuations():
         log.warning(
             "recovery: undoing level %s on pid %s (lease %s)", step.level, step.pid, step.lease_id
         )
         try:
-            broker.ladder.undo_blocking(step.pid, step.device_index, step.level)
+            ctx.ladder.undo_blocking(step.pid, step.device_index, step.level)
         except ActuatorError as exc:
             log.error("recovery could not undo level %s on pid %s: %s", step.level, step.pid, exc)
-        broker.journal.actuation_undone(step.id)
+        ctx.record.step_undone(step.id)
 
 
 def _restored_event(record: JournaledLease) -> core.LeaseRestored:
@@ -87,33 +85,31 @@ def _restored_event(record: JournaledLease) -> core.LeaseRestored:
     )
 
 
-def restore_open_leases(broker: Broker) -> int:
+def restore_open_leases(ctx: BrokerContext) -> int:
     """Open leases of live processes back into the scheduler; returns how many."""
     restored = 0
-    for record in broker.journal.open_leases():
+    for record in ctx.journal.open_leases():
         if not same_process(record.pid, record.start_ticks):
-            broker.journal.lease_ended(
-                record.lease_id, "its process ended while the broker was down"
-            )
+            ctx.record.ended(record.lease_id, "its process ended while the broker was down")
             continue
         try:
-            broker.dispatch(_restored_event(record))
+            ctx.events.post(_restored_event(record))
         except (core.SchedulerError, ValueError, msgspec.ValidationError) as exc:
             reason = getattr(exc, "message", str(exc))
             log.warning("recovery: lease %s not restored: %s", record.lease_id, reason)
-            broker.journal.lease_ended(record.lease_id, f"not restored after a restart: {reason}")
+            ctx.record.ended(record.lease_id, f"not restored after a restart: {reason}")
             continue
-        broker.journal.note("restored", record.lease_id, {"pid": record.pid, "state": record.state})
+        ctx.record.note("restored", record.lease_id, {"pid": record.pid, "state": record.state})
         restored += 1
     return restored
 
 
-def recover(broker: Broker) -> None:
-    undo_applied_actuators(broker)
-    restored = restore_open_leases(broker)
+def recover(ctx: BrokerContext) -> None:
+    undo_applied_actuators(ctx)
+    restored = restore_open_leases(ctx)
     if restored:
         log.info(
             "recovery: %d lease(s) wait %g s for their notebooks to reconnect",
             restored,
-            broker.config.reclaim_grace_s,
+            ctx.config.reclaim_grace_s,
         )

@@ -1,8 +1,10 @@
 """From client messages to scheduler events: one method per message type.
 
 Each method checks what only the server can know (the peer's identity and rights, the
-session's state on this connection), turns the message into a core event and hands it
-to the broker's ``dispatch``; a message that cannot be accepted raises
+session's state on this connection), turns the message into a core event and posts it
+on the :class:`~gpushare_ext.broker.context.BrokerContext`'s event queue, which the
+server feeds to the core; answers go out through the context's outbox, and journal
+rows through its recorder.  A message that cannot be accepted raises
 :class:`~gpushare_ext.protocol.ProtocolError` or the core's ``SchedulerError``, which the
 connection loop answers with a typed error, and nothing changes.
 
@@ -10,7 +12,7 @@ Admins (root, or the policy's admin users and groups) may drain, cancel anyone's
 and change the policy.  A new policy applies at once to everything that can change
 while the broker runs; the reply names the ``[broker]`` settings that need a restart.
 
-It must not touch sockets or actuators itself.
+It must not touch sockets or actuators itself, nor the server.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ import contextlib
 import secrets
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gpushare_ext.broker import core, schema
 from gpushare_ext.broker.chaos import ChaosError, ChaosSpec
+from gpushare_ext.broker.chaos_mode import start_chaos
 from gpushare_ext.broker.config import BrokerConfig, load_config, parse_config, restart_needed
-from gpushare_ext.broker.effects import Reply, journal_record
+from gpushare_ext.broker.context import BrokerContext, Reply
 from gpushare_ext.broker.inventory import InventoryError, managed_devices
 from gpushare_ext.broker.metrics import read_token_file
 from gpushare_ext.broker.peers import (
@@ -35,7 +38,7 @@ from gpushare_ext.broker.peers import (
     descends_from,
     process_start_ticks,
 )
-from gpushare_ext.broker.policy import PolicyError, format_size
+from gpushare_ext.broker.policy import PolicyError
 from gpushare_ext.broker.recovery import placeholder_session
 from gpushare_ext.broker.views import snapshot
 from gpushare_ext.control_block import ControlBlock
@@ -65,15 +68,12 @@ from gpushare_ext.protocol import (
     Welcome,
 )
 
-if TYPE_CHECKING:
-    from gpushare_ext.broker.server import Broker
-
 
 class Requests:
     """Handles every client message of one broker."""
 
-    def __init__(self, broker: Broker) -> None:
-        self.broker = broker
+    def __init__(self, ctx: BrokerContext) -> None:
+        self.ctx = ctx
         self._session_counter = 0
         self._handlers: dict[type, Any] = {
             Hello: self.hello,
@@ -102,7 +102,7 @@ class Requests:
     # ---- the session
 
     def hello(self, conn: Connection, hello: Hello) -> None:
-        broker = self.broker
+        ctx = self.ctx
         if conn.hello is not None:
             raise ProtocolError(ErrorCode.OUT_OF_ORDER, "hello was already said on this connection")
         if hello.version != PROTOCOL_VERSION:
@@ -119,7 +119,7 @@ class Requests:
             )
         self._session_counter += 1
         session_id = f"S{self._session_counter}-{secrets.token_hex(3)}"
-        block_path = broker.sessions_dir / f"{session_id}.cb"
+        block_path = ctx.sessions_dir / f"{session_id}.cb"
         try:
             block = ControlBlock.create(block_path, owner_uid=conn.uid, owner_gid=conn.gid)
         except OSError as exc:
@@ -130,8 +130,8 @@ class Requests:
         conn.hello = hello
         conn.session_id = session_id
         conn.control_block = block
-        broker.connections[session_id] = conn
-        broker.dispatch(
+        ctx.connections[session_id] = conn
+        ctx.events.post(
             core.SessionOpened(
                 now=time.time(),
                 session_id=session_id,
@@ -151,43 +151,43 @@ class Requests:
         )
         # The welcome goes first: what reclaiming sets off (a resume, a pause again, a
         # grant) are notices about leases the session must know it holds.
-        reclaimed = broker.scheduler.reclaimable(session_id, list(hello.reclaim))
+        reclaimed = ctx.scheduler.reclaimable(session_id, list(hello.reclaim))
         ranks = self._reclaimable_ranks(conn, [g for g in hello.reclaim if g not in reclaimed])
         reclaimed += list(ranks)
-        broker.send(
+        ctx.outbox.put(
             conn,
             Welcome(
                 reply_to=hello.seq,
                 version=PROTOCOL_VERSION,
-                broker_pid=broker.pid,
-                mode=broker.paths.mode,  # type: ignore[arg-type]
+                broker_pid=ctx.pid,
+                mode=ctx.paths.mode,  # type: ignore[arg-type]
                 session_id=session_id,
                 uid=conn.uid,
                 user=conn.user,
                 is_admin=conn.is_admin,
-                inventory=broker.inventory.kind,
-                inventory_description=broker.inventory.description,
+                inventory=ctx.inventory.kind,
+                inventory_description=ctx.inventory.description,
                 control_block=str(block_path),
                 reclaimed=reclaimed,
             ),
         )
         for lease_id in reclaimed:
             for member in ranks.get(lease_id, [lease_id]):
-                broker.dispatch(
+                ctx.events.post(
                     core.LeaseReclaimed(
                         now=time.time(), session_id=session_id, lease_id=member,
                         keep_process=lease_id in ranks,
                     )
                 )  # fmt: skip
-            broker.journal.note("reclaimed", lease_id, {"pid": conn.pid})
+            ctx.record.note("reclaimed", lease_id, {"pid": conn.pid})
         if hello.client == "kernel":
             # A notebook that is back and does not name a lease of its process has let it
             # go (its cell ended while the broker was away): it must not hold others off
             # until the grace period ends.
             placeholder = placeholder_session(conn.pid)
-            record = broker.scheduler.sessions.get(placeholder)
+            record = ctx.scheduler.sessions.get(placeholder)
             if record is not None and record.detached and record.identity.uid == conn.uid:
-                broker.dispatch(
+                ctx.events.post(
                     core.SessionClosed(
                         now=time.time(),
                         session_id=placeholder,
@@ -200,7 +200,7 @@ class Requests:
         reclaimed and runs in a process the connecting one started (of its user)."""
         found: dict[str, list[str]] = {}
         for gang in dict.fromkeys(gangs):
-            ranks = self.broker.scheduler.detached_ranks(gang)
+            ranks = self.ctx.scheduler.detached_ranks(gang)
             if ranks and all(
                 rank.identity.pid == conn.pid
                 or descends_from(rank.identity.pid, conn.pid, conn.uid)
@@ -210,11 +210,11 @@ class Requests:
         return found
 
     def request_lease(self, conn: Connection, request: RequestLease) -> None:
-        broker = self.broker
-        if broker.should_exit:
+        ctx = self.ctx
+        if ctx.should_exit:
             raise ProtocolError(ErrorCode.UNAVAILABLE, "the broker is shutting down")
-        lease_id = f"L{broker.journal.next_lease_number()}"
-        broker.dispatch(
+        lease_id = ctx.record.new_lease_id()
+        ctx.events.post(
             core.LeaseRequested(
                 now=time.time(),
                 session_id=conn.session_id,  # type: ignore[arg-type]
@@ -225,7 +225,7 @@ class Requests:
         )
 
     def release(self, conn: Connection, release: Release) -> None:
-        lease = self.broker.scheduler.lease_of(release.lease_id)
+        lease = self.ctx.scheduler.lease_of(release.lease_id)
         if lease is None:
             raise ProtocolError(
                 ErrorCode.UNKNOWN_LEASE, f"there is no active lease {release.lease_id}"
@@ -235,7 +235,7 @@ class Requests:
             raise ProtocolError(
                 ErrorCode.PERMISSION, f"lease {release.lease_id} belongs to another user"
             )
-        self.broker.dispatch(
+        self.ctx.events.post(
             core.LeaseReleased(
                 now=time.time(),
                 session_id=lease.session_id,
@@ -258,8 +258,8 @@ class Requests:
                     f"process {claimed} is not one of yours started by this notebook",
                 )
             pids.append(pid)
-        broker = self.broker
-        broker.dispatch(
+        ctx = self.ctx
+        ctx.events.post(
             core.RanksAttached(
                 now=time.time(),
                 session_id=conn.session_id,
@@ -267,14 +267,14 @@ class Requests:
                 pids=tuple((pid, process_start_ticks(pid)) for pid in pids),
             )
         )
-        for member in broker.scheduler.members(message.lease_id):
-            broker.journal.lease_recorded(journal_record(member))
-        broker.send(conn, Ok(reply_to=message.seq, detail=f"{len(message.pids)} ranks attached"))
+        for member in ctx.scheduler.members(message.lease_id):
+            ctx.record.lease(member)
+        ctx.outbox.put(conn, Ok(reply_to=message.seq, detail=f"{len(message.pids)} ranks attached"))
 
     def cell_activity(self, conn: Connection, message: CellActivity) -> None:
         if conn.session_id is None:
             raise ProtocolError(ErrorCode.OUT_OF_ORDER, "only a notebook session has cells")
-        self.broker.dispatch(
+        self.ctx.events.post(
             core.SessionActivity(
                 now=time.time(),
                 session_id=conn.session_id,
@@ -286,7 +286,7 @@ class Requests:
     def restore(self, conn: Connection, message: Restore) -> None:
         # The core checks that the park is this session's (another's is "unknown").
         # Its answers (queued notices, the resume) are notices, not the reply: ok is.
-        self.broker.dispatch(
+        self.ctx.events.post(
             core.RestoreAsked(
                 now=time.time(),
                 session_id=conn.session_id or "",
@@ -294,20 +294,20 @@ class Requests:
                 cancel=message.cancel,
             )
         )
-        self.broker.send(
+        self.ctx.outbox.put(
             conn,
             Ok(reply_to=message.seq, detail="withdrawn" if message.cancel else "restore asked"),
         )
 
     def park(self, conn: Connection, message: Park) -> None:
-        broker = self.broker
-        record = broker.scheduler.session_of_pid(message.pid)
+        ctx = self.ctx
+        record = ctx.scheduler.session_of_pid(message.pid)
         if record is not None and record.identity.uid != conn.uid and not conn.is_admin:
             raise ProtocolError(
                 ErrorCode.PERMISSION,
                 f"pid {message.pid} is another user's notebook; only an admin may park it",
             )
-        owner = broker.connections.get(broker.scheduler.session_id_of_pid(message.pid) or "")
+        owner = ctx.connections.get(ctx.scheduler.session_id_of_pid(message.pid) or "")
         block = owner.control_block if owner is not None else None
         if block is not None and block.ipc_imports:
             raise ProtocolError(
@@ -315,30 +315,26 @@ class Requests:
                 f"the notebook of pid {message.pid} cannot be parked: it opened another "
                 "process's GPU memory (CUDA IPC), which a checkpoint cannot restore",
             )
-        actions = broker.dispatch(core.ParkAsked(now=time.time(), pid=message.pid, by=conn.user))
-        parked = next(a for a in actions if isinstance(a, core.PauseLease) and a.parks_bytes)
-        broker.send(
-            conn,
-            Ok(
-                reply_to=message.seq,
-                detail=f"parking pid {message.pid}: {format_size(parked.parks_bytes)} to the "
-                f"host (lease {parked.lease_id})",
-            ),
+        # The core parks it or says why not; the ok, naming what goes to the host, comes
+        # with the park itself (effects), as the answers to a request for a lease do.
+        ctx.events.post(
+            core.ParkAsked(now=time.time(), pid=message.pid, by=conn.user),
+            Reply(to=message.seq, conn=conn, park=True),
         )
 
     def chaos(self, conn: Connection, message: Chaos) -> None:
         """Admins: pause one process at random moments (``gpushare chaos``), or stop that."""
-        broker = self.broker
+        ctx = self.ctx
         if not conn.is_admin:
             raise ProtocolError(
                 ErrorCode.PERMISSION, f"only admins may start chaos mode; {conn.user} is not one"
             )
-        running = broker.chaos.pop(message.pid, None)
+        running = ctx.chaos.pop(message.pid, None)
         if running is not None:
             running.stop()
         if message.stop:
             detail = running.describe() if running is not None else "no chaos for that pid"
-            broker.send(conn, Ok(reply_to=message.seq, detail=detail))
+            ctx.outbox.put(conn, Ok(reply_to=message.seq, detail=detail))
             return
         spec = ChaosSpec(
             pid=message.pid,
@@ -352,21 +348,21 @@ class Requests:
             spec.check()
         except ChaosError as exc:
             raise ProtocolError(ErrorCode.INVALID, str(exc)) from None
-        if broker.scheduler.session_of_pid(message.pid) is None:
+        if ctx.scheduler.session_of_pid(message.pid) is None:
             # A session, not a lease yet: chaos waits for the process's next lease.
             raise ProtocolError(
                 ErrorCode.INVALID, f"pid {message.pid} has no session with this broker"
             )
-        runner = broker.start_chaos(spec)
-        broker.journal.note("chaos", None, {"by": conn.user, "spec": spec.describe()})
-        broker.send(conn, Ok(reply_to=message.seq, detail=runner.describe()))
+        runner = start_chaos(ctx, spec)
+        ctx.record.note("chaos", None, {"by": conn.user, "spec": spec.describe()})
+        ctx.outbox.put(conn, Ok(reply_to=message.seq, detail=runner.describe()))
 
     def heartbeat(self, conn: Connection, message: Heartbeat) -> None:
-        self.broker.send(conn, Ok(reply_to=message.seq))
+        self.ctx.outbox.put(conn, Ok(reply_to=message.seq))
 
     def status(self, conn: Connection, message: StatusRequest) -> None:
-        self.broker.send(
-            conn, StatusReply(reply_to=message.seq, snapshot=snapshot(self.broker, conn))
+        self.ctx.outbox.put(
+            conn, StatusReply(reply_to=message.seq, snapshot=snapshot(self.ctx, conn))
         )
 
     def watch(self, conn: Connection, message: Watch) -> None:
@@ -375,35 +371,35 @@ class Requests:
         conn.watch_task = asyncio.get_running_loop().create_task(
             self._watch(conn, message.interval_s)
         )
-        self.broker.send(conn, Ok(reply_to=message.seq, detail="watching"))
+        self.ctx.outbox.put(conn, Ok(reply_to=message.seq, detail="watching"))
 
     def unwatch(self, conn: Connection, message: Unwatch) -> None:
         if conn.watch_task is not None:
             conn.watch_task.cancel()
             conn.watch_task = None
-        self.broker.send(conn, Ok(reply_to=message.seq))
+        self.ctx.outbox.put(conn, Ok(reply_to=message.seq))
 
     async def _watch(self, conn: Connection, interval: float) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             while not conn.closed:
-                self.broker.send(conn, StateUpdate(snapshot=snapshot(self.broker, conn)))
+                self.ctx.outbox.put(conn, StateUpdate(snapshot=snapshot(self.ctx, conn)))
                 with contextlib.suppress(ConnectionError):
                     await conn.writer.drain()
                 await asyncio.sleep(interval)
 
     def register_yield_flag(self, conn: Connection, message: RegisterYieldFlag) -> None:
-        broker = self.broker
-        lease = broker.scheduler.lease_of(message.lease_id)
+        ctx = self.ctx
+        lease = ctx.scheduler.lease_of(message.lease_id)
         if lease is None or lease.session_id != conn.session_id:
             raise ProtocolError(
                 ErrorCode.UNKNOWN_LEASE, f"lease {message.lease_id} is not yours or not active"
             )
-        if broker.inventory.kind != "nvml":
+        if ctx.inventory.kind != "nvml":
             raise ProtocolError(
                 ErrorCode.NOT_SUPPORTED, "yield flags need a real GPU; this broker simulates one"
             )
-        broker.yield_flags[message.lease_id] = (message.ipc_handle_hex, message.offset)
-        broker.send(conn, Ok(reply_to=message.seq, detail="yield flag registered"))
+        ctx.yield_flags[message.lease_id] = (message.ipc_handle_hex, message.offset)
+        ctx.outbox.put(conn, Ok(reply_to=message.seq, detail="yield flag registered"))
 
     # ---- administration
 
@@ -423,17 +419,17 @@ class Requests:
             detail = self._new_config(conn, self._parse(message.policy_toml, "the new policy"))
         else:
             detail = self._new_config(conn, self._reload())
-        self.broker.send(conn, Ok(reply_to=message.seq, detail=detail))
+        self.ctx.outbox.put(conn, Ok(reply_to=message.seq, detail=detail))
 
     def _drain(self, conn: Connection, message: Admin) -> str:
         if message.device is None:
             raise ProtocolError(ErrorCode.INVALID, "drain and undrain need a device index")
         drained = message.action == AdminAction.DRAIN
-        self.broker.dispatch(
+        self.ctx.events.post(
             core.DeviceDrained(now=time.time(), device_index=message.device, drained=drained),
             Reply(to=message.seq),
         )
-        self.broker.journal.note(
+        self.ctx.record.note(
             message.action.value, None, {"device": message.device, "by": conn.user}
         )
         return f"device {message.device} {message.action.value}ed"
@@ -441,12 +437,12 @@ class Requests:
     def _cancel(self, message: Admin) -> str:
         if message.lease_id is None:
             raise ProtocolError(ErrorCode.INVALID, "cancel needs a lease id")
-        lease = self.broker.scheduler.lease_of(message.lease_id)
+        lease = self.ctx.scheduler.lease_of(message.lease_id)
         if lease is None:
             raise ProtocolError(
                 ErrorCode.UNKNOWN_LEASE, f"there is no active lease {message.lease_id}"
             )
-        self.broker.dispatch(
+        self.ctx.events.post(
             core.LeaseReleased(
                 now=time.time(), session_id=lease.session_id, lease_id=lease.lease_id, by_admin=True
             ),
@@ -462,7 +458,7 @@ class Requests:
             raise ProtocolError(ErrorCode.INVALID, str(exc)) from None
 
     def _reload(self) -> BrokerConfig:
-        path = self.broker.config_path
+        path = self.ctx.config_path
         if path is None:
             raise ProtocolError(
                 ErrorCode.INVALID,
@@ -488,7 +484,7 @@ class Requests:
 
         if "devices" in later:
             try:
-                managed_devices(self.broker.inventory.devices(), new.devices)
+                managed_devices(self.ctx.inventory.devices(), new.devices)
             except InventoryError as exc:
                 refuse("devices", str(exc))
         if "metrics_token_file" in later and new.metrics_token_file:
@@ -499,17 +495,29 @@ class Requests:
 
     def _new_config(self, conn: Connection, new: BrokerConfig) -> str:
         """Apply everything a running broker can change; name what needs a restart."""
-        broker = self.broker
-        running = broker.config
+        ctx = self.ctx
+        running = ctx.config
         later = restart_needed(running, new)
         self._check_startable(new, later)
         # Settings only a restart changes keep their running values (some came from the
         # command line, which a new file does not override either).
         applied = replace(new, **{key: getattr(running, key) for key in schema.restart_keys()})
-        broker.apply_config(applied)
-        broker.journal.note("policy", None, {"by": conn.user, "restart_needed": later})
+        self._apply(applied)
+        ctx.record.note("policy", None, {"by": conn.user, "restart_needed": later})
         if later:
             return "policy updated; restart the broker to apply " + ", ".join(
                 f"broker.{key}" for key in later
             )
         return "policy updated"
+
+    def _apply(self, config: BrokerConfig) -> None:
+        """A new policy and the ``[broker]`` settings that can change while running."""
+        ctx = self.ctx
+        ctx.config = config
+        ctx.events.post(core.PolicyChanged(now=time.time(), policy=config.policy))
+        ctx.ladder.lock_timeout_ms = config.lock_timeout_ms
+        rate = config.max_requests_per_second
+        for bucket in ctx.buckets.values():
+            bucket.rate, bucket.burst = rate, rate * 2
+        for conn in ctx.all_connections:
+            conn.is_admin = config.policy.is_admin(conn.uid, conn.user, conn.groups)

@@ -13,7 +13,11 @@ This module is the lifecycle and the connection loop only.  Messages become even
 :mod:`~gpushare_ext.broker.requests`, the core's actions are carried out by
 :mod:`~gpushare_ext.broker.effects`, the status snapshot is drawn by
 :mod:`~gpushare_ext.broker.views`, and the file-system places come from
-:mod:`~gpushare_ext.broker.places`.  It owns no policy.  Identity (uid, gid, pid) comes
+:mod:`~gpushare_ext.broker.places`.  Those edges see a
+:class:`~gpushare_ext.broker.context.BrokerContext`, never this class: the messages
+they put in its outbox are written to sockets by :meth:`Broker.send`, and the events
+they post on its queue are fed to the core by :meth:`Broker.dispatch`, the one caller
+of ``Scheduler.handle``.  It owns no policy.  Identity (uid, gid, pid) comes
 from ``SO_PEERCRED``, never from a message.
 
 Whatever a client sends, the connection loop answers with a typed error and goes on:
@@ -42,15 +46,9 @@ from gpushare_ext.broker.actuators import (
     open_process_control,
     pid_alive,
 )
-from gpushare_ext.broker.chaos import ChaosSpec
-from gpushare_ext.broker.chaos_runner import (
-    ChaosRunner,
-    ChaosTarget,
-    allowed_levels,
-    running_untouched,
-)
 from gpushare_ext.broker.config import BrokerConfig
-from gpushare_ext.broker.effects import NO_REPLY, Effects, Reply
+from gpushare_ext.broker.context import NO_REPLY, BrokerContext, Reply
+from gpushare_ext.broker.effects import Effects
 from gpushare_ext.broker.inventory import (
     MIB,
     InventoryBackend,
@@ -75,12 +73,11 @@ from gpushare_ext.broker.places import (
     remove_sessions_directory,
 )
 from gpushare_ext.broker.policy import PolicyError
+from gpushare_ext.broker.records import Recorder
 from gpushare_ext.broker.recovery import recover, same_process
 from gpushare_ext.broker.requests import Requests
-from gpushare_ext.broker.timeline import Timeline
 from gpushare_ext.broker.views import Tally, tally
 from gpushare_ext.devices import DeviceReading
-from gpushare_ext.lease_state import LeaseState
 from gpushare_ext.paths import BrokerPaths
 from gpushare_ext.plain_text import SENTENCE_LIMIT, plain_text
 from gpushare_ext.protocol import (
@@ -88,7 +85,6 @@ from gpushare_ext.protocol import (
     Error,
     ErrorCode,
     FrameReader,
-    PreemptionLevel,
     ProtocolError,
     decode_client_message,
     encode_frame,
@@ -104,6 +100,8 @@ MAX_ERROR_TEXT = 1000  # an error echoing what a client sent stays far below the
 
 
 class Broker:
+    """The daemon: its lifecycle, its connections, and the one feeder of the core."""
+
     def __init__(
         self,
         config: BrokerConfig,
@@ -114,54 +112,54 @@ class Broker:
         config_path: Path | None = None,
         exit_when_idle_s: float | None = None,
     ) -> None:
-        self.config = config
         # Seconds with no notebook session and no lease after which the broker exits
         # (the embedded broker's lifetime; None: it runs until stopped).
         self.exit_when_idle_s = exit_when_idle_s
         self._idle_since = time.monotonic()
-        self.config_path = config_path
-        self.paths = paths
-        self.inventory = inventory
-        self.inventory_note = inventory_note
         try:
-            self.devices = managed_devices(inventory.devices(), config.devices)
+            devices = managed_devices(inventory.devices(), config.devices)
         except InventoryError as exc:
             raise RuntimeError(str(exc)) from None
-        self.pid = os.getpid()
-        self.scheduler = core.Scheduler(self.devices, config.policy)
-        self.metrics = BrokerMetrics()
-        self.control = open_process_control(
+        scheduler = core.Scheduler(devices, config.policy)
+        metrics = BrokerMetrics()
+        control = open_process_control(
             inventory.kind,
-            [d.index for d in self.devices],
+            [d.index for d in devices],
             inventory.restore_fails if isinstance(inventory, SimulatedInventory) else frozenset(),
         )
-        self.ladder = Ladder(self.control, lock_timeout_ms=config.lock_timeout_ms)
-        self.journal = Journal(config.journal or paths.journal)
-        self.effects = Effects(self)
-        self.requests = Requests(self)
-        self.connections: dict[str, Connection] = {}  # session id -> connection
-        self.all_connections: set[Connection] = set()
+        journal = Journal(config.journal or paths.journal)
+        history: dict[int, deque[int]] = {d.index: deque(maxlen=HISTORY_POINTS) for d in devices}
+        self.ctx = ctx = BrokerContext(
+            config=config,
+            config_path=config_path,
+            paths=paths,
+            inventory=inventory,
+            inventory_note=inventory_note,
+            devices=devices,
+            scheduler=scheduler,
+            control=control,
+            ladder=Ladder(control, lock_timeout_ms=config.lock_timeout_ms),
+            journal=journal,
+            record=Recorder(journal),
+            metrics=metrics,
+            pid=os.getpid(),
+            node=config.node_name or os.uname().nodename,
+            sessions_dir=paths.socket.parent,
+            history=history,
+            readings={r.index: r for r in inventory.readings() if r.index in history},
+        )
+        self.effects = Effects(ctx)
+        self.requests = Requests(ctx)
+        ctx.outbox.attach(self.send)
+        ctx.events.attach(self.dispatch)
         self.per_uid_connections: dict[int, int] = {}
-        self.buckets: dict[int, TokenBucket] = {}
-        self.notes: dict[str, str] = {}  # lease id -> actuator note for status
-        self.timeline = Timeline()  # the last minutes of each GPU, for the panel
-        self.history: dict[int, deque[int]] = {
-            d.index: deque(maxlen=HISTORY_POINTS) for d in self.devices
-        }
-        self.readings = {r.index: r for r in inventory.readings() if r.index in self.history}
-        self.yield_flags: dict[str, tuple[str, int]] = {}  # lease id -> (handle, offset)
-        self.chaos: dict[int, ChaosRunner] = {}  # pid -> the chaos runner pausing it
-        self.sessions_dir: Path = paths.socket.parent
         self._prepared_sessions: Path | None = None  # made by this start (removed if it fails)
-        self.salt = ""
         self.started = time.time()
-        self.should_exit = False
         self.force_exit = False
         self._server: asyncio.AbstractServer | None = None
         self._stopped = asyncio.Event()
         self._reclaim_deadline = 0.0
         self._next_prune = 0.0
-        self.node = config.node_name or os.uname().nodename
 
     # ------------------------------------------------------------ lifecycle
 
@@ -174,8 +172,8 @@ class Broker:
 
     async def startup(self) -> None:
         os.umask(0o077)  # what the broker creates is its own unless it says otherwise
-        prepare_socket_directory(self.paths)
-        listener = bind_socket(self.paths, self.config.socket_group)
+        prepare_socket_directory(self.ctx.paths)
+        listener = bind_socket(self.ctx.paths, self.ctx.config.socket_group)
         try:
             await self._start_on(listener)
         except BaseException:
@@ -186,24 +184,24 @@ class Broker:
             else:
                 listener.close()
             if self._prepared_sessions is not None:
-                remove_sessions_directory(self.paths, self._prepared_sessions)
+                remove_sessions_directory(self.ctx.paths, self._prepared_sessions)
             with contextlib.suppress(OSError):
-                self.paths.socket.unlink()
-            self.metrics.close()
+                self.ctx.paths.socket.unlink()
+            self.ctx.metrics.close()
             raise
 
     async def _start_on(self, listener: socket.socket) -> None:
-        self.sessions_dir = self._prepared_sessions = prepare_sessions_directory(self.paths)
-        self.salt = self.journal.meta("salt") or secrets.token_hex(8)
-        self.journal.set_meta("salt", self.salt)
-        recover(self)
+        self.ctx.sessions_dir = self._prepared_sessions = prepare_sessions_directory(self.ctx.paths)
+        self.ctx.salt = self.ctx.journal.meta("salt") or secrets.token_hex(8)
+        self.ctx.journal.set_meta("salt", self.ctx.salt)
+        recover(self.ctx)
         # From here on no commit waits for a checkpoint of the whole WAL.
-        self.journal.checkpoint_in_background(asyncio.get_running_loop().call_soon_threadsafe)
-        self._reclaim_deadline = time.monotonic() + self.config.reclaim_grace_s
+        self.ctx.journal.checkpoint_in_background(asyncio.get_running_loop().call_soon_threadsafe)
+        self._reclaim_deadline = time.monotonic() + self.ctx.config.reclaim_grace_s
         self._server = await asyncio.start_unix_server(
             self._client_connected, sock=listener, limit=1 << 20
         )
-        if self.config.metrics_port:
+        if self.ctx.config.metrics_port:
             self._serve_metrics()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -211,110 +209,41 @@ class Broker:
                 loop.add_signal_handler(sig, self.handle_exit, sig)
         log.info(
             "broker %s mode on %s; %s; journal %s",
-            self.paths.mode,
-            self.paths.socket,
-            self.inventory.description,
-            self.journal.path,
+            self.ctx.paths.mode,
+            self.ctx.paths.socket,
+            self.ctx.inventory.description,
+            self.ctx.journal.path,
         )
 
     def _serve_metrics(self) -> None:
         token = None
         try:
-            if self.config.metrics_token_file:
-                token = read_token_file(self.config.metrics_token_file)
-            self.metrics.serve(
-                self.config.metrics_port,  # type: ignore[arg-type]
-                self.config.metrics_address,
+            if self.ctx.config.metrics_token_file:
+                token = read_token_file(self.ctx.config.metrics_token_file)
+            self.ctx.metrics.serve(
+                self.ctx.config.metrics_port,  # type: ignore[arg-type]
+                self.ctx.config.metrics_address,
                 token,
             )
         except PolicyError as exc:
             raise RuntimeError(str(exc)) from None
         except OSError as exc:
             raise RuntimeError(
-                f"cannot serve metrics on {self.config.metrics_address}:"
-                f"{self.config.metrics_port}: {exc.strerror or exc}"
+                f"cannot serve metrics on {self.ctx.config.metrics_address}:"
+                f"{self.ctx.config.metrics_port}: {exc.strerror or exc}"
             ) from None
 
-    def start_chaos(self, spec: ChaosSpec) -> ChaosRunner:
-        """Start pausing ``spec.pid`` at random moments (an admin asked; see chaos.py)."""
-        runner = ChaosRunner(
-            spec,
-            ladder=self.ladder,
-            find=self._chaos_target,
-            journal_applied=self._chaos_applied,
-            journal_undone=self.journal.actuation_undone,
-        )
-        self.chaos[spec.pid] = runner
-        # While it runs, the process's long kernels must be ready to stop.
-        self.dispatch(core.ChaosChanged(now=time.time(), pid=spec.pid, on=True))
-
-        async def run() -> None:
-            try:
-                await runner.run()
-            finally:
-                if self.chaos.get(spec.pid) is runner:
-                    del self.chaos[spec.pid]
-                if spec.pid not in self.chaos:  # stopped, and no newer chaos for it
-                    self.dispatch(core.ChaosChanged(now=time.time(), pid=spec.pid, on=False))
-
-        self.effects.spawn(run())
-        return runner
-
-    def _chaos_target(self, pid: int) -> ChaosTarget | None:
-        """The lease the process ``pid`` holds (the first, by id), as chaos sees it."""
-        leases = sorted(
-            (
-                lease
-                for lease in self.scheduler.active_leases()
-                if lease.identity.pid == pid
-                and lease.slot is not None
-                and lease.state in (LeaseState.RUNNING, LeaseState.PAUSED, LeaseState.EVICTED)
-            ),
-            key=lambda lease: lease.lease_id,
-        )
-        if not leases:
-            return None
-        lease = leases[0]
-        target = self.effects.target(lease.lease_id, pid, lease.slot)
-        return ChaosTarget(
-            lease_id=lease.lease_id,
-            running_untouched=running_untouched(
-                lease.state, lease.pending_level, lease.applied_level
-            ),
-            target=target,
-            allowed=allowed_levels(
-                target,
-                lockable=lease.capabilities.lockable,
-                simulated=self.control.kind == "simulated",
-            ),
-        )
-
-    def _chaos_applied(self, found: ChaosTarget, level: PreemptionLevel) -> int | None:
-        """A chaos lock or eviction is journaled before it is applied (crash recovery
-        undoes it); a gate or a yield needs nothing: a session whose broker is gone
-        opens its control block itself."""
-        if level < PreemptionLevel.LOCK:
-            return None
-        block = found.target.control_block
-        return self.journal.actuation_applied(
-            found.lease_id,
-            found.target.pid,
-            found.target.device_index,
-            int(level),
-            str(block.path) if block is not None else "",
-        )
-
     def handle_exit(self, sig: int | None = None) -> None:
-        if self.should_exit:
+        if self.ctx.should_exit:
             self.force_exit = True
-        self.should_exit = True
+        self.ctx.should_exit = True
         self._stopped.set()
 
     async def main_loop(self) -> None:
-        while not self.should_exit:
+        while not self.ctx.should_exit:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stopped.wait(), timeout=1.0)
-            if self.should_exit:
+            if self.ctx.should_exit:
                 break
             self._tick()
 
@@ -322,25 +251,25 @@ class Broker:
         log.info("broker shutting down")
         if self._server is not None:
             self._server.close()
-        for runner in list(self.chaos.values()):
+        for runner in list(self.ctx.chaos.values()):
             runner.stop()  # each lets its process go before the drain below returns
         # Ladder steps under way finish first: an unlock must not overtake its lock.
-        await self.effects.drain(timeout=0.5 if self.force_exit else 10)
+        await self.ctx.tasks.drain(timeout=0.5 if self.force_exit else 10)
         # Leave no process locked: undo every actuator, keep the leases (and the state
         # they were in) in the journal so that sessions reclaim them from the next broker.
-        for lease in list(self.scheduler.active_leases()):
+        for lease in list(self.ctx.scheduler.active_leases()):
             level = lease.applied_level if lease.applied_level is not None else lease.pending_level
-            if level is None and not self.ladder.is_locked(lease.identity.pid):
+            if level is None and not self.ctx.ladder.is_locked(lease.identity.pid):
                 continue
-            target = self.effects.target(lease.lease_id, lease.identity.pid, lease.slot)
+            target = self.ctx.target(lease.lease_id, lease.identity.pid, lease.slot)
             try:
                 await asyncio.wait_for(
-                    self.ladder.undo(target, level), timeout=0 if self.force_exit else 10
+                    self.ctx.ladder.undo(target, level), timeout=0 if self.force_exit else 10
                 )
-                self.journal.actuations_undone(lease.lease_id)
+                self.ctx.record.undone(lease.lease_id)
             except (ActuatorError, asyncio.TimeoutError) as exc:
                 log.warning("could not undo preemption of %s: %s", lease.lease_id, exc)
-        for conn in list(self.all_connections):
+        for conn in list(self.ctx.all_connections):
             with contextlib.suppress(Exception):
                 self.send(
                     conn, Error(code=ErrorCode.UNAVAILABLE, message="the broker is shutting down")
@@ -351,16 +280,16 @@ class Broker:
                 await asyncio.wait_for(
                     self._server.wait_closed(), timeout=0.5 if self.force_exit else 3
                 )
-        for conn in list(self.all_connections):
+        for conn in list(self.ctx.all_connections):
             if conn.control_block is not None:
                 conn.control_block.close()
-        remove_sessions_directory(self.paths, self.sessions_dir)
+        remove_sessions_directory(self.ctx.paths, self.ctx.sessions_dir)
         with contextlib.suppress(OSError):
-            self.paths.socket.unlink()
-        self.metrics.close()
-        self.control.close()
-        self.journal.close()
-        self.inventory.close()
+            self.ctx.paths.socket.unlink()
+        self.ctx.metrics.close()
+        self.ctx.control.close()
+        self.ctx.journal.close()
+        self.ctx.inventory.close()
 
     # ------------------------------------------------------------ periodic work
 
@@ -369,7 +298,7 @@ class Broker:
         that long (watchers such as a panel do not count: they start nothing)."""
         if self.exit_when_idle_s is None:
             return
-        if self.connections or self.scheduler.active_leases():
+        if self.ctx.connections or self.ctx.scheduler.active_leases():
             self._idle_since = time.monotonic()
             return
         if time.monotonic() - self._idle_since >= self.exit_when_idle_s:
@@ -384,32 +313,32 @@ class Broker:
         self._exit_if_idle_long()
         now = time.time()
         alive: dict[int, bool] = {}  # sessions of one process: one look at it
-        for conn in list(self.connections.values()):
+        for conn in list(self.ctx.connections.values()):
             if conn.pid not in alive:
                 alive[conn.pid] = pid_alive(conn.pid)
             if not alive[conn.pid]:
                 self._session_gone(conn, "its process ended")
         self._reap_detached(now)
         counts: Tally | None = None  # the leases as they are now, once counted
-        if isinstance(self.inventory, SimulatedInventory):
+        if isinstance(self.ctx.inventory, SimulatedInventory):
             counts = self._feed_simulated_usage()
         try:
-            readings = self.inventory.readings()
+            readings = self.ctx.inventory.readings()
         except Exception as exc:  # NVML can fail transiently; keep serving
             log.warning("device readings failed: %s", exc)
             readings = []
         for reading in readings:
-            if reading.index not in self.history:
+            if reading.index not in self.ctx.history:
                 continue  # a GPU this broker does not manage
-            self.readings[reading.index] = reading
-            self.history[reading.index].append(reading.utilization_pct)
-            if self.inventory.kind == "nvml":
+            self.ctx.readings[reading.index] = reading
+            self.ctx.history[reading.index].append(reading.utilization_pct)
+            if self.ctx.inventory.kind == "nvml":
                 self._observe_processes(reading, now)
                 counts = None
             elif reading.processes:  # a simulated document's processes outside leases
                 self._observe_outside_leases(reading, now)
                 counts = None
-        reading = self.inventory.host_memory()
+        reading = self.ctx.inventory.host_memory()
         host = (
             HostMemory(available_bytes=reading.available_bytes, total_bytes=reading.total_bytes)
             if reading is not None
@@ -419,13 +348,13 @@ class Broker:
             counts = None  # the tick moved leases: they are counted again below
         if time.monotonic() >= self._next_prune:
             self._next_prune = time.monotonic() + PRUNE_EVERY_S
-            self.journal.prune(self.config.journal_keep_hours * 3600.0, now)
-            self.ladder.forget_idle()
+            self.ctx.journal.prune(self.ctx.config.journal_keep_hours * 3600.0, now)
+            self.ctx.ladder.forget_idle()
         # Gauges follow the leases once a second: scrapers are slower than that.  Counts,
         # not a snapshot: a view of every lease would stall the loop as the host fills.
         if counts is None:
-            counts = tally(self)
-        self.metrics.refresh(counts.by_state, counts.queued, counts.device_memory(self))
+            counts = tally(self.ctx)
+        self.ctx.metrics.refresh(counts.by_state, counts.queued, counts.device_memory(self.ctx))
 
     def _observe_processes(self, reading: DeviceReading, now: float) -> None:
         """NVML's per-process memory to the core: each process against its leases' quota,
@@ -439,7 +368,7 @@ class Broker:
     def _observe_outside_leases(self, reading: DeviceReading, now: float) -> None:
         """What every process holds on a whole GPU, or on each MIG instance, leased or
         not, for placement: one reading per slot (an instance with none is empty)."""
-        device = next((d for d in self.devices if d.index == reading.index), None)
+        device = next((d for d in self.ctx.devices if d.index == reading.index), None)
         slots: dict[str | None, list[tuple[int, int]]] = {}
         if device is not None and device.mig_enabled:
             slots = {instance.uuid: [] for instance in device.instances}
@@ -458,7 +387,7 @@ class Broker:
     def _reap_detached(self, now: float) -> None:
         """Restored leases end when their process dies or the grace period is over."""
         expired = time.monotonic() > self._reclaim_deadline
-        for session_id, record in list(self.scheduler.sessions.items()):
+        for session_id, record in list(self.ctx.scheduler.sessions.items()):
             if not record.detached:
                 continue
             identity = record.identity
@@ -473,12 +402,12 @@ class Broker:
 
     def _feed_simulated_usage(self) -> Tally:
         """The simulated devices show what their leases hold; returns the leases counted."""
-        assert isinstance(self.inventory, SimulatedInventory)
-        counts = tally(self)
-        if isinstance(self.control, SimulatedProcessControl):  # the twin of a checkpoint
-            self.inventory.set_checkpointed(self.control.checkpointed())
-        for device in self.devices:
-            self.inventory.set_usage(
+        assert isinstance(self.ctx.inventory, SimulatedInventory)
+        counts = tally(self.ctx)
+        if isinstance(self.ctx.control, SimulatedProcessControl):  # the twin of a checkpoint
+            self.ctx.inventory.set_checkpointed(self.ctx.control.checkpointed())
+        for device in self.ctx.devices:
+            self.ctx.inventory.set_usage(
                 device.index, counts.leased_mib[device.index], device.index in counts.busy
             )
         return counts
@@ -491,8 +420,8 @@ class Broker:
         pid, uid, gid = peer_credentials(writer.get_extra_info("socket"))
         user, groups = user_and_groups(uid, gid)
         count = self.per_uid_connections.get(uid, 0)
-        if count >= self.config.max_connections_per_uid and uid != 0:
-            limit = self.config.max_connections_per_uid
+        if count >= self.ctx.config.max_connections_per_uid and uid != 0:
+            limit = self.ctx.config.max_connections_per_uid
             writer.write(
                 encode_frame(
                     Error(
@@ -514,13 +443,13 @@ class Broker:
             gid=gid,
             user=user,
             groups=groups,
-            is_admin=self.config.policy.is_admin(uid, user, groups),
+            is_admin=self.ctx.config.policy.is_admin(uid, user, groups),
             start_ticks=process_start_ticks(pid),
         )
-        self.all_connections.add(conn)
+        self.ctx.all_connections.add(conn)
         frames = FrameReader()
         try:
-            while not self.should_exit:
+            while not self.ctx.should_exit:
                 data = await reader.read(65536)
                 if not data:
                     if frames.pending:
@@ -550,14 +479,14 @@ class Broker:
         if conn.closed:
             return
         conn.closed = True
-        self.all_connections.discard(conn)
+        self.ctx.all_connections.discard(conn)
         self.per_uid_connections[conn.uid] = max(0, self.per_uid_connections.get(conn.uid, 1) - 1)
         if conn.watch_task is not None:
             conn.watch_task.cancel()
-        if conn.session_id is not None and self.should_exit:
+        if conn.session_id is not None and self.ctx.should_exit:
             # The broker is stopping, not the session: its leases stay open in the journal
             # so that the session reclaims them from the next broker (Hello.reclaim).
-            self.connections.pop(conn.session_id, None)
+            self.ctx.connections.pop(conn.session_id, None)
             conn.session_id = None
             if conn.control_block is not None:
                 conn.control_block.close()
@@ -569,9 +498,9 @@ class Broker:
 
     def _session_gone(self, conn: Connection, reason: str) -> None:
         session_id = conn.session_id
-        if session_id is None or session_id not in self.connections:
+        if session_id is None or session_id not in self.ctx.connections:
             return
-        del self.connections[session_id]
+        del self.ctx.connections[session_id]
         self.dispatch(core.SessionClosed(now=time.time(), session_id=session_id, reason=reason))
         if conn.control_block is not None:
             conn.control_block.close()
@@ -584,6 +513,7 @@ class Broker:
                 conn.writer.close()
 
     def send(self, conn: Connection, message: BrokerMessage) -> None:
+        """Write one message to its connection (the context's outbox ends here)."""
         if conn.closed and not isinstance(message, Error):
             return
         try:
@@ -605,23 +535,23 @@ class Broker:
             log.debug("send to pid %s failed: %s", conn.pid, exc)
 
     def send_error(self, conn: Connection, reply_to: int, code: ErrorCode, message: str) -> None:
-        self.metrics.errors.labels(code.value).inc()
+        self.ctx.metrics.errors.labels(code.value).inc()
         if len(message) > MAX_ERROR_TEXT:
             message = message[: MAX_ERROR_TEXT - 3] + "..."
         self.send(conn, Error(reply_to=reply_to, code=code, message=message))
 
     def _handle_body(self, conn: Connection, body: bytes) -> None:
-        bucket = self.buckets.get(conn.uid)
+        bucket = self.ctx.buckets.get(conn.uid)
         if bucket is None:
-            rate = self.config.max_requests_per_second
-            bucket = self.buckets[conn.uid] = TokenBucket(rate, rate * 2)
+            rate = self.ctx.config.max_requests_per_second
+            bucket = self.ctx.buckets[conn.uid] = TokenBucket(rate, rate * 2)
         if conn.uid != 0 and not bucket.take():
             self.send_error(
                 conn,
                 peek_seq(body),
                 ErrorCode.RATE_LIMITED,
                 f"too many requests from {conn.user}; the limit is "
-                f"{self.config.max_requests_per_second:g} per second",
+                f"{self.ctx.config.max_requests_per_second:g} per second",
             )
             return
         try:
@@ -629,7 +559,7 @@ class Broker:
         except ProtocolError as exc:
             self.send_error(conn, peek_seq(body), exc.code, exc.message)
             return
-        self.metrics.requests.labels(type(message).__struct_config__.tag).inc()
+        self.ctx.metrics.requests.labels(type(message).__struct_config__.tag).inc()
         try:
             self.requests.handle(conn, message)
         except (ProtocolError, core.SchedulerError) as exc:
@@ -650,22 +580,12 @@ class Broker:
     # ------------------------------------------------------------ core <-> world
 
     def dispatch(self, event: core.Event, reply: Reply = NO_REPLY) -> list[core.Action]:
-        """Feed one event to the core and carry out its actions (journal first)."""
-        actions = self.scheduler.handle(event)
+        """Feed one event to the core and carry out its actions (journal first): the
+        server's own events, and those the edges post on the context's queue."""
+        actions = self.ctx.scheduler.handle(event)
         for action in actions:
             self.effects.carry_out(action, reply)
         return actions
-
-    def apply_config(self, config: BrokerConfig) -> None:
-        """A new policy and the ``[broker]`` settings that can change while running."""
-        self.config = config
-        self.dispatch(core.PolicyChanged(now=time.time(), policy=config.policy))
-        self.ladder.lock_timeout_ms = config.lock_timeout_ms
-        rate = config.max_requests_per_second
-        for bucket in self.buckets.values():
-            bucket.rate, bucket.burst = rate, rate * 2
-        for conn in self.all_connections:
-            conn.is_admin = config.policy.is_admin(conn.uid, conn.user, conn.groups)
 
 
 async def run_broker(

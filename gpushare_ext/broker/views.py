@@ -9,7 +9,7 @@ as itself, so every viewer gets the same harmless text.  The once-a-second tick 
 :func:`tally` instead: counts of the active leases in one pass, without a view of each
 (a snapshot of a thousand leases held up the event loop for 10-15 ms).
 
-It reads broker state and changes nothing.
+It reads the :class:`~gpushare_ext.broker.context.BrokerContext` and changes nothing.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from gpushare_ext.broker import core
+from gpushare_ext.broker.context import BrokerContext
 from gpushare_ext.broker.inventory import MIB
 from gpushare_ext.broker.metrics import DeviceMemory
 from gpushare_ext.broker.peers import Connection
@@ -39,9 +39,6 @@ from gpushare_ext.protocol import (
     split_member_id,
 )
 
-if TYPE_CHECKING:
-    from gpushare_ext.broker.server import Broker
-
 DETACHED_NOTE = "waiting for its notebook to reconnect after a broker restart"
 
 
@@ -50,12 +47,12 @@ def anonymous_name(salt: str, uid: int) -> str:
     return f"user-{digest[:4]}"
 
 
-def display_user(broker: Broker, identity: core.Identity, viewer: Connection | None) -> str:
+def display_user(ctx: BrokerContext, identity: core.Identity, viewer: Connection | None) -> str:
     """``identity``'s user as ``viewer`` may see it: the name (as plain text: account
     names come from a directory service others may write) or ``user-xxxx``."""
     if viewer is None or viewer.is_admin or viewer.uid == identity.uid:
         return plain_text(identity.user)
-    return anonymous_name(broker.salt, identity.uid)
+    return anonymous_name(ctx.salt, identity.uid)
 
 
 def _level_of(lease: core.Lease, simulated: bool) -> int | None:
@@ -65,9 +62,13 @@ def _level_of(lease: core.Lease, simulated: bool) -> int | None:
 
 
 def _lease_view(
-    broker: Broker, lease: core.Lease, viewer: Connection | None, position: int | None, now: float
+    ctx: BrokerContext,
+    lease: core.Lease,
+    viewer: Connection | None,
+    position: int | None,
+    now: float,
 ) -> LeaseView:
-    scheduler = broker.scheduler
+    scheduler = ctx.scheduler
     own = viewer is not None and viewer.uid == lease.identity.uid
     detailed = viewer is None or own or viewer.is_admin
     slot = scheduler.slots.get(lease.slot or "")
@@ -75,12 +76,12 @@ def _lease_view(
     reason = lease.reason
     if lease.detached:
         reason = f"{reason}; {DETACHED_NOTE}" if reason else DETACHED_NOTE
-    note = broker.notes.get(lease.lease_id)
+    note = ctx.notes.get(lease.lease_id)
     if note:
         reason = f"{reason} ({note})" if reason else note
     return LeaseView(
         lease_id=lease.lease_id,
-        user=display_user(broker, lease.identity, viewer),
+        user=display_user(ctx, lease.identity, viewer),
         own=own,
         priority=lease.base_priority,
         state=lease.state,
@@ -95,7 +96,7 @@ def _lease_view(
         label=plain_text(lease.label) if detailed else "",
         pid=lease.identity.pid if detailed else None,
         notebook=plain_text(session.notebook if session else "") if detailed else "",
-        preemption_level=_level_of(lease, broker.control.kind == "simulated"),
+        preemption_level=_level_of(lease, ctx.simulated_control),
         estimate_s=(
             round(max(0.0, lease.estimate_s - (now - lease.estimated_at)), 1)
             if lease.estimate_s is not None and lease.state == LeaseState.QUEUED
@@ -109,10 +110,10 @@ def _lease_view(
 OTHER_PROCESSES = "other processes"
 
 
-def _outside_leases(broker: Broker, key: str, viewer: Connection | None) -> dict[str, int]:
+def _outside_leases(ctx: BrokerContext, key: str, viewer: Connection | None) -> dict[str, int]:
     """Memory held on slot ``key`` beyond the leases, in MiB per user as ``viewer`` may
     see them; processes of no session are "other processes"."""
-    scheduler = broker.scheduler
+    scheduler = ctx.scheduler
     outside = scheduler.unleased_by_pid(key)
     if not outside:  # the usual case: no walk over every session for each snapshot
         return {}
@@ -120,30 +121,30 @@ def _outside_leases(broker: Broker, key: str, viewer: Connection | None) -> dict
     per_user: dict[str, int] = {}
     for pid, extra in outside.items():
         identity = identities.get(pid)
-        who = OTHER_PROCESSES if identity is None else display_user(broker, identity, viewer)
+        who = OTHER_PROCESSES if identity is None else display_user(ctx, identity, viewer)
         per_user[who] = per_user.get(who, 0) + extra // MIB
     return {who: mib for who, mib in per_user.items() if mib > 0}
 
 
 def _outside_leases_of_device(
-    broker: Broker, device: DeviceInfo, viewer: Connection | None
+    ctx: BrokerContext, device: DeviceInfo, viewer: Connection | None
 ) -> dict[str, int]:
     """:func:`_outside_leases` of a whole GPU, or summed over its MIG instances."""
-    keys = [slot.key for slot in broker.scheduler.slots_of_device(device.index)]
+    keys = [slot.key for slot in ctx.scheduler.slots_of_device(device.index)]
     if len(keys) == 1:
-        return _outside_leases(broker, keys[0], viewer)
+        return _outside_leases(ctx, keys[0], viewer)
     total: dict[str, int] = {}
     for key in keys:
-        for who, mib in _outside_leases(broker, key, viewer).items():
+        for who, mib in _outside_leases(ctx, key, viewer).items():
             total[who] = total.get(who, 0) + mib
     return total
 
 
-def _device_views(broker: Broker, viewer: Connection | None, now: float) -> list[DeviceView]:
-    scheduler = broker.scheduler
+def _device_views(ctx: BrokerContext, viewer: Connection | None, now: float) -> list[DeviceView]:
+    scheduler = ctx.scheduler
     views = []
-    for device in broker.devices:
-        reading = broker.readings.get(device.index)
+    for device in ctx.devices:
+        reading = ctx.readings.get(device.index)
         leased = 0
         holders = []
         for lease in scheduler.active_leases():
@@ -160,24 +161,24 @@ def _device_views(broker: Broker, viewer: Connection | None, now: float) -> list
                 memory_used_mib=reading.memory_used_mib if reading else 0,
                 memory_leased_mib=leased // MIB,
                 utilization_pct=reading.utilization_pct if reading else 0,
-                utilization_history=list(broker.history.get(device.index, ())),
+                utilization_history=list(ctx.history.get(device.index, ())),
                 holders=holders,
-                memory_outside_leases_mib=_outside_leases_of_device(broker, device, viewer),
-                timeline=_timeline(broker, device.index, viewer, now),
+                memory_outside_leases_mib=_outside_leases_of_device(ctx, device, viewer),
+                timeline=_timeline(ctx, device.index, viewer, now),
             )
         )
     return views
 
 
 def _timeline(
-    broker: Broker, device_index: int, viewer: Connection | None, now: float
+    ctx: BrokerContext, device_index: int, viewer: Connection | None, now: float
 ) -> list[TimelineSpan]:
     # A span outlives its lease (the panel shows ended ones too), so its gang is read
     # from its id, which names it, rather than from the core's lease record.
     return [
         TimelineSpan(
             lease_id=span.lease_id,
-            user=display_user(broker, span.identity, viewer),
+            user=display_user(ctx, span.identity, viewer),
             own=viewer is not None and viewer.uid == span.identity.uid,
             priority=span.priority,
             start=round(span.start, 3),
@@ -193,23 +194,23 @@ def _timeline(
             gang=membership[0] if membership else "",
             rank=membership[1] if membership else None,
         )
-        for span in broker.timeline.spans(device_index, now)
+        for span in ctx.timeline.spans(device_index, now)
         for membership in [split_member_id(span.lease_id)]
     ]
 
 
-def _notes(broker: Broker) -> list[str]:
+def _notes(ctx: BrokerContext) -> list[str]:
     notes = []
-    if broker.inventory.kind == "simulated":
-        notes.append(broker.inventory.description)
-        if broker.inventory_note:
-            notes.append(broker.inventory_note)
-    if broker.control.kind == "simulated":
+    if ctx.inventory.kind == "simulated":
+        notes.append(ctx.inventory.description)
+        if ctx.inventory_note:
+            notes.append(ctx.inventory_note)
+    if ctx.simulated_control:
         notes.append(
             "simulated GPU: preemption gates the session's launch points; no process is locked"
         )
     unpausable: dict[str, int] = {}  # request (a gang's id for its ranks) -> leases
-    for lease in broker.scheduler.active_leases():
+    for lease in ctx.scheduler.active_leases():
         if not lease.lockable:
             request = lease.gang or lease.lease_id
             unpausable[request] = unpausable.get(request, 0) + 1
@@ -219,15 +220,15 @@ def _notes(broker: Broker) -> list[str]:
             f"{what} cannot be paused (checkpoint lock unsupported, e.g. an MPS client): "
             "it time-slices"
         )
-    for runner in broker.chaos.values():  # everyone sees it: their GPU time is shared with it
+    for runner in ctx.chaos.values():  # everyone sees it: their GPU time is shared with it
         notes.append(runner.describe())
     return notes
 
 
-def snapshot(broker: Broker, viewer: Connection | None) -> Snapshot:
+def snapshot(ctx: BrokerContext, viewer: Connection | None) -> Snapshot:
     """The whole picture as ``viewer`` may see it (None: everything, for metrics)."""
     now = time.time()
-    scheduler = broker.scheduler
+    scheduler = ctx.scheduler
     queue_counts = {"low": 0, "normal": 0, "high": 0}
     positions: dict[str, int] = {}
     requests: dict[str, int] = {}  # a gang queues as one request: its ranks share a place
@@ -239,24 +240,24 @@ def snapshot(broker: Broker, viewer: Connection | None) -> Snapshot:
                 queue_counts[priority_class(lease.base_priority)] += 1
             positions[lease.lease_id] = requests[request]
     leases = [
-        _lease_view(broker, lease, viewer, positions.get(lease.lease_id), now)
+        _lease_view(ctx, lease, viewer, positions.get(lease.lease_id), now)
         for lease in sorted(scheduler.active_leases(), key=lambda item: item.arrival)
     ]
     return Snapshot(
         host=os.uname().nodename,
-        node=broker.node,
+        node=ctx.node,
         broker_pid=os.getpid(),
-        mode=broker.paths.mode,
-        inventory=broker.inventory.kind,
-        inventory_description=broker.inventory.description,
+        mode=ctx.paths.mode,
+        inventory=ctx.inventory.kind,
+        inventory_description=ctx.inventory.description,
         time=now,
         you=plain_text(viewer.user) if viewer else "",
         is_admin=bool(viewer and viewer.is_admin),
-        devices=_device_views(broker, viewer, now),
+        devices=_device_views(ctx, viewer, now),
         leases=leases,
         queue_by_priority=queue_counts,
-        notes=_notes(broker),
-        timeline_window_s=broker.timeline.window_s,
+        notes=_notes(ctx),
+        timeline_window_s=ctx.timeline.window_s,
     )
 
 
@@ -270,11 +271,11 @@ class Tally:
     leased_mib: Counter[int] = field(default_factory=Counter)  # the same, each lease in whole MiB
     busy: set[int] = field(default_factory=set)  # devices with a running lease
 
-    def device_memory(self, broker: Broker) -> list[DeviceMemory]:
+    def device_memory(self, ctx: BrokerContext) -> list[DeviceMemory]:
         """Memory used, leased and in all per device, as the snapshot's device views say."""
         rows = []
-        for device in broker.devices:
-            reading = broker.readings.get(device.index)
+        for device in ctx.devices:
+            reading = ctx.readings.get(device.index)
             rows.append(
                 DeviceMemory(
                     index=device.index,
@@ -286,12 +287,12 @@ class Tally:
         return rows
 
 
-def tally(broker: Broker) -> Tally:
+def tally(ctx: BrokerContext) -> Tally:
     """The counts the tick needs (gauges, simulated usage), in one pass over the leases.
 
     It compares states with local names rather than keying dicts by them: an enum's
     members are slow to look up and to hash, and this runs over every lease."""
-    scheduler = broker.scheduler
+    scheduler = ctx.scheduler
     queued_state, running_state, paused_state, evicted_state = (
         LeaseState.QUEUED, LeaseState.RUNNING, LeaseState.PAUSED, LeaseState.EVICTED,
     )  # fmt: skip

@@ -10,30 +10,24 @@ stays cheap and works without a GPU); everything heavy is imported where it is u
 
 from __future__ import annotations
 
-from gpushare_ext.kernels.analysis import (
-    Access,
-    Classification,
-    Idempotence,
-    KernelReport,
-    analyse_entry,
-    analyse_module,
-    classify_launch,
-)
-from gpushare_ext.kernels.frontends import Kernel, NumbaKernel, compile_cuda, jit, kernel
-from gpushare_ext.kernels.launch import (
-    LaunchMode,
-    LaunchReport,
-    YieldFlag,
-    set_session_yield_flag,
-    write_yield_flag_from_handle,
-)
+from gpushare_ext.kernels.analysis import analyse_entry, analyse_module
+from gpushare_ext.kernels.classification import classify_launch
+from gpushare_ext.kernels.frontends import Kernel, NumbaKernel, jit, kernel
+from gpushare_ext.kernels.launch import LaunchMode, LaunchReport
 from gpushare_ext.kernels.ptx import KernelError, PtxModule, parse_ptx
+from gpushare_ext.kernels.report import Access, Classification, Idempotence, KernelReport
+from gpushare_ext.kernels.toolchain import compile_cuda
 from gpushare_ext.kernels.transform import (
     PreemptibleKernel,
     TransformOptions,
     assemble,
     find_ptxas,
     make_preemptible,
+)
+from gpushare_ext.kernels.yield_flags import (
+    YieldFlag,
+    set_session_yield_flag,
+    write_yield_flag_from_handle,
 )
 
 __all__ = [

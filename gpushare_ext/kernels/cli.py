@@ -20,14 +20,10 @@ import json
 import sys
 from pathlib import Path
 
-from gpushare_ext.kernels.analysis import (
-    Classification,
-    Idempotence,
-    KernelReport,
-    analyse_module,
-    classify_launch,
-)
+from gpushare_ext.kernels.analysis import analyse_module
+from gpushare_ext.kernels.classification import classify_launch
 from gpushare_ext.kernels.ptx import KernelError, parse_ptx
+from gpushare_ext.kernels.report import Classification, Idempotence, KernelReport
 from gpushare_ext.kernels.signatures import KernelDefinition, example_instantiation
 from gpushare_ext.kernels.sourcefile import AnalysedFile, analyse_file, find_entry
 from gpushare_ext.kernels.toolchain import DEFAULT_ARCH, STANDARDS, CompileOptions

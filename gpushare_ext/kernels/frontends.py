@@ -8,11 +8,13 @@ can be transformed (``.preemptible()``) and is launched like CuPy/Numba kernels:
     k = kernel(src, "saxpy")
     k[grid, block](a, x, y, n)         # or k(grid, block, (a, x, y, n))
 
+CUDA C++ is compiled by :mod:`~gpushare_ext.kernels.toolchain` (NVRTC for a source
+string, nvcc for a file); Numba's own compiler turns a Python function into PTX here.
 Compiling needs only the toolchain wheels (NVRTC, NVVM), never a GPU; launching imports
 CuPy and the driver lazily (``launch.py``).
 
-What it must not do: talk to CUDA devices itself, or decide the transactional policy
-(``launch.py`` owns both).
+What it must not do: call nvcc or NVRTC itself (the toolchain does), talk to CUDA
+devices, or decide the transactional policy (``launch.py`` owns both).
 """
 
 from __future__ import annotations
@@ -25,9 +27,12 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from gpushare_ext.kernels.analysis import KernelReport, analyse_entry
+from gpushare_ext.kernels.analysis import analyse_entry
 from gpushare_ext.kernels.ptx import KernelError, PtxModule, parse_ptx
+from gpushare_ext.kernels.report import KernelReport
 from gpushare_ext.kernels.signatures import kernel_definitions, name_entries, strip_comments
+from gpushare_ext.kernels.sourcefile import find_entry
+from gpushare_ext.kernels.toolchain import DEFAULT_ARCH, CompileOptions, compile_cuda, compile_file
 from gpushare_ext.kernels.transform import (
     PreemptibleKernel,
     TransformOptions,
@@ -38,88 +43,15 @@ __all__ = [
     "ArgBinding",
     "Kernel",
     "NumbaKernel",
-    "compile_cuda",
     "compile_numba",
     "is_ptx",
     "jit",
     "kernel",
 ]
 
-DEFAULT_ARCH = "sm_90"
-
 
 def is_ptx(text: str) -> bool:
     return bool(re.search(r"^\s*\.version\s+\d", text, re.M)) and ".target" in text
-
-
-def _nvrtc_check(result: tuple, what: str, prog: Any = None) -> tuple:
-    from cuda.bindings import nvrtc
-
-    err = result[0]
-    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        log = _nvrtc_log(prog) if prog is not None else ""
-        raise KernelError(
-            "compile-failed", f"NVRTC {what} failed: {err.name}", step="compile", log=log
-        )
-    return result[1:]
-
-
-def _nvrtc_log(prog: Any) -> str:
-    from cuda.bindings import nvrtc
-
-    err, size = nvrtc.nvrtcGetProgramLogSize(prog)
-    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS or size <= 1:
-        return ""
-    buf = b" " * size
-    nvrtc.nvrtcGetProgramLog(prog, buf)
-    return buf.rstrip(b"\0").decode(errors="replace")
-
-
-def compile_cuda(
-    source: str,
-    *,
-    arch: str = DEFAULT_ARCH,
-    names: Sequence[str] = (),
-    options: Sequence[str] = (),
-    filename: str = "kernel.cu",
-) -> tuple[str, dict[str, str]]:
-    """Compile CUDA C++ to PTX with NVRTC; returns (ptx, {name expression: lowered name})."""
-    try:
-        from cuda.bindings import nvrtc
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise KernelError(
-            "no-nvrtc",
-            "cuda-bindings is not installed: pip install 'gpushare-ext[toolchain]'",
-            step="compile",
-        ) from exc
-    compute = arch.replace("sm_", "compute_")
-    (prog,) = _nvrtc_check(
-        nvrtc.nvrtcCreateProgram(source.encode(), filename.encode(), 0, [], []), "create"
-    )
-    try:
-        for n in names:
-            _nvrtc_check(nvrtc.nvrtcAddNameExpression(prog, n.encode()), f"name {n!r}", prog)
-        std = [] if any(o.startswith(("-std", "--std")) for o in options) else ["--std=c++17"]
-        opts = [f"--gpu-architecture={compute}", "-lineinfo", *std, *options]
-        opts_b = [o.encode() for o in opts]
-        result = nvrtc.nvrtcCompileProgram(prog, len(opts_b), opts_b)
-        if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise KernelError(
-                "compile-failed",
-                f"NVRTC could not compile {filename} for {arch}",
-                step="compile",
-                log=_nvrtc_log(prog),
-            )
-        (size,) = _nvrtc_check(nvrtc.nvrtcGetPTXSize(prog), "PTX size", prog)
-        buf = b" " * size
-        _nvrtc_check(nvrtc.nvrtcGetPTX(prog, buf), "get PTX", prog)
-        lowered = {}
-        for n in names:
-            (low,) = _nvrtc_check(nvrtc.nvrtcGetLoweredName(prog, n.encode()), "lowered name", prog)
-            lowered[n] = low.decode()
-        return buf.rstrip(b"\0").decode(), lowered
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
 
 
 @dataclass(frozen=True)
@@ -276,9 +208,6 @@ def _kernel_from_file(
     defines: Sequence[str],
     std: str | None,
 ) -> Kernel:
-    from gpushare_ext.kernels.sourcefile import find_entry
-    from gpushare_ext.kernels.toolchain import CompileOptions, compile_file
-
     try:
         text = path.read_text(errors="replace")
     except OSError as exc:

@@ -17,8 +17,8 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from gpushare_ext.kernels.analysis import ControlFlow
 from gpushare_ext.kernels.ptx import Entry, Instruction
+from gpushare_ext.kernels.report import ControlFlow
 
 __all__ = ["RegisterFile", "live_before", "recomputable_registers", "register_file"]
 

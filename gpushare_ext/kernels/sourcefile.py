@@ -16,9 +16,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpushare_ext.kernels.analysis import KernelReport, analyse_module
+from gpushare_ext.kernels.analysis import analyse_module
 from gpushare_ext.kernels.hostcode import includers
 from gpushare_ext.kernels.ptx import Entry, KernelError, PtxModule, parse_ptx
+from gpushare_ext.kernels.report import KernelReport
 from gpushare_ext.kernels.signatures import (
     KernelDefinition,
     base_name,

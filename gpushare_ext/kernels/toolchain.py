@@ -1,8 +1,10 @@
-"""The CUDA toolchain a real ``.cu`` file needs: nvcc, its host compiler, the headers.
+"""The CUDA toolchain: everything that turns CUDA C++ into PTX (nvcc, NVRTC, options).
 
-What it is for: compiling a user's file as it is (host code, ``main()``, system and
-toolkit headers, quoted includes next to the file, ``-I``/``-D``/``-std``/``--arch``,
-templates instantiated by the host code) to PTX with ``nvcc -ptx``, keeping the device
+What it is for: compiling a kernel source string in-process with NVRTC
+(:func:`compile_cuda`, what ``kernel(src, name)`` uses), and compiling a user's file as
+it is (host code, ``main()``, system and toolkit headers, quoted includes next to the
+file, ``-I``/``-D``/``-std``/``--arch``, templates instantiated by the host code) to PTX
+with ``nvcc -ptx``, keeping the device
 side's preprocessed source so that kernels can be named from what the user wrote
 (:mod:`~gpushare_ext.kernels.signatures`).  A failure becomes one line that says what
 to do (the header not found and the flag that adds its directory, the host compiler to
@@ -13,7 +15,8 @@ compiled with NVRTC instead.
 The tools come from the pip wheels (``nvidia-cuda-nvcc``, ``nvidia-cuda-runtime``,
 ``nvidia-cuda-cccl``), else ``$CUDA_HOME``/``$CUDA_PATH``, else ``PATH``.
 
-What it must not do: analyse or rewrite PTX, or touch a GPU.
+What it must not do: analyse or rewrite PTX, adopt kernels for launching (the front
+ends in :mod:`~gpushare_ext.kernels.frontends` do, on top of this), or touch a GPU.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from gpushare_ext.kernels.hostcode import without_host_bodies
 from gpushare_ext.kernels.ptx import KernelError
@@ -34,6 +39,7 @@ from gpushare_ext.kernels.signatures import strip_comments
 __all__ = [
     "CompileOptions",
     "CompiledFile",
+    "compile_cuda",
     "compile_file",
     "find_nvcc",
     "find_ptxas",
@@ -322,8 +328,6 @@ def _compile_with_nvcc(
 
 
 def _compile_with_nvrtc(path: Path, text: str, options: CompileOptions) -> CompiledFile:
-    from gpushare_ext.kernels.frontends import compile_cuda
-
     flags = [f"-I{path.parent}", *options.flags(), *[f"-I{d}" for d in toolkit_include_dirs()]]
     try:
         ptx, _ = compile_cuda(text, arch=options.arch, options=flags, filename=str(path))
@@ -334,6 +338,81 @@ def _compile_with_nvrtc(path: Path, text: str, options: CompileOptions) -> Compi
             "compile-failed", summarise_log(exc.log, path, "NVRTC"), step="compile", log=exc.log
         ) from None
     return CompiledFile(path, ptx, "nvrtc", "", "")
+
+
+# ---------------------------------------------------------------------------------------
+# NVRTC: kernel sources without host code, compiled in-process
+# ---------------------------------------------------------------------------------------
+
+
+def _nvrtc_check(result: tuple, what: str, prog: Any = None) -> tuple:
+    from cuda.bindings import nvrtc
+
+    err = result[0]
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        log = _nvrtc_log(prog) if prog is not None else ""
+        raise KernelError(
+            "compile-failed", f"NVRTC {what} failed: {err.name}", step="compile", log=log
+        )
+    return result[1:]
+
+
+def _nvrtc_log(prog: Any) -> str:
+    from cuda.bindings import nvrtc
+
+    err, size = nvrtc.nvrtcGetProgramLogSize(prog)
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS or size <= 1:
+        return ""
+    buf = b" " * size
+    nvrtc.nvrtcGetProgramLog(prog, buf)
+    return buf.rstrip(b"\0").decode(errors="replace")
+
+
+def compile_cuda(
+    source: str,
+    *,
+    arch: str = DEFAULT_ARCH,
+    names: Sequence[str] = (),
+    options: Sequence[str] = (),
+    filename: str = "kernel.cu",
+) -> tuple[str, dict[str, str]]:
+    """Compile CUDA C++ to PTX with NVRTC; returns (ptx, {name expression: lowered name})."""
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise KernelError(
+            "no-nvrtc",
+            "cuda-bindings is not installed: pip install 'gpushare-ext[toolchain]'",
+            step="compile",
+        ) from exc
+    compute = arch.replace("sm_", "compute_")
+    (prog,) = _nvrtc_check(
+        nvrtc.nvrtcCreateProgram(source.encode(), filename.encode(), 0, [], []), "create"
+    )
+    try:
+        for n in names:
+            _nvrtc_check(nvrtc.nvrtcAddNameExpression(prog, n.encode()), f"name {n!r}", prog)
+        std = [] if any(o.startswith(("-std", "--std")) for o in options) else ["--std=c++17"]
+        opts = [f"--gpu-architecture={compute}", "-lineinfo", *std, *options]
+        opts_b = [o.encode() for o in opts]
+        result = nvrtc.nvrtcCompileProgram(prog, len(opts_b), opts_b)
+        if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise KernelError(
+                "compile-failed",
+                f"NVRTC could not compile {filename} for {arch}",
+                step="compile",
+                log=_nvrtc_log(prog),
+            )
+        (size,) = _nvrtc_check(nvrtc.nvrtcGetPTXSize(prog), "PTX size", prog)
+        buf = b" " * size
+        _nvrtc_check(nvrtc.nvrtcGetPTX(prog, buf), "get PTX", prog)
+        lowered = {}
+        for n in names:
+            (low,) = _nvrtc_check(nvrtc.nvrtcGetLoweredName(prog, n.encode()), "lowered name", prog)
+            lowered[n] = low.decode()
+        return buf.rstrip(b"\0").decode(), lowered
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
 
 
 # ---------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Any
 
 def load(ipython: Any) -> None:
     from gpushare_ext.magics.gpu import GpuMagics
-    from gpushare_ext.runtime import interpose, parking, preemptible
+    from gpushare_ext.runtime import cell_lines, interpose, parking, preemptible
 
     ipython.register_magics(GpuMagics)
     # Every cell, marked or not, first restores a parked session (and says it runs).
@@ -23,7 +23,7 @@ def load(ipython: Any) -> None:
     try:
         preemptible.install()
     except interpose.InterposerError as exc:
-        print(f"gpushare: {exc}", file=sys.stderr)
+        print(cell_lines.notice(str(exc)), file=sys.stderr)
     # A cell that ran launches the shim can only hold and lock says so, once per kind.
     with contextlib.suppress(ValueError):
         ipython.events.unregister("post_run_cell", preemptible.after_cell)

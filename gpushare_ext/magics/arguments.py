@@ -7,6 +7,8 @@ argument and what would be accepted.
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable
+from typing import Any
 
 from gpushare_ext.errors import GpushareError
 from gpushare_ext.protocol import MAX_RANKS, SliceWish, priority_value
@@ -73,51 +75,73 @@ def tokenize(line: str) -> list[tuple[str, str]]:
     return pairs
 
 
+def _memory(value: str) -> int:
+    size = parse_size(value)
+    if size <= 0:
+        raise ValueError("must be more than 0")
+    return size
+
+
+def _device(value: str) -> str:
+    text = value.strip()
+    if not (
+        text == "auto" or (text.isascii() and text.isdecimal()) or text.startswith(("GPU-", "MIG-"))
+    ):
+        raise ValueError(f"{text!r} is not auto, an index or a GPU-/MIG- UUID")
+    return text
+
+
+def _slice(value: str) -> SliceWish:
+    try:
+        return SliceWish(value.strip().lower())
+    except ValueError:
+        raise ValueError(f"{value!r} is not one of auto, mig, shared, exclusive") from None
+
+
+def _share(value: str) -> float:
+    share = float(value)
+    if not 0 < share <= 1:
+        raise ValueError(f"{value} is outside (0, 1]")
+    return share
+
+
+def _instrumented(value: str) -> bool:
+    flag = value.strip().lower()
+    if flag not in ("yes", "no", "true", "false", "1", "0"):
+        raise ValueError(f"{value!r} is not yes or no")
+    return flag in ("yes", "true", "1")
+
+
+def _ranks(value: str) -> int:
+    text = value.strip()
+    if not (text.isascii() and text.isdecimal()) or not 1 <= int(text) <= MAX_RANKS:
+        raise ValueError(f"{value!r} is not a whole number from 1 to {MAX_RANKS}")
+    return int(text)
+
+
+# Each key: the LeaseOptions field it sets, and how its value is read (a ValueError
+# says what is wrong with it).
+_FIELDS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "priority": ("priority", priority_value),
+    "mem": ("memory_bytes", _memory),
+    "device": ("device", _device),
+    "timeout": ("timeout_s", parse_duration),
+    "slice": ("slice", _slice),
+    "share": ("sm_share", _share),
+    "instrumented": ("instrumented_only", _instrumented),
+    "ranks": ("ranks", _ranks),
+}
+
+
 def parse_lease_arguments(line: str) -> dict:
     """Keyword overrides for :class:`LeaseOptions` from a magic's argument line."""
     options: dict = {}
     for key, value in tokenize(line):
+        if key not in _FIELDS:
+            continue
+        field, read = _FIELDS[key]
         try:
-            if key == "priority":
-                options["priority"] = priority_value(value)
-            elif key == "mem":
-                size = parse_size(value)
-                if size <= 0:
-                    raise ValueError("must be more than 0")
-                options["memory_bytes"] = size
-            elif key == "device":
-                text = value.strip()
-                if not (
-                    text == "auto"
-                    or (text.isascii() and text.isdecimal())
-                    or text.startswith(("GPU-", "MIG-"))
-                ):
-                    raise ValueError(f"{text!r} is not auto, an index or a GPU-/MIG- UUID")
-                options["device"] = text
-            elif key == "timeout":
-                options["timeout_s"] = parse_duration(value)
-            elif key == "slice":
-                try:
-                    options["slice"] = SliceWish(value.strip().lower())
-                except ValueError:
-                    raise ValueError(
-                        f"{value!r} is not one of auto, mig, shared, exclusive"
-                    ) from None
-            elif key == "share":
-                share = float(value)
-                if not 0 < share <= 1:
-                    raise ValueError(f"{value} is outside (0, 1]")
-                options["sm_share"] = share
-            elif key == "instrumented":
-                flag = value.strip().lower()
-                if flag not in ("yes", "no", "true", "false", "1", "0"):
-                    raise ValueError(f"{value!r} is not yes or no")
-                options["instrumented_only"] = flag in ("yes", "true", "1")
-            elif key == "ranks":
-                text = value.strip()
-                if not (text.isascii() and text.isdecimal()) or not 1 <= int(text) <= MAX_RANKS:
-                    raise ValueError(f"{value!r} is not a whole number from 1 to {MAX_RANKS}")
-                options["ranks"] = int(text)
+            options[field] = read(value)
         except ValueError as exc:
             raise ArgumentError(f"bad value for {key}: {exc} (expected {KEYS[key]})") from None
     return options

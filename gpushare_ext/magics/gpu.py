@@ -15,14 +15,13 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 
 from gpushare_ext.errors import GpushareError
 from gpushare_ext.magics.arguments import KEYS, ArgumentError, parse_lease_arguments
-from gpushare_ext.protocol import describe_priority
+from gpushare_ext.runtime import cell_lines
 from gpushare_ext.runtime.ranks import RankFailed
 from gpushare_ext.runtime.session import (
     CellOutput,
     GpuSession,
     current_session,
 )
-from gpushare_ext.units import format_size
 
 
 def _key_table(keys: dict[str, str]) -> str:
@@ -146,8 +145,7 @@ class GpuMagics(Magics):
         if not command or command[0] in ("status", "st"):
             return self._status()
         if command[0] == "release":
-            released = current_session().release_all()
-            print("released " + ", ".join(released) if released else "no lease was held")
+            print(cell_lines.released_line(current_session().release_all()))
             return None
         raise UsageError(f"%gpu: unknown command {command[0]!r}; use %gpu status or %gpu release")
 
@@ -191,11 +189,15 @@ class GpuMagics(Magics):
                 )
             session.defaults = session.merged(**options)
         d = session.defaults
-        memory = format_size(d.memory_bytes) if d.memory_bytes else "policy default"
-        timeout = f"{d.timeout_s:g}s" if d.timeout_s is not None else "none"
         print(
-            f"gpushare defaults: priority={describe_priority(d.priority)} mem={memory} "
-            f"device={d.device} timeout={timeout} slice={d.slice.value} share={d.sm_share:g}"
+            cell_lines.defaults_line(
+                priority=d.priority,
+                memory_bytes=d.memory_bytes,
+                device=d.device,
+                timeout_s=d.timeout_s,
+                slice_wish=d.slice.value,
+                sm_share=d.sm_share,
+            )
         )
 
     gpuconfig.__doc__ = (gpuconfig.__doc__ or "").replace("{keys}", _CONFIG_KEY_HELP)

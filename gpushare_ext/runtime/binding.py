@@ -2,8 +2,9 @@
 
 A MIG instance is reached through ``CUDA_VISIBLE_DEVICES=MIG-…``, which CUDA reads once
 at initialisation, so it must be set before the process's first CUDA call.  A whole GPU
-is selected for CuPy, Numba and PyTorch instead, with every GPU visible and numbered in
-PCI order (as NVML numbers them), so a later cell may run on another GPU.  If the lease
+is selected in every framework the process uses instead (``frameworks/``), with every
+GPU visible and numbered in PCI order (as NVML numbers them), so a later cell may run on
+another GPU.  If the lease
 cannot be honoured (a MIG instance after CUDA started, GPUs hidden by the environment)
 the binding says why and how to fix it.
 
@@ -18,6 +19,7 @@ import sys
 from dataclasses import dataclass
 
 from gpushare_ext.protocol import Placement
+from gpushare_ext.runtime import frameworks
 from gpushare_ext.runtime.errors import SessionError
 
 current_ordinal: int | None = None  # the CUDA device of the lease in force
@@ -119,7 +121,7 @@ def bind(placement: Placement, *, simulated: bool) -> Binding:
         ordinal = placement.device_index
     else:
         ordinal = _ordinal_of(placement.device_uuid)
-    _select(ordinal, import_cupy=True)
+    _select(ordinal, bring_up=True)
     return Binding(
         visible="",
         ordinal=ordinal,
@@ -169,24 +171,10 @@ def _ordinal_of(uuid: str) -> int:
     raise BindingError(f"no CUDA device of this process has UUID {uuid}; restart the kernel")
 
 
-def _select(ordinal: int, import_cupy: bool = False) -> None:
-    """Make ``ordinal`` the current device of the frameworks this process uses (the cell
-    runs on this thread).  PyTorch code should use ``gpushare_ext.device()``."""
+def _select(ordinal: int, bring_up: bool = False) -> None:
+    """Make ``ordinal`` the current device of every framework this process uses (the
+    cell runs on this thread); ``bring_up``: also of a framework not imported yet that
+    the session's gate needs.  PyTorch code should use ``gpushare_ext.device()``."""
     global current_ordinal
     current_ordinal = ordinal
-    if "cupy" in sys.modules or import_cupy:
-        try:
-            import cupy
-        except ImportError:
-            cupy = None
-        if cupy is not None:
-            cupy.cuda.Device(ordinal).use()
-    if "numba.cuda" in sys.modules:
-        from numba import cuda
-
-        cuda.select_device(ordinal)
-    if "torch" in sys.modules:
-        import torch
-
-        if torch.cuda.is_initialized():
-            torch.cuda.set_device(ordinal)
+    frameworks.select_device(ordinal, bring_up)

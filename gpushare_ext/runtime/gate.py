@@ -25,6 +25,7 @@ import threading
 from typing import Any
 
 from gpushare_ext.control_block import GATE_OFFSET, SIZE, ControlBlock
+from gpushare_ext.runtime import cell_lines
 from gpushare_ext.runtime.errors import SessionError
 
 _REGISTERED: set[int] = set()  # host pages registered with CUDA (once per process)
@@ -95,7 +96,7 @@ def open_device_gate(block: ControlBlock) -> tuple[DeviceGate | None, str]:
     try:
         return DeviceGate(block), "device gate: cuStreamWaitValue32 on the session stream"
     except Exception as exc:  # CUDA errors come in many types; any means "no device gate"
-        return None, f"no device gate ({exc}); launch points wait on the host"
+        return None, cell_lines.no_device_gate_words(exc)
 
 
 RELAY_POLL_S = 0.001  # how late a relayed gate may close: one poll, next to a ~1 ms pause

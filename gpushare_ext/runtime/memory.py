@@ -1,18 +1,19 @@
-"""Memory quotas inside the kernel process: CuPy's allocator and a Numba EMM plugin.
+"""Memory quotas inside the kernel process: the ledger every framework's hook checks.
 
 The lease says how much device memory the session may hold.  :class:`QuotaLedger`
-keeps the count (pure Python, tested without a GPU); :func:`install_cupy_quota` puts a
-checking allocator in front of CuPy's memory pool and :class:`QuotaMemoryManager` is
-a Numba external memory manager (EMM) doing the same for ``numba.cuda``.  Going over
-the quota raises :class:`QuotaExceeded` (a MemoryError) naming quota and usage; nothing
-is allocated.  Work that bypasses both hooks (PyTorch) is caught by the broker's NVML
-watchdog instead.
+keeps the count (pure Python, tested without a GPU); each framework's quota hook
+(``frameworks/``: a checking allocator in front of CuPy's pool, a Numba external memory
+manager) checks its allocations against :data:`LEDGER`.  Going over the quota raises
+:class:`QuotaExceeded` (a MemoryError) naming quota and usage; nothing is allocated.
+Work that bypasses every hook (PyTorch) is caught by the broker's NVML watchdog instead.
+
+It must not import or name a framework: each framework's module registers its pool here.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from collections.abc import Callable
 
 from gpushare_ext.runtime.errors import SessionError
 from gpushare_ext.units import format_size
@@ -68,101 +69,23 @@ class QuotaLedger:
 
 
 LEDGER = QuotaLedger()
-_cupy_installed = False
+# Frameworks that allocate from a pool of their own (CuPy): what each pool holds, and
+# the pool's own limit, the backstop for allocations that skip the checking allocator.
+_pools: list[tuple[Callable[[], int], Callable[[int | None], None]]] = []
 
 
-def _cupy_in_use() -> int:
-    import cupy
+def add_pool(*, in_use: Callable[[], int], set_limit: Callable[[int | None], None]) -> None:
+    """A framework's pool, counted by its allocator and limited with the quota."""
+    _pools.append((in_use, set_limit))
 
-    return int(cupy.get_default_memory_pool().used_bytes())
 
-
-def install_cupy_quota() -> bool:
-    """Route CuPy allocations through the ledger; False if CuPy is not importable."""
-    global _cupy_installed
-    if _cupy_installed:
-        return True
-    try:
-        import cupy
-    except ImportError:
-        return False
-    pool = cupy.get_default_memory_pool()
-
-    def allocate(size: int) -> Any:
-        LEDGER.check(size, int(pool.used_bytes()), "CuPy")
-        try:
-            return pool.malloc(size)
-        except cupy.cuda.memory.OutOfMemoryError:
-            pool.free_all_blocks()
-            return pool.malloc(size)
-
-    cupy.cuda.set_allocator(allocate)
-    _cupy_installed = True
-    return True
+def pooled_bytes() -> int:
+    """What the frameworks' pools hold: the usage an allocation outside them adds to."""
+    return sum(in_use() for in_use, _ in _pools)
 
 
 def apply_quota(quota: int | None) -> None:
     """Set the quota for the current lease (None when no lease is held)."""
     LEDGER.set_quota(quota)
-    if _cupy_installed:
-        import cupy
-
-        # CuPy's own limit is the backstop for allocations that skip our allocator.
-        cupy.get_default_memory_pool().set_limit(size=quota or 0)
-
-
-def numba_memory_manager():
-    """The Numba EMM class enforcing the ledger; import only where numba-cuda is installed."""
-    from numba.cuda.cudadrv.driver import NumbaCUDAMemoryManager
-
-    class QuotaMemoryManager(NumbaCUDAMemoryManager):
-        """Numba's default memory manager with every allocation checked against the lease."""
-
-        def memalloc(self, size):
-            in_use = _cupy_in_use() if _cupy_installed else 0
-            LEDGER.take(size, in_use, "Numba")
-            try:
-                memory = super().memalloc(size)
-            except BaseException:
-                LEDGER.give_back(size)
-                raise
-            import weakref
-
-            weakref.finalize(memory, LEDGER.give_back, size)
-            return memory
-
-    return QuotaMemoryManager
-
-
-NUMBA_MANAGER_ENV = "NUMBA_CUDA_MEMORY_MANAGER"
-
-
-def install_numba_quota() -> bool:
-    """Make Numba allocate through :class:`QuotaMemoryManager`.
-
-    Numba reads ``NUMBA_CUDA_MEMORY_MANAGER`` (a module with ``_numba_memory_manager``)
-    when it is imported, so the variable covers a later ``import numba``; if Numba is
-    already imported, the manager is set directly.  Either must happen before Numba
-    creates its CUDA context; False when that moment has passed.
-    """
-    import os
-    import sys
-
-    os.environ.setdefault(NUMBA_MANAGER_ENV, __name__)
-    if "numba.cuda" not in sys.modules:
-        return True
-    from numba import cuda
-
-    try:
-        cuda.set_memory_manager(numba_memory_manager())
-    except Exception:  # a context exists already: Numba refuses a new manager
-        return False
-    return True
-
-
-def __getattr__(name: str):
-    # Numba imports this module by the name in NUMBA_CUDA_MEMORY_MANAGER and asks for
-    # ``_numba_memory_manager``; build the class only then (it needs numba-cuda).
-    if name == "_numba_memory_manager":
-        return numba_memory_manager()
-    raise AttributeError(name)
+    for _, set_limit in _pools:
+        set_limit(quota)

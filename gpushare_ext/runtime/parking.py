@@ -18,74 +18,39 @@ Cells made only of ``%gpu`` line magics (status, release, ...) do not restore: t
 never touch the GPU, and a parked notebook may want to look at the queue.
 
 It must not talk to the broker but through the session's client, and must not import
-the magics (they import it).
+the magics (they import it).  The session knows the park only as a record
+(:mod:`parked`): the arrows run from here to the session, never back.
 """
 
 from __future__ import annotations
 
 import ast
 import contextlib
-import threading
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from gpushare_ext.protocol import Parked, Queued
+from gpushare_ext.client import BrokerError, BrokerUnavailable
+from gpushare_ext.runtime import cell_lines
+from gpushare_ext.runtime.cell_output import CellOutput
 from gpushare_ext.runtime.errors import SessionError
-from gpushare_ext.units import format_duration, format_size
-
-if TYPE_CHECKING:
-    from gpushare_ext.runtime.session import CellOutput, GpuSession
+from gpushare_ext.runtime.parked import ParkedMemory
+from gpushare_ext.runtime.session import GpuSession, existing_session
 
 
 class RestoreFailed(SessionError):
     """The parked memory could not be brought back; the message says what was lost."""
 
 
-@dataclass(eq=False)
-class ParkedMemory:
-    """This session's memory as the broker parked it, and how its restore goes."""
-
-    lease_id: str
-    memory_bytes: int
-    device_index: int
-    reason: str
-    since: float = field(default_factory=time.time)
-    queued: Queued | None = None
-    asked: bool = False  # its restore was asked for (a revoke then means it failed)
-    failed: str = ""
-    done: threading.Event = field(default_factory=threading.Event)
-    changed: threading.Event = field(default_factory=threading.Event)
-
-    @classmethod
-    def from_notice(cls, notice: Parked) -> ParkedMemory:
-        return cls(
-            lease_id=notice.lease_id,
-            memory_bytes=notice.memory_bytes,
-            device_index=notice.device_index,
-            reason=notice.reason,
-        )
-
-    def describe(self, now: float | None = None) -> str:
-        ago = format_duration((now or time.time()) - self.since)
-        return f"{format_size(self.memory_bytes)} parked {ago} ago"
-
-
-def restoring_line(park: ParkedMemory, what: str, waited_s: float) -> str:
-    if park.queued is not None:
-        return (
-            f"gpushare: restoring {what}: waiting for the memory ({park.queued.reason}) -- "
-            f"{waited_s:.0f} s (interrupt the kernel to leave it parked)"
-        )
-    return f"gpushare: restoring {what} ... {waited_s:.1f} s"
+def _restoring_line(park: ParkedMemory, what: str, waited_s: float) -> str:
+    return cell_lines.restoring_line(
+        what, waited_s, park.queued.reason if park.queued is not None else None
+    )
 
 
 def restore(session: GpuSession, park: ParkedMemory, output: CellOutput) -> None:
     """Bring ``park`` back, showing one live line; raises KeyboardInterrupt (withdrawn,
     still parked) or :class:`RestoreFailed`."""
-    from gpushare_ext.client import BrokerError, BrokerUnavailable
-
     what = park.describe()
     key = f"gpushare-restore-{uuid.uuid4().hex[:8]}"
     started = time.monotonic()
@@ -93,27 +58,27 @@ def restore(session: GpuSession, park: ParkedMemory, output: CellOutput) -> None
         client = session.connect()
     except BrokerUnavailable as exc:
         session.forget_park(park)
-        output.show(key, f"gpushare: could not restore {what}: {exc}; running the cell")
+        output.show(key, cell_lines.restore_failed_line(what, exc))
         return
     if session.parked is not park:
         # The connection was new: a broker that starts restores every process its
         # journal held before it serves anyone, so nothing is parked any more.
-        output.show(key, f"gpushare: {what} was restored when the broker started again")
+        output.show(key, cell_lines.restored_by_restart_line(what))
         return
-    output.show(key, f"gpushare: restoring {what} ...")
+    output.show(key, cell_lines.restore_starts_line(what))
     park.asked = True
     try:
         client.restore(park.lease_id)
     except (BrokerError, BrokerUnavailable) as exc:
         session.forget_park(park)
-        output.show(key, f"gpushare: could not restore {what}: {exc}; running the cell")
+        output.show(key, cell_lines.restore_failed_line(what, exc))
         return
     last_shown = -1.0
     try:
         while not park.done.is_set():
             waited = time.monotonic() - started
             if waited - last_shown >= 1.0 or park.changed.is_set():
-                output.show(key, restoring_line(park, what, waited))
+                output.show(key, _restoring_line(park, what, waited))
                 last_shown = waited
             park.changed.clear()
             park.done.wait(0.1)  # short waits keep Ctrl-C responsive
@@ -122,15 +87,13 @@ def restore(session: GpuSession, park: ParkedMemory, output: CellOutput) -> None
             session.connect().restore(park.lease_id, cancel=True)
         park.queued = None
         park.asked = False
-        output.show(
-            key, f"gpushare: restore of {what} withdrawn; it stays parked and the cell did not run"
-        )
+        output.show(key, cell_lines.restore_withdrawn_line(what))
         raise
     session.forget_park(park)
     if park.failed:
-        output.show(key, f"gpushare: {park.failed}")
-        raise RestoreFailed(f"gpushare: {park.failed}")
-    output.show(key, f"gpushare: restored {what} in {time.monotonic() - started:.1f} s")
+        output.show(key, cell_lines.notice(park.failed))
+        raise RestoreFailed(cell_lines.notice(park.failed))
+    output.show(key, cell_lines.restored_line(what, time.monotonic() - started))
     with contextlib.suppress(BrokerError, BrokerUnavailable):
         session.connect().release(park.lease_id)
 
@@ -171,8 +134,6 @@ class RestoreBeforeCell(ast.NodeTransformer):
 
 def before_cell() -> None:
     """Run at the top of every cell: say a cell started; restore a parked session."""
-    from gpushare_ext.runtime.session import CellOutput, existing_session
-
     session = existing_session()
     if session is None:
         return  # no %%gpu cell yet: the broker does not know this notebook
@@ -184,8 +145,6 @@ def before_cell() -> None:
 
 def after_cell(result: Any = None) -> None:
     """IPython's ``post_run_cell``: the cell ended (idle time counts from here)."""
-    from gpushare_ext.runtime.session import existing_session
-
     session = existing_session()
     if session is not None:
         session.cell_activity(running=False)

@@ -47,8 +47,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
-import importlib.abc
-import importlib.util
 import os
 import signal
 import struct
@@ -58,7 +56,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpushare_ext.runtime import interpose
+from gpushare_ext.runtime import cell_lines, frameworks, interpose
 
 __all__ = [
     "DEFAULT_LONG_US",
@@ -208,10 +206,7 @@ class Registry:
         if report is None:  # host or managed memory among its arguments
             self.fallbacks += 1
             self._say_once(
-                f"memory:{twin.name}",
-                f"gpushare: long kernel `{twin.name}` runs unmodified when host or managed "
-                "memory is among its arguments (which buffers it writes is not known); a "
-                "pause waits for it to finish",
+                f"memory:{twin.name}", cell_lines.unmodified_with_host_memory_line(twin.name)
             )
             return
         interpose.answer_launch(0)  # done: the shim must not launch the original too
@@ -239,10 +234,7 @@ class Registry:
         interpose.track_function(int(function), interpose.TRACK_OFF)
         if not twin.said:
             twin.said = True
-            line = (
-                f"gpushare: long kernel `{twin.name}` runs unmodified ({reason}); a pause "
-                "waits for it to finish"
-            )
+            line = cell_lines.unmodified_line(twin.name, reason)
             self.said.append(line)
             _to_stderr(line)  # the cell's stderr: the note lands in the cell that ran it
         _report(f"`{twin.name}` runs unmodified ({reason}); {summary()}")
@@ -324,7 +316,7 @@ def raw_arguments(kernel: Any, params: Any) -> Any:
     """The launch's arguments as the shim got them (an array of pointers to each value),
     with each pointer parameter's extent: up to the end of its allocation.  None when a
     pointer is not device memory (host or managed memory: the buffers are not known)."""
-    from gpushare_ext.kernels.launch import BoundArgs
+    from gpushare_ext.kernels.arguments import BoundArgs
 
     values = [ctypes.string_at(params[i], p.size) for i, p in enumerate(kernel.entry.params)]
     index = {p.name: i for i, p in enumerate(kernel.entry.params)}
@@ -343,20 +335,26 @@ def raw_arguments(kernel: Any, params: Any) -> Any:
     return BoundArgs(values, extents, {})
 
 
-def choose_mode(kernel: Any, extents: dict[str, tuple[int, int]], longest_us: float = 0.0) -> Any:
-    """restart for a launch that is idempotent with these buffers, else snapshot.  An
+def decide_mode(kernel: Any, extents: dict[str, tuple[int, int]], longest_us: float = 0.0) -> Any:
+    """The launch's classification and mode (a ``LaunchDecision``), decided once here and
+    passed to the launch, or None when it must run as it is (the analysis cannot tell
+    what it writes): restart for a launch that is idempotent with these buffers, else
+    snapshot.  An
     idempotent launch of a kernel whose launches take ``FINISH_BOUND_US`` or more gets a
     snapshot too: a Ctrl-C during it is then rolled back at once, where without one the
     rest of the kernel would have to run before the cell got control back."""
     from gpushare_ext.kernels import Idempotence, classify_launch
-    from gpushare_ext.kernels.launch import LaunchMode
+    from gpushare_ext.kernels.launch import LaunchDecision, LaunchMode
 
-    verdict = classify_launch(kernel.report, extents).verdict
+    classification = classify_launch(kernel.report, extents)
+    verdict = classification.verdict
     if verdict is Idempotence.IDEMPOTENT:
-        return LaunchMode.RESTART if longest_us < FINISH_BOUND_US else LaunchMode.SNAPSHOT
-    if verdict is Idempotence.NON_IDEMPOTENT:
-        return LaunchMode.SNAPSHOT
-    return None
+        mode = LaunchMode.RESTART if longest_us < FINISH_BOUND_US else LaunchMode.SNAPSHOT
+    elif verdict is Idempotence.NON_IDEMPOTENT:
+        mode = LaunchMode.SNAPSHOT
+    else:
+        return None
+    return LaunchDecision(classification, mode)
 
 
 def run_launch(
@@ -372,14 +370,14 @@ def run_launch(
     bound = raw_arguments(kernel, params)
     if bound is None:
         return None
-    mode = choose_mode(kernel, bound.extents, longest_us)
-    if mode is None:
+    decision = decide_mode(kernel, bound.extents, longest_us)
+    if decision is None:
         return None
     hooks = session_hooks()
     if interrupted is not None:
         hooks = replace(hooks, interrupted=interrupted, exempt_from_hold=interpose.exempt_from_hold)
     return launch_kernel(
-        kernel, grid, block, (), stream=stream, shared_mem=shared, mode=mode,
+        kernel, grid, block, (), stream=stream, shared_mem=shared, decision=decision,
         abort_checks=bool(kernel.report.loops), bound=bound, max_aborts=MAX_ABORTS,
         hooks=hooks,
     )  # fmt: skip
@@ -428,65 +426,8 @@ def install() -> Registry | None:
         long_us,
     )  # fmt: skip
     _registry = registry
-    _watch_numba()
+    frameworks.adopt_kernels(installed)  # kernels a framework links itself, unseen as PTX
     return registry
-
-
-def _adopt_numba_kernels(codegen: Any) -> None:
-    """Have Numba's code library hand each kernel's PTX and handle to the registry when
-    it loads the kernel (``CUDACodeLibrary.get_cufunc``, once per kernel and device)."""
-    library_class = getattr(codegen, "CUDACodeLibrary", None)
-    original = getattr(library_class, "get_cufunc", None)
-    if original is None or getattr(original, "_gpushare", False):
-        return
-
-    def get_cufunc(self: Any) -> Any:
-        cached = bool(getattr(self, "_cufunc_cache", None))
-        cufunc = original(self)
-        registry = _registry
-        if registry is not None and not cached:
-            # If Numba's internals moved, its kernels just run as they are.
-            with contextlib.suppress(Exception):
-                registry.adopt(int(cufunc.handle), self.get_asm_str(), str(self._entry_name))
-        return cufunc
-
-    get_cufunc._gpushare = True  # type: ignore[attr-defined]
-    library_class.get_cufunc = get_cufunc
-
-
-class _NumbaWatcher(importlib.abc.MetaPathFinder):
-    """Adopts Numba's kernels once ``numba.cuda.codegen`` is imported (not before: a
-    notebook that never uses Numba never imports it)."""
-
-    NAME = "numba.cuda.codegen"
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != self.NAME:
-            return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        run_module = loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            run_module(module)
-            _adopt_numba_kernels(module)
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-
-def _watch_numba() -> None:
-    codegen = sys.modules.get(_NumbaWatcher.NAME)
-    if codegen is not None:
-        _adopt_numba_kernels(codegen)
-    elif not any(isinstance(f, _NumbaWatcher) for f in sys.meta_path):
-        sys.meta_path.insert(0, _NumbaWatcher())
 
 
 _report_sink: Callable[[str], None] | None = None
@@ -516,22 +457,11 @@ def uninstall() -> None:
     _registry = None
 
 
-# Launches the shim holds and the checkpoint lock stops, but never makes preemptible, by
-# kind (the shim's counters): each kind is said once, in the cell that first ran one.
-RUN_AS_IS = {
-    "cooperative": "cooperative launches (their blocks wait on each other: none may stop alone)",
-    "with_attributes": "launches with attributes (thread-block clusters, cooperative)",
-    "graphs": "CUDA graph launches (the kernels of a graph are not launched one by one)",
-}
-_AS_IS_PROTECTION = (
-    "run as they are: a pause holds the next one and the checkpoint lock stops the "
-    "process, but one already on the GPU finishes first"
-)
 _as_is_seen: dict[str, int] = {}
 
 
 def say_what_runs_as_is() -> list[str]:
-    """After a cell: for each kind of launch in :data:`RUN_AS_IS` the cell ran for the
+    """After a cell: for each kind of launch in ``cell_lines.RUN_AS_IS`` the cell ran for the
     first time in this process, one line in the cell saying which protection applies
     and why.  Nothing where the shim is not preloaded (no counters)."""
     if _registry is None:
@@ -541,10 +471,10 @@ def say_what_runs_as_is() -> list[str]:
     except interpose.InterposerError:
         return []
     lines = []
-    for kind, what in RUN_AS_IS.items():
+    for kind in cell_lines.RUN_AS_IS:
         if counted.get(kind, 0) and kind not in _as_is_seen:
             _as_is_seen[kind] = counted[kind]
-            line = f"gpushare: {what} {_AS_IS_PROTECTION}"
+            line = cell_lines.run_as_is_line(kind)
             _registry.said.append(line)
             lines.append(line)
     for line in lines:
@@ -577,22 +507,6 @@ def counts() -> dict[str, int]:
 
 def summary() -> str:
     """A few words for the pause notice and status: what the long kernels got."""
-    registry = _registry
-    if registry is None:
+    if _registry is None:
         return ""
-    unrivalled = counts().get("unrivalled", 0)
-    if not registry.launched and not registry.fallbacks and not unrivalled:
-        return "long kernels loaded from PTX are made preemptible"
-    parts = [f"{registry.launched} long kernel launches preemptible"]
-    if registry.yields or registry.aborts or registry.saves:
-        stops = [f"{registry.yields} yields"]
-        if registry.saves:
-            stops.append(f"{registry.saves} stops that kept their work")
-        if registry.aborts:
-            stops.append(f"{registry.aborts} aborts undone")
-        parts.append(", ".join(stops))
-    if registry.fallbacks:
-        parts.append(f"{registry.fallbacks} run unmodified")
-    if unrivalled:  # the shim's count: no cost while nobody could preempt this session
-        parts.append(f"{unrivalled} run as they are while no session could preempt this one")
-    return ", ".join(parts)
+    return cell_lines.long_kernels_summary(counts())

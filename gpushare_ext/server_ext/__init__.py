@@ -60,9 +60,12 @@ def preload_for_kernels(environ: dict[str, str]) -> str:
     ]
     if str(shim) not in present:
         environ["LD_PRELOAD"] = ":".join([str(shim), *present])
-    # CuPy then loads its kernels as PTX, which the shim hands to gpushare's analysis and
-    # transform, so long ones can be stopped mid-kernel (runtime/preemptible.py).
-    environ.setdefault("CUPY_COMPILE_WITH_PTX", "1")
+    # Frameworks then load their kernels as PTX (CuPy: CUPY_COMPILE_WITH_PTX=1), which the
+    # shim hands to gpushare's analysis and transform, so long ones can be stopped
+    # mid-kernel (runtime/preemptible.py).
+    from gpushare_ext.runtime import frameworks
+
+    frameworks.kernel_environment(environ)
     return f"kernels start with the launch shim {shim}"
 
 

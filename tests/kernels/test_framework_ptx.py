@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from gpushare_ext.kernels import Idempotence, Kernel, TransformOptions, assemble
-from gpushare_ext.kernels.analysis import struct_pointer_fields
-from gpushare_ext.kernels.transform import RecordLayout
-from gpushare_ext.runtime.preemptible import FINISH_BOUND_US, choose_mode
+from gpushare_ext.kernels.dataflow import struct_pointer_fields
+from gpushare_ext.kernels.rewrite import RecordLayout
+from gpushare_ext.runtime.preemptible import FINISH_BOUND_US, decide_mode
 
 CUPY = Path(__file__).with_name("fixtures") / "cupy"
 
@@ -83,14 +83,16 @@ def test_the_launch_mode_follows_the_buffers_actually_passed():
     x, y = "loopy_param_0@0", "loopy_param_2@0"
     apart = {x: (0x1000, 4096), y: (0x9000, 4096)}
     same = {x: (0x1000, 4096), y: (0x1000, 4096)}  # loopy(a, out=a): in place
-    assert choose_mode(kernel, apart).value == "restart"
-    assert choose_mode(kernel, same).value == "snapshot"
+    assert decide_mode(kernel, apart).mode.value == "restart"
+    assert decide_mode(kernel, same).mode.value == "snapshot"
     # A kernel long enough that finishing it after a Ctrl-C would keep the user waiting
     # gets a snapshot even where it is idempotent: the Ctrl-C rolls it back at once.
-    assert choose_mode(kernel, apart, longest_us=FINISH_BOUND_US).value == "snapshot"
-    assert choose_mode(kernel, apart, longest_us=FINISH_BOUND_US - 1).value == "restart"
+    assert decide_mode(kernel, apart, longest_us=FINISH_BOUND_US).mode.value == "snapshot"
+    assert decide_mode(kernel, apart, longest_us=FINISH_BOUND_US - 1).mode.value == "restart"
     assert (
-        choose_mode(cupy_kernel("inplace_loopy"), {"inplace_loopy_param_1@0": (0x1000, 64)}).value
+        decide_mode(
+            cupy_kernel("inplace_loopy"), {"inplace_loopy_param_1@0": (0x1000, 64)}
+        ).mode.value
         == "snapshot"
     )
 
@@ -102,4 +104,4 @@ def test_a_kernel_the_analysis_cannot_follow_gets_no_mode():
     assert original in ptx
     kernel = Kernel(ptx.replace(original, "ld.global.u64 \t%rd2, [%rd3];", 1), "rawk")
     assert kernel.report.classification.verdict is Idempotence.UNKNOWN
-    assert choose_mode(kernel, {"rawk_param_1": (0x1000, 64)}) is None
+    assert decide_mode(kernel, {"rawk_param_1": (0x1000, 64)}) is None

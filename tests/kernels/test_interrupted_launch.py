@@ -14,16 +14,18 @@ from types import SimpleNamespace
 
 import pytest
 
-from gpushare_ext.kernels import launch
-from gpushare_ext.kernels.analysis import Classification, Idempotence
+import gpushare_ext.kernels.driver as driver
+import gpushare_ext.kernels.progress as progress
+import gpushare_ext.kernels.yield_flags as yield_flags
+from gpushare_ext.kernels.arguments import BoundArgs
 from gpushare_ext.kernels.launch import (
-    BoundArgs,
     LaunchHooks,
     LaunchMode,
     LaunchReport,
     LaunchShape,
     LaunchTransaction,
 )
+from gpushare_ext.kernels.report import Classification, Idempotence
 
 SESSION_FLAG, ZERO_FLAG = 0x1000, 0x2000
 TOTAL = 100
@@ -82,9 +84,11 @@ class Scripted(LaunchTransaction):
 
 @pytest.fixture(autouse=True)
 def no_driver(monkeypatch):
-    monkeypatch.setattr(launch, "_PinnedSlot", lambda: SimpleNamespace(release=lambda: None))
-    monkeypatch.setattr(launch, "_wait", lambda stream, on_tick=None: None)
-    monkeypatch.setattr(launch, "_zero_flag", lambda context: SimpleNamespace(device_ptr=ZERO_FLAG))
+    monkeypatch.setattr(progress, "PinnedSlot", lambda: SimpleNamespace(release=lambda: None))
+    monkeypatch.setattr(driver, "wait_for_stream", lambda stream, on_tick=None: None)
+    monkeypatch.setattr(
+        yield_flags, "zero_flag", lambda context: SimpleNamespace(device_ptr=ZERO_FLAG)
+    )
 
 
 def _hooks(pressed_after_waits: int):

@@ -31,20 +31,18 @@ from gpushare_ext.kernels import (
     make_preemptible,
     parse_ptx,
 )
+from gpushare_ext.kernels.arguments import array_extent, bind_arguments, param_array
 from gpushare_ext.kernels.cli import classify_main
 from gpushare_ext.kernels.frontends import compile_numba
-from gpushare_ext.kernels.launch import (
+from gpushare_ext.kernels.progress import (
     CHUNK_MAX,
-    _array_extent,
-    _BlockTimes,
-    _fit_chunk,
-    _param_array,
-    _parse_record,
-    bind_arguments,
+    BlockTimes,
     choose_chunk,
+    fit_chunk,
     initial_record,
+    parse_record,
 )
-from gpushare_ext.kernels.transform import PROGRESS_RECORD_BYTES, RecordLayout
+from gpushare_ext.kernels.rewrite import PROGRESS_RECORD_BYTES, RecordLayout
 
 VARIANTS = [
     TransformOptions(),
@@ -455,9 +453,9 @@ def test_binding_flattens_numba_arrays():
 
 
 def test_extent_of_strided_views():
-    assert _array_extent(FakeArray(1000, (10,), "<f4", (-4,))) == (964, 40)
-    assert _array_extent(FakeArray(1000, (3, 4), "<f4", (32, 4))) == (1000, 80)
-    assert _array_extent(FakeArray(1000, (0,), "<f4", None)) == (1000, 0)
+    assert array_extent(FakeArray(1000, (10,), "<f4", (-4,))) == (964, 40)
+    assert array_extent(FakeArray(1000, (3, 4), "<f4", (32, 4))) == (1000, 80)
+    assert array_extent(FakeArray(1000, (0,), "<f4", None)) == (1000, 0)
 
 
 def test_initial_progress_record_layout():
@@ -469,7 +467,7 @@ def test_initial_progress_record_layout():
 
 
 def test_record_header_round_trip_and_parse():
-    state = _parse_record(initial_record(42)[: RecordLayout.SCRATCH])
+    state = parse_record(initial_record(42)[: RecordLayout.SCRATCH])
     assert state["next"] == 42 and state["first_yield_ns"] == (1 << 64) - 1
     assert state["fenced"] == state["aborted"] == state["finished"] == 0
 
@@ -493,22 +491,22 @@ def test_chunk_choice():
     assert choose_chunk(1000, 100, 10.0, target_us=4) == 3
     assert choose_chunk(128, 132, 10.0) == 1
     # The counter may overshoot by one chunk per persistent block: never past 2^32 - 1.
-    assert _fit_chunk(64, 1000, 100) == 64
-    assert _fit_chunk(64, (1 << 32) - 2000, 100) == 16
+    assert fit_chunk(64, 1000, 100) == 64
+    assert fit_chunk(64, (1 << 32) - 2000, 100) == 16
     with pytest.raises(KernelError):
-        _fit_chunk(1, (1 << 32) - 50, 100)
+        fit_chunk(1, (1 << 32) - 50, 100)
 
 
 def test_block_time_estimate_from_record_stamps():
-    _BlockTimes.clear()
+    BlockTimes.clear()
     key = ("k",)
-    _BlockTimes.record(key, 10, 100, 150)  # too few blocks per persistent block: ignored
-    assert _BlockTimes.get(key) is None
-    _BlockTimes.record(key, 1_000_000, 100, 100_000)  # 1 ms, 1000 blocks each: 1 us/block
-    assert _BlockTimes.get(key) == pytest.approx(1000.0)
-    _BlockTimes.record(key, 3_000_000, 100, 100_000)
-    assert _BlockTimes.get(key) == pytest.approx(2000.0)  # smoothed
-    _BlockTimes.clear()
+    BlockTimes.record(key, 10, 100, 150)  # too few blocks per persistent block: ignored
+    assert BlockTimes.get(key) is None
+    BlockTimes.record(key, 1_000_000, 100, 100_000)  # 1 ms, 1000 blocks each: 1 us/block
+    assert BlockTimes.get(key) == pytest.approx(1000.0)
+    BlockTimes.record(key, 3_000_000, 100, 100_000)
+    assert BlockTimes.get(key) == pytest.approx(2000.0)  # smoothed
+    BlockTimes.clear()
 
 
 def _simulate_launch(rng, total, persistent, chunk, cuts, flag_steps):
@@ -573,7 +571,7 @@ def test_param_array_points_at_each_value():
     import ctypes
 
     values = [struct.pack("<Q", 0xDEADBEEF12), struct.pack("<f", 1.5), b"\x01", bytes(range(16))]
-    ptrs, keep = _param_array(values)
+    ptrs, keep = param_array(values)
     for i, v in enumerate(values):
         assert ptrs[i] % 16 == 0, "each value starts 16-byte aligned"
         assert ctypes.string_at(ptrs[i], len(v)) == v

@@ -18,7 +18,7 @@ import pytest
 from corpus_specs import CASES, Case
 
 from gpushare_ext.kernels import kernel
-from gpushare_ext.kernels.analysis import Idempotence
+from gpushare_ext.kernels.report import Idempotence
 
 
 def _gpu_ready() -> str | None:
@@ -150,7 +150,7 @@ def test_chunked_claiming_with_an_uneven_block_count(chunk):
 def test_real_yield_flag_with_chunks_drains_and_resumes_exactly():
     import cupy as cp
 
-    from gpushare_ext.kernels.launch import YieldFlag
+    from gpushare_ext.kernels.yield_flags import YieldFlag
 
     case = next(c for c in CASES if c.kernel == "long_loop")
     k = _kernel(case)
@@ -197,7 +197,7 @@ def test_aliased_buffers_are_snapshotted_and_stay_exact():
 def test_real_yield_flag_drains_and_resumes_exactly():
     import cupy as cp
 
-    from gpushare_ext.kernels.launch import YieldFlag
+    from gpushare_ext.kernels.yield_flags import YieldFlag
 
     case = next(c for c in CASES if c.kernel == "long_loop")
     k = _kernel(case)
@@ -229,13 +229,13 @@ def test_real_yield_flag_drains_and_resumes_exactly():
 def test_interrupt_mid_launch_restores_a_non_idempotent_kernel(monkeypatch):
     import cupy as cp
 
-    from gpushare_ext.kernels import launch as L
+    import gpushare_ext.kernels.driver as driver
 
     case = next(c for c in CASES if c.kernel == "long_loop_inplace")
     k = _kernel(case)
     x = cp.asarray(np.random.default_rng(2).standard_normal(case.grid[0] * 256).astype(np.float32))
     before = x.copy()
-    real_wait = L._wait
+    real_wait = driver.wait_for_stream
     calls = {"n": 0}
 
     def interrupted_wait(stream, on_tick=None):
@@ -245,10 +245,10 @@ def test_interrupt_mid_launch_restores_a_non_idempotent_kernel(monkeypatch):
             raise KeyboardInterrupt
         return real_wait(stream, on_tick)
 
-    monkeypatch.setattr(L, "_wait", interrupted_wait)
+    monkeypatch.setattr(driver, "wait_for_stream", interrupted_wait)
     with pytest.raises(KeyboardInterrupt):
         k.launch(case.grid, case.block, (x, np.int32(x.size), np.int32(200000)), max_blocks=2)
-    monkeypatch.setattr(L, "_wait", real_wait)
+    monkeypatch.setattr(driver, "wait_for_stream", real_wait)
     rep = k.last_launch
     assert rep.mode.value == "snapshot" and rep.restored, rep
     _compare(cp, case, "after Ctrl-C", (x,), (before,), rep)
@@ -293,12 +293,12 @@ def test_sm_share_limits_the_sms_used():
 
 
 def test_yield_flag_written_from_another_process_through_ipc():
-    from gpushare_ext.kernels.launch import YieldFlag
+    from gpushare_ext.kernels.yield_flags import YieldFlag
 
     flag = YieldFlag()
     handle = flag.ipc_handle().hex()
     code = (
-        "from gpushare_ext.kernels.launch import write_yield_flag_from_handle as w;"
+        "from gpushare_ext.kernels.yield_flags import write_yield_flag_from_handle as w;"
         f"w(bytes.fromhex('{handle}'), 7, 0)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -341,7 +341,7 @@ def test_saved_aborts_keep_the_work_of_logical_blocks_longer_than_every_gap():
     those of an undisturbed run."""
     import cupy as cp
 
-    from gpushare_ext.kernels.launch import YieldFlag
+    from gpushare_ext.kernels.yield_flags import YieldFlag
 
     case = next(c for c in CASES if c.kernel == "long_loop_inplace")
     k = _kernel(case)
@@ -383,7 +383,7 @@ def test_saved_aborts_run_every_atomic_exactly_once():
     saved state continues each thread's loop, so the counts match an undisturbed run."""
     import cupy as cp
 
-    from gpushare_ext.kernels.launch import YieldFlag
+    from gpushare_ext.kernels.yield_flags import YieldFlag
 
     k = kernel(ATOMIC_LOOP, "count_in_loop")
     assert k.preemptible(abort_checks=True).saves_state

@@ -16,7 +16,7 @@ from corpus_specs import CORPUS
 from numba_corpus import NUMBA_CASES
 
 from gpushare_ext.kernels import Kernel, TransformOptions, assemble, kernel, make_preemptible
-from gpushare_ext.kernels.analysis import build_cfg
+from gpushare_ext.kernels.dataflow import build_cfg
 from gpushare_ext.kernels.frontends import compile_numba
 from gpushare_ext.kernels.liveness import (
     live_before,
@@ -25,7 +25,7 @@ from gpushare_ext.kernels.liveness import (
     uses_and_defs,
 )
 from gpushare_ext.kernels.ptx import parse_instruction, parse_ptx
-from gpushare_ext.kernels.transform import SAVE_HEADER_CELLS
+from gpushare_ext.kernels.rewrite import SAVE_HEADER_CELLS
 
 CUPY = Path(__file__).with_name("fixtures") / "cupy"
 

@@ -196,9 +196,7 @@ def fake_gpu():
     interpose.native_library().gps_set_window(2, 4)
     yield gpu
     interpose.use_driver(None)
-    interpose.native_library().gps_set_window(
-        interpose.DEFAULT_WINDOW, interpose.DEFAULT_RECORD_EVERY
-    )
+    interpose.native_library().gps_set_window(0, interpose.DEFAULT_RECORD_EVERY)
 
 
 def test_at_most_a_window_of_checkpoints_stays_in_flight(fake_gpu):
@@ -442,6 +440,42 @@ def test_a_module_is_unloaded_only_after_a_launch_held_in_another_thread_went_on
     # Resumed: the launch reaches the driver first, then the module goes.
     assert out["unloads"] == 1 and out["launches_before_the_unload"] == 1, out
     assert out["alone"]
+
+
+UNLEASED_SCRIPT = (
+    DRIVER_ENTRIES
+    + r"""
+import json, sys
+from pathlib import Path
+from gpushare_ext.runtime import interpose, preemptible
+from gpushare_ext.control_block import ControlBlock
+from gpushare_ext.lease_state import LeaseState
+
+launch = entry(b"cuLaunchKernel", ctypes.CFUNCTYPE(ctypes.c_int, p, u, u, u, u, u, u, u, p, p, p))
+def launches(n):
+    for _ in range(n):
+        assert launch(p(0x1234), 1, 1, 1, 1, 1, 1, 0, None, None, None) == 0
+    return interpose.stats()["window_waits"]
+
+assert preemptible.install() is not None  # what %load_ext does: the driver is now in use
+out = {"unleased": launches(100)}
+block = ControlBlock.create(Path(sys.argv[1]) / "session.cb")
+block.publish(gate_closed=False, state=LeaseState.RUNNING)
+interpose.attach(block.address())  # a low lease: someone may pause it
+out["leased"] = launches(100) - out["unleased"]
+interpose.bound(False)  # the lease ended
+out["after"] = launches(100) - out["leased"] - out["unleased"]
+print(json.dumps(out))
+"""
+)
+
+
+def test_launches_outside_a_lease_are_not_kept_waiting(fake_driver, tmp_path):
+    out = run_preloaded(UNLEASED_SCRIPT, fake_driver, str(tmp_path))
+    # The stand-in GPU never finishes an event on its own, so a bounded queue makes every
+    # few launches wait for the oldest: that is what a lease gets, and only a lease.
+    assert out["leased"] > 0, out
+    assert out["unleased"] == 0 and out["after"] == 0, out
 
 
 def run_preloaded(script: str, fake_driver: Path, *args: str) -> dict:

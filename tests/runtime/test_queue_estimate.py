@@ -4,7 +4,9 @@ the wait would outlast the cell's timeout (it never promises a grant the timeout
 from __future__ import annotations
 
 from gpushare_ext.protocol import Queued
-from gpushare_ext.runtime.session import LeaseHandle, LeaseOptions, estimate_text, queue_line
+from gpushare_ext.runtime.cell_lines import estimate_text as estimate_from
+from gpushare_ext.runtime.cell_lines import queue_line
+from gpushare_ext.runtime.leases import LeaseHandle, LeaseOptions
 
 
 def _waiting(estimate_s: float | None, timeout_s: float | None = None) -> LeaseHandle:
@@ -15,6 +17,16 @@ def _waiting(estimate_s: float | None, timeout_s: float | None = None) -> LeaseH
     )  # fmt: skip
     handle.queued_at = 100.0
     return handle
+
+
+def estimate_text(handle: LeaseHandle, waited_s: float, now: float) -> str:
+    """The estimate as the session words it for ``handle`` at monotonic time ``now``."""
+    return estimate_from(
+        handle.queued,
+        since_notice_s=now - handle.queued_at,
+        waited_s=waited_s,
+        timeout_s=handle.options.timeout_s,
+    )
 
 
 def test_the_estimate_counts_down_from_the_notice_that_gave_it():
@@ -43,5 +55,5 @@ def test_an_estimate_past_the_timeout_says_so():
 def test_no_estimate_no_words_and_the_line_still_reads_whole():
     handle = _waiting(None)
     assert estimate_text(handle, waited_s=3.0, now=103.0) == ""
-    line = queue_line(handle, 3.0)
+    line = queue_line(handle.queued, 3.0, estimate_text(handle, waited_s=3.0, now=103.0))
     assert line.startswith("queued: position 1, waiting for user-3f2a (priority high) -- 3 s")

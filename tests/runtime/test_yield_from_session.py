@@ -17,7 +17,7 @@ import pytest
 from gpushare_ext.control_block import ControlBlock
 from gpushare_ext.lease_state import LeaseState
 from gpushare_ext.protocol import PreemptionLevel
-from gpushare_ext.runtime.session import asked_to_yield, wait_until_resumed
+from gpushare_ext.runtime.paused import asked_to_yield, wait_until_resumed
 
 
 class HostFlag:

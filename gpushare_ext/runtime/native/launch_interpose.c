@@ -176,7 +176,9 @@ static volatile uint32_t *volatile g_state;  /* control block: session state */
 /* control block: 1 while no session that could preempt this one exists (the broker
  * decides): long kernels then run as they are, at no cost */
 static volatile uint32_t *volatile g_unrivalled;
-static unsigned g_window = 2, g_record_every = 4; /* fixed bound, or the start of an adaptive one */
+/* No bound until a session asks for one (gps_set_window): launches outside any lease can
+ * be paused by nobody, so keeping their queue short would only slow them down. */
+static unsigned g_window = 0, g_record_every = 4; /* fixed bound, or the start of an adaptive one */
 static unsigned g_target_us = 0;                   /* 0: the fixed bound */
 static unsigned g_rival_target_us = 0;             /* while rivalled (0: g_target_us) */
 static ContextWindow g_windows[MAX_CONTEXTS];

@@ -1,0 +1,216 @@
+"""The persistent-block rewrite: the loop that claims chunks of logical blocks.
+
+What it is for: :class:`PersistentBlocks` wraps the rewritten body in the persistent
+loop (flag check, chunk claim, broadcast through shared memory, the logical blocks of
+the chunk back to back, the exit stamps in the progress record), with the parking path
+of a state-saving variant, and renders the entry's text.
+
+What it must not do: rewrite the body itself (the earlier passes do), launch, or touch
+CUDA.
+"""
+
+from __future__ import annotations
+
+from gpushare_ext.kernels.ptx import Param, render_entry
+from gpushare_ext.kernels.rewrite import (
+    BLOCK_COORDS,
+    NO_BLOCK,
+    Pass,
+    RecordLayout,
+    SavePlan,
+    TransformState,
+    needs_block_sync,
+)
+from gpushare_ext.kernels.saved_state import restore_stub, resume_saved, save_stub
+
+__all__ = ["PersistentBlocks"]
+
+
+# State-saving variants claim a chunk only once every thread of the block has finished
+# the last one or parked (a barrier before the claim), and claim none once one parked:
+# a parked thread owes the rest of its chunk, and must not miss its part of the next.
+_PARKED_BLOCK_STOPS = ("barrier.sync 0;",)
+_STOP_IF_PARKED = (
+    "ld.shared.u32 %gs_t, [__gs_stopped];",
+    "setp.ne.u32 %gs_pr, %gs_t, 0;",
+    "@%gs_pr bra $__gs_publish;",
+)
+
+
+def _park(plan: SavePlan) -> list[str]:
+    """The save and reload stubs, and the parking path: a thread that saved its state
+    marks the record and its block, then waits at the next dispatch like the others
+    (it does not exit, so the block's barriers keep counting it)."""
+    L = RecordLayout
+    out: list[str] = []
+    for n in sorted(plan.live):
+        out += save_stub(plan, n)
+    for n in sorted(plan.live):
+        out += restore_stub(plan, n)
+    out += [
+        "$__gs_park:",
+        "mov.u64 %gs_now, %globaltimer;",
+        f"red.global.min.u64 [%gs_prog+{L.FIRST_YIELD_NS}], %gs_now;",
+        f"red.global.max.u64 [%gs_prog+{L.LAST_EXIT_NS}], %gs_now;",
+        f"red.global.min.u32 [%gs_prog+{L.LOWEST_ABORTED}], %gs_id;",
+        "mov.u32 %gs_t, 1;",
+        f"st.global.u32 [%gs_prog+{L.ABORTED}], %gs_t;",
+        "st.shared.u32 [__gs_stopped], %gs_t;",
+        "bra $__gs_next;",
+    ]
+    return out
+
+
+class PersistentBlocks(Pass):
+    """Wrap the body in the persistent loop: flag check, chunk claim, broadcast, then the
+    chunk's logical blocks back to back (ids decomposed into ``%ctaid`` replacements)."""
+
+    name = "persistent-blocks"
+    effect = "rewrite"
+
+    def run(self, state: TransformState) -> None:
+        L = RecordLayout
+        sync = needs_block_sync(state)
+        state.notes.append(
+            "barrier between logical blocks of a chunk" if sync else "chunk runs without barriers"
+        )
+        state.extra_params[:0] = [
+            Param("__gs_progress", "u64", 8, 8),
+            Param("__gs_yieldflag", "u64", 8, 8),
+            Param("__gs_gridx", "u32", 4, 4),
+            Param("__gs_gridy", "u32", 4, 4),
+            Param("__gs_gridz", "u32", 4, 4),
+            Param("__gs_stop", "u32", 4, 4),
+            Param("__gs_chunk", "u32", 4, 4),
+        ]
+        plan = state.save
+        if plan is not None:
+            state.extra_params[7:7] = [
+                Param("__gs_save", "u64", 8, 8),
+                Param("__gs_savestride", "u64", 8, 8),
+            ]
+        state.decls[:0] = [
+            ".reg .b64 %gs_prog0, %gs_prog, %gs_flag0, %gs_flag, %gs_now, %gs_scratch, %gs_scratch_g;",
+            ".reg .b32 %gs_nx, %gs_ny, %gs_nz, %gs_stop, %gs_nxy, %gs_t, %gs_t2, %gs_id, %gs_flagv;",
+            ".reg .b32 %gs_cx, %gs_cy, %gs_cz, %gs_chunk, %gs_base, %gs_lim, %gs_sa, %gs_bc, %gs_bm;",
+            ".reg .pred %gs_leader, %gs_pseen, %gs_pend, %gs_pa, %gs_pb, %gs_pmore, %gs_pf;",
+            # Two slots, used alternately by consecutive chunks: the leader can write the
+            # next chunk's base while a slow warp still reads this one's (one barrier per
+            # chunk instead of two).
+            ".shared .align 8 .b32 __gs_slot[2];",
+            ".shared .align 4 .b32 __gs_abortslot;",
+        ]
+        if plan is not None:
+            state.decls += [
+                ".reg .b64 %gs_sv0, %gs_sv, %gs_sst, %gs_sp;",
+                ".reg .b32 %gs_g, %gs_tag;",
+                ".reg .pred %gs_pr;",
+                ".shared .align 4 .b32 __gs_stopped;",  # a thread of the block parked
+            ]
+        prologue = [
+            "// gpushare: persistent preemptible blocks, chunks of logical blocks",
+            "ld.param.u64 %gs_prog0, [__gs_progress];",
+            "cvta.to.global.u64 %gs_prog, %gs_prog0;",
+            "ld.param.u64 %gs_flag0, [__gs_yieldflag];",
+            "cvta.to.global.u64 %gs_flag, %gs_flag0;",
+            f"add.s64 %gs_scratch, %gs_prog0, {L.SCRATCH};",
+            f"add.s64 %gs_scratch_g, %gs_prog, {L.SCRATCH};",
+            "ld.param.u32 %gs_nx, [__gs_gridx];",
+            "ld.param.u32 %gs_ny, [__gs_gridy];",
+            "ld.param.u32 %gs_nz, [__gs_gridz];",
+            "ld.param.u32 %gs_stop, [__gs_stop];",
+            "ld.param.u32 %gs_chunk, [__gs_chunk];",
+            "max.u32 %gs_chunk, %gs_chunk, 1;",
+            "mov.u32 %gs_bc, 0;",  # iterations since the last per-thread flag check
+            "mul.lo.u32 %gs_nxy, %gs_nx, %gs_ny;",
+            "mov.u32 %gs_t, %tid.x;",
+            "mov.u32 %gs_t2, %tid.y;",
+            "or.b32 %gs_t, %gs_t, %gs_t2;",
+            "mov.u32 %gs_t2, %tid.z;",
+            "or.b32 %gs_t, %gs_t, %gs_t2;",
+            "setp.eq.u32 %gs_leader, %gs_t, 0;",
+            "mov.u32 %gs_sa, __gs_slot;",
+            "@%gs_leader mov.u64 %gs_now, %globaltimer;",
+            f"@%gs_leader red.global.min.u64 [%gs_prog+{L.START_NS}], %gs_now;",
+            *state.prologue,
+            *(resume_saved(plan) if plan is not None else ()),
+        ]
+        dispatch = [
+            "// gpushare: chunk dispatch (leader: flag check, then one atomic per chunk)",
+            "$__gs_next:",
+            *(_PARKED_BLOCK_STOPS if plan is not None else ()),
+            "@!%gs_leader bra $__gs_wait;",
+            f"mov.u32 %gs_base, {NO_BLOCK};",
+            *(_STOP_IF_PARKED if plan is not None else ()),
+            "ld.volatile.global.u32 %gs_flagv, [%gs_flag];",
+            "setp.ne.u32 %gs_pseen, %gs_flagv, 0;",
+            "@%gs_pseen bra $__gs_seen;",
+            f"atom.global.add.u32 %gs_base, [%gs_prog+{L.NEXT_BLOCK}], %gs_chunk;",
+            "bra $__gs_publish;",
+            "$__gs_seen:",
+            "mov.u64 %gs_now, %globaltimer;",
+            f"red.global.min.u64 [%gs_prog+{L.FIRST_YIELD_NS}], %gs_now;",
+            f"red.global.max.u64 [%gs_prog+{L.LAST_EXIT_NS}], %gs_now;",
+            f"red.global.add.u32 [%gs_prog+{L.YIELD_EXITS}], 1;",
+            "$__gs_publish:",
+            "st.shared.u32 [%gs_sa], %gs_base;",
+            "$__gs_wait:",
+            "barrier.sync 0;",
+            "ld.shared.u32 %gs_base, [%gs_sa];",
+            "xor.b32 %gs_sa, %gs_sa, 4;",  # the other slot for the next chunk
+            "setp.ge.u32 %gs_pend, %gs_base, %gs_stop;",
+            "@%gs_pend bra $__gs_exit;",
+            # The chunk is [base, min(base + chunk, stop)): ids >= stop are never run.
+            "sub.u32 %gs_t, %gs_stop, %gs_base;",
+            "min.u32 %gs_t, %gs_t, %gs_chunk;",
+            "add.u32 %gs_lim, %gs_base, %gs_t;",
+            "mov.u32 %gs_id, %gs_base;",
+            "$__gs_block:",
+            *BLOCK_COORDS,
+            "// gpushare: original kernel body (one logical block)",
+        ]
+        epilogue = [
+            "$__gs_done:",
+            "add.u32 %gs_id, %gs_id, 1;",
+            "setp.lt.u32 %gs_pmore, %gs_id, %gs_lim;",
+            "@!%gs_pmore bra $__gs_chunkend;",
+        ]
+        if sync:  # shared memory / barriers: the next logical block must not overlap
+            epilogue.append("barrier.sync 0;")
+        epilogue += [
+            "bra $__gs_block;",
+            "$__gs_chunkend:",
+            # The barrier at $__gs_wait closes the chunk's last logical block.
+            "sub.u32 %gs_t, %gs_lim, %gs_base;",
+            f"@%gs_leader red.global.add.u32 [%gs_prog+{L.FINISHED}], %gs_t;",
+            "bra $__gs_next;",
+            "$__gs_abort:",
+            "mov.u64 %gs_now, %globaltimer;",
+            f"red.global.min.u64 [%gs_prog+{L.FIRST_YIELD_NS}], %gs_now;",
+            f"red.global.max.u64 [%gs_prog+{L.LAST_EXIT_NS}], %gs_now;",
+            # Every block below the lowest one an abort left is finished: an idempotent
+            # kernel restarts there, not at 0 (re-running finished blocks is harmless).
+            f"red.global.min.u32 [%gs_prog+{L.LOWEST_ABORTED}], %gs_id;",
+            f"mov.u32 %gs_t, {NO_BLOCK};",
+            "st.shared.u32 [__gs_slot], %gs_t;",
+            "st.shared.u32 [__gs_slot+4], %gs_t;",
+            "mov.u32 %gs_t, 1;",
+            f"st.global.u32 [%gs_prog+{L.ABORTED}], %gs_t;",
+            "exit;",
+            "$__gs_exit:",
+            "@%gs_leader mov.u64 %gs_now, %globaltimer;",
+            f"@%gs_leader red.global.max.u64 [%gs_prog+{L.END_NS}], %gs_now;",
+            "ret;",
+        ]
+        if plan is not None:
+            epilogue += _park(plan)
+        top_decls = [it for it in state.body if it.stmt.kind == "decl" and it.stmt.depth == 0]
+        rest = [it for it in state.body if not (it.stmt.kind == "decl" and it.stmt.depth == 0)]
+        lines = [it.render() for it in top_decls]
+        lines += ["\t" + d for d in state.decls]
+        lines += ["\t" + s if not s.endswith(":") else s for s in prologue + dispatch]
+        lines += [it.render() for it in rest]
+        lines += ["\t" + s if not s.endswith(":") else s for s in epilogue]
+        params = list(state.entry.params) + state.extra_params
+        state.text = render_entry(state.entry, body_lines=lines, params=params)
+        state.chunk_sync = sync
