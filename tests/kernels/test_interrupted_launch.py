@@ -3,7 +3,7 @@
 The slices here are scripted (no GPU on this machine): each "slice" returns the progress
 record a real one would, and the test follows what the transaction does with it -- which
 slices it launches next, with which flag, whether it waits, rolls back or finishes.  The
-same paths run for real on the H200 in ``tests/gpu/test_interrupt_gpu.py``.
+same paths run for real on the H200 in ``tests/kernels/test_interrupt_gpu.py``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 while the control block says paused, lets it go on resume or Ctrl-C, gives up the GIL
 while it waits, and bounds the launches in flight (driven with a fake driver table).
 
-On a GPU host, tests/gpu/test_interposer_gpu.py attaches it to real CUPTI callbacks.
+On a GPU host, tests/runtime/test_interposer_gpu.py attaches it to real CUPTI callbacks.
 """
 
 from __future__ import annotations

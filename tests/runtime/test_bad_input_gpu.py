@@ -22,12 +22,8 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-
 from gpu_support import ROOT, gpu_with, shim_env
 from runtime_helpers import BrokerProcess, NotebookKernel, short_tempdir
 

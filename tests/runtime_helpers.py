@@ -38,7 +38,7 @@ from gpushare_ext.broker import launch
 from gpushare_ext.client import BrokerClient
 from gpushare_ext.protocol import LeaseView, Snapshot
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 BROKER_START_S = 30.0
 KERNEL_START_S = 90.0

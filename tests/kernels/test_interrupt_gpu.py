@@ -14,14 +14,10 @@ Skips cleanly without a usable GPU.  Failures print the broker's log and every c
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-
 from gpu_support import shim_env
 from runtime_helpers import (
     BrokerProcess,
