@@ -60,12 +60,12 @@ class Effects:
     def __init__(self, ctx: BrokerContext) -> None:
         self.ctx = ctx
         self._handlers: dict[type, Callable[[Any, Reply], None]] = {
-            core.Grant: self.grant,
+            core.GrantLease: self.grant,
             core.NotifyQueued: self.notify_queued,
-            core.Refuse: self.refuse,
-            core.Preempt: self.preempt,
+            core.RefuseRequest: self.refuse,
+            core.PauseLease: self.preempt,
             core.ResumeLease: self.resume,
-            core.Revoke: self.revoke,
+            core.RevokeLease: self.revoke,
             core.LeaseEnded: self.lease_ended,
             core.RivalryChanged: self.rivalry_changed,
         }
@@ -90,7 +90,7 @@ class Effects:
 
     # ---- one method per action
 
-    def grant(self, action: core.Grant, reply: Reply) -> None:
+    def grant(self, action: core.GrantLease, reply: Reply) -> None:
         ctx = self.ctx
         leases = ctx.scheduler.members(action.lease_id)  # a gang: each of its ranks
         for lease in leases:
@@ -164,7 +164,7 @@ class Effects:
             ),
         )
 
-    def refuse(self, action: core.Refuse, reply: Reply) -> None:
+    def refuse(self, action: core.RefuseRequest, reply: Reply) -> None:
         self.ctx.metrics.observe_refusal(action.code.value)
         events.info(
             "%s refused (%s): %s",
@@ -182,7 +182,7 @@ class Effects:
                 ),
             )
 
-    def preempt(self, action: core.Preempt, reply: Reply) -> None:
+    def preempt(self, action: core.PauseLease, reply: Reply) -> None:
         ctx = self.ctx
         conn = self._conn(action.session_id)
         lease = ctx.scheduler.lease_of(action.lease_id)
@@ -241,7 +241,7 @@ class Effects:
         if action.parks_bytes and reply.park:
             self._answer_park(action, reply)
 
-    def _answer_park(self, action: core.Preempt, reply: Reply) -> None:
+    def _answer_park(self, action: core.PauseLease, reply: Reply) -> None:
         """Whoever asked for the park hears what goes to the host, and for which lease."""
         if reply.conn is not None:
             self.ctx.outbox.put(
@@ -273,7 +273,7 @@ class Effects:
             )
         )
 
-    def revoke(self, action: core.Revoke, reply: Reply) -> None:
+    def revoke(self, action: core.RevokeLease, reply: Reply) -> None:
         events.info(
             "%s (pid %s) revoked: %s",
             action.lease_id, action.pid, plain_text(action.reason, SENTENCE_LIMIT),
@@ -325,7 +325,7 @@ class Effects:
     # ---- the ladder, off the event loop
 
     async def _apply_preemption(
-        self, target: Target, action: core.Preempt, already: PreemptionLevel | None
+        self, target: Target, action: core.PauseLease, already: PreemptionLevel | None
     ) -> None:
         ctx = self.ctx
         block = target.control_block
@@ -357,7 +357,7 @@ class Effects:
             ctx.record.evicted(lease, action.level)
 
     async def _preemption_failed(
-        self, target: Target, action: core.Preempt, exc: ActuatorError
+        self, target: Target, action: core.PauseLease, exc: ActuatorError
     ) -> None:
         ctx = self.ctx
         ctx.metrics.observe_preemption(int(action.level), failed=True)
@@ -369,8 +369,7 @@ class Effects:
         log.warning(
             "preemption of %s at level %s failed: %s", action.lease_id, int(action.level), exc
         )
-        keeps_lock = action.level == PreemptionLevel.EVICT and not action.parks_bytes
-        if not (keeps_lock and ctx.ladder.is_locked(target.pid)):
+        if not (action.keeps_lock and ctx.ladder.is_locked(target.pid)):
             # Whatever was applied (the gate) is undone: it keeps running, time-sliced.
             # (A failed eviction keeps the lock: it stays paused, its memory on the device;
             # a failed park is undone whole: the idle session must be able to run again.)

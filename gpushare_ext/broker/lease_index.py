@@ -37,7 +37,7 @@ from gpushare_ext.protocol import SliceWish
 from gpushare_ext.units import priority_band
 
 if TYPE_CHECKING:
-    from gpushare_ext.broker.core import Identity, Lease
+    from gpushare_ext.broker.scheduler_records import Identity, Lease
 
 HOLDING = (LeaseState.RUNNING, LeaseState.PAUSED)  # states whose memory stays on the slot
 WAITING = (LeaseState.QUEUED, LeaseState.PAUSED, LeaseState.EVICTED)

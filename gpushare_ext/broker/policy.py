@@ -3,7 +3,8 @@
 Pure data and pure functions (no I/O beyond parsing a TOML string): per-user and
 per-group limits (max priority, memory quota, default memory, max concurrent leases,
 slice wish, aging rate), the device sharing mode, and the two decisions the scheduler
-core delegates here: which preemption level stops a victim, and in which order victims
+core delegates here: which preemption level stops a victim (:func:`ladder_level`, the
+one place that level is chosen), and in which order victims
 are chosen.  Every value is checked and converted by :mod:`gpushare_ext.broker.schema`
 (what each key accepts lives there, not here).  This module must not import
 ``config.py`` or ``server.py``: they import it.
@@ -37,8 +38,9 @@ section; later sections override earlier ones field by field.
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from enum import Enum
 
 from gpushare_ext.broker import schema
 from gpushare_ext.broker.schema import HostShare, PolicyError
@@ -58,9 +60,12 @@ __all__ = [
     "Limits",
     "Policy",
     "PolicyError",
+    "StopCause",
     "VictimTraits",
     "effective_priority",
     "format_size",
+    "ladder_level",
+    "lock_kept_when_failing",
     "parse_policy",
     "parse_size",
     "policy_from_document",
@@ -198,6 +203,50 @@ def stopping_level(traits: VictimTraits) -> PreemptionLevel | None:
     if traits.gate:
         return PreemptionLevel.GATE  # best effort: holds new launches, not those in flight
     return None
+
+
+class StopCause(Enum):
+    """Why the core stops a lease, which decides how far up the ladder it goes."""
+
+    MAKE_ROOM = "make room"  # a higher band needs its turn on the GPU: stop its work
+    FREE_MEMORY = "free memory"  # its device memory must leave the GPU: evict it
+    OVER_QUOTA = "over quota"  # the watchdog holds a lease using more than it leased
+
+
+def ladder_level(
+    cause: StopCause,
+    stopping: Sequence[VictimTraits],
+    applied: PreemptionLevel | None = None,
+) -> PreemptionLevel | None:
+    """The ladder level the core asks for to stop a lease, or None if nothing can.
+
+    ``stopping`` is the lease and whatever must stop with it (the running ranks of its
+    gang: the highest level any of them needs stops them all).  ``applied`` is a level
+    already applied or asked for, which is asked for again (a lease paused before the
+    broker restarted is paused as it was).  Memory that must leave the GPU is evicted;
+    a lease over its memory quota is locked (the gate or the yield flag would not stop
+    it from holding memory), or left running if it cannot be.
+    """
+    if applied is not None:
+        return applied
+    if cause is StopCause.FREE_MEMORY:
+        return PreemptionLevel.EVICT
+    if cause is StopCause.OVER_QUOTA:
+        return PreemptionLevel.LOCK if all(t.lockable for t in stopping) else None
+    levels = [stopping_level(traits) for traits in stopping]
+    if any(level is None for level in levels):
+        return None
+    return max(levels)  # type: ignore[type-var]
+
+
+def lock_kept_when_failing(level: PreemptionLevel, parks: bool) -> bool:
+    """Whether a stop at ``level`` that fails keeps the lock it took.
+
+    A failed eviction keeps it: the lease stays paused, its memory on the device.  A
+    failed park is undone whole, since the idle session must be able to run again, and
+    so is a failed pause, whose lease runs on, time-sliced with the newcomer.
+    """
+    return level == PreemptionLevel.EVICT and not parks
 
 
 def victim_order_key(priority: float, memory_bytes: int, started_seq: int) -> tuple:

@@ -78,7 +78,7 @@ class Recorder:
             self.journal.lease_recorded(journal_record(lease))
             self._waiting.add(lease.lease_id)
 
-    def preempted(self, action: core.Preempt, lease: core.Lease | None, block_path: str) -> None:
+    def preempted(self, action: core.PauseLease, lease: core.Lease | None, block_path: str) -> None:
         """The step first (recovery undoes it), then the lease's new state."""
         self._last_actuation[action.lease_id] = self.journal.actuation_applied(
             action.lease_id, action.pid, action.device_index, int(action.level), block_path

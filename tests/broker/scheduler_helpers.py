@@ -206,8 +206,8 @@ def fingerprint(scheduler: core.Scheduler) -> str:
             list(scheduler.ended.items()),
             sorted(scheduler.drained),
             scheduler.now,
-            scheduler._arrivals,
-            sorted(scheduler._hold_ema.items()),
+            scheduler.book.arrivals,
+            sorted(scheduler.book.hold_ema.items()),
             scheduler.policy,
         )
     )

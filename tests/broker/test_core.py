@@ -43,10 +43,11 @@ def test_high_preempts_low_immediately_at_the_cheapest_level(capabilities, level
 
     actions = hub.request(explorer, "high", priority=HIGH)
 
-    preempt = only(actions, core.Preempt)
+    preempt = only(actions, core.PauseLease)
     assert (preempt.lease_id, preempt.level, preempt.for_lease) == ("low", level, "high")
+    assert not preempt.keeps_lock  # a failed pause is undone: it runs on, time-sliced
     assert preempt.pid == hub.pid_of(trainer)
-    grant = only(actions, core.Grant)
+    grant = only(actions, core.GrantLease)
     assert grant.lease_id == "high"
     # The grant does not wait for the drain: it comes in the same step, after the preempt.
     assert actions.index(preempt) < actions.index(grant)
@@ -65,7 +66,7 @@ def test_requests_of_equal_priority_are_served_first_come_first_served():
 
     actions = hub.release(holder, "L1")
 
-    assert [g.lease_id for g in of_type(actions, core.Grant)] == ["L2"]
+    assert [g.lease_id for g in of_type(actions, core.GrantLease)] == ["L2"]
     assert hub.state("L3") == LeaseState.QUEUED
     assert hub.scheduler.queued_position("L3") == 1
 
@@ -76,9 +77,9 @@ def test_leases_of_the_same_band_time_slice_one_gpu():
     first = hub.request(alice, "L1", priority=NORMAL)
     second = hub.request(bob, "L2", priority=NORMAL + 30)
 
-    assert only(first, core.Grant).placement.device_index == 0
-    assert only(second, core.Grant).placement.device_index == 0
-    assert not of_type(second, core.Preempt)
+    assert only(first, core.GrantLease).placement.device_index == 0
+    assert only(second, core.GrantLease).placement.device_index == 0
+    assert not of_type(second, core.PauseLease)
     assert hub.state("L1") == hub.state("L2") == LeaseState.RUNNING
 
 
@@ -91,7 +92,7 @@ def test_exclusive_sharing_runs_one_lease_per_gpu():
 
     assert queued.waiting_for == ("L1",)
     assert "normal-priority" in queued.reason
-    assert only(hub.release(alice, "L1"), core.Grant).lease_id == "L2"
+    assert only(hub.release(alice, "L1"), core.GrantLease).lease_id == "L2"
 
 
 def test_an_exclusive_slice_wish_is_not_shared_even_when_sharing_is_timeslice():
@@ -106,8 +107,8 @@ def test_leases_whose_sm_shares_fit_share_a_gpu_across_bands_without_preemption(
     alice, bob = hub.open("alice"), hub.open("bob")
     hub.request(alice, "low", priority=LOW, sm_share=0.5)
     actions = hub.request(bob, "high", priority=HIGH, sm_share=0.5)
-    grant = only(actions, core.Grant)
-    assert not of_type(actions, core.Preempt)
+    grant = only(actions, core.GrantLease)
+    assert not of_type(actions, core.PauseLease)
     assert grant.placement.max_blocks_per_sm_share == 66  # half of 132 SMs
 
 
@@ -118,15 +119,16 @@ def test_a_grant_that_needs_memory_waits_for_the_eviction():
 
     actions = hub.request(explorer, "high", priority=HIGH, memory=100 * GIB)
 
-    preempt = only(actions, core.Preempt)
+    preempt = only(actions, core.PauseLease)
     assert (preempt.lease_id, preempt.level) == ("low", PreemptionLevel.EVICT)
-    assert not of_type(actions, core.Grant)
+    assert preempt.keeps_lock  # a failed eviction leaves it paused, its memory on the device
+    assert not of_type(actions, core.GrantLease)
     assert "evicted" in only(actions, core.NotifyQueued).reason
     assert hub.state("high") == LeaseState.QUEUED
 
     actions = hub.applied("low", PreemptionLevel.EVICT)
 
-    assert only(actions, core.Grant).lease_id == "high"
+    assert only(actions, core.GrantLease).lease_id == "high"
     assert hub.state("low") == LeaseState.EVICTED
     # Once the high lease is done, the evicted one comes back (restore, then unlock).
     resume = only(hub.release(explorer, "high"), core.ResumeLease)
@@ -141,13 +143,13 @@ def test_a_failed_lock_leaves_the_victim_running_and_the_newcomer_granted():
 
     actions = hub.failed("low", PreemptionLevel.LOCK, "CUDA_ERROR_NOT_SUPPORTED (MPS client)")
 
-    assert not of_type(actions, core.Revoke)
+    assert not of_type(actions, core.RevokeLease)
     assert hub.state("low") == LeaseState.RUNNING
     assert hub.state("high") == LeaseState.RUNNING
     assert "could not be paused" in hub.lease("low").reason
     # It is not tried again: the next high request time-slices with it.
     third = hub.open("third")
-    assert not of_type(hub.request(third, "high2", priority=HIGH), core.Preempt)
+    assert not of_type(hub.request(third, "high2", priority=HIGH), core.PauseLease)
 
 
 def test_a_paused_lease_resumes_when_the_high_lease_is_released():
@@ -185,7 +187,7 @@ def test_policy_max_priority_clamps_with_a_notice():
     hub = Hub(policy=parse_policy('[groups.students]\nmax_priority = "normal"\n'))
     student = hub.open("student", groups=("students",))
 
-    grant = only(hub.request(student, "L1", priority=HIGH), core.Grant)
+    grant = only(hub.request(student, "L1", priority=HIGH), core.GrantLease)
 
     assert grant.priority == NORMAL
     assert grant.notice == "priority lowered from high to normal by policy"
@@ -195,7 +197,7 @@ def test_memory_over_quota_is_refused_by_policy():
     hub = Hub(policy=Policy(defaults=Limits(memory_quota=16 * GIB)))
     alice = hub.open("alice")
 
-    refuse = only(hub.request(alice, "L1", memory=40 * GIB), core.Refuse)
+    refuse = only(hub.request(alice, "L1", memory=40 * GIB), core.RefuseRequest)
 
     assert refuse.code == ErrorCode.POLICY
     assert "40.0 GiB asked" in refuse.message and "16.0 GiB" in refuse.message
@@ -205,7 +207,7 @@ def test_memory_over_quota_is_refused_by_policy():
 def test_a_lease_without_memory_gets_the_default_capped_by_the_quota():
     hub = Hub(policy=Policy(defaults=Limits(memory_quota=4 * GIB, default_memory=8 * GIB)))
     alice = hub.open("alice")
-    grant = only(hub.request(alice, "L1", memory=None), core.Grant)
+    grant = only(hub.request(alice, "L1", memory=None), core.GrantLease)
     assert grant.placement.memory_bytes == 4 * GIB
 
 
@@ -215,12 +217,12 @@ def test_max_leases_counts_held_and_waiting_leases():
     hub.request(alice, "L1")
     hub.request(alice, "L2")
 
-    refuse = only(hub.request(alice, "L3"), core.Refuse)
+    refuse = only(hub.request(alice, "L3"), core.RefuseRequest)
 
     assert refuse.code == ErrorCode.POLICY
     assert "2 lease(s)" in refuse.message
     hub.release(alice, "L1")
-    assert of_type(hub.request(alice, "L4"), core.Grant)
+    assert of_type(hub.request(alice, "L4"), core.GrantLease)
 
 
 def test_a_drained_device_queues_new_requests_until_undrained():
@@ -231,7 +233,7 @@ def test_a_drained_device_queues_new_requests_until_undrained():
     queued = only(hub.request(alice, "L1"), core.NotifyQueued)
 
     assert queued.reason == "the device is drained by an admin"
-    assert only(hub.drain(0, drained=False), core.Grant).lease_id == "L1"
+    assert only(hub.drain(0, drained=False), core.GrantLease).lease_id == "L1"
 
 
 def test_draining_an_unknown_device_is_an_error_and_changes_nothing():
@@ -249,14 +251,14 @@ def test_draining_an_unknown_device_is_an_error_and_changes_nothing():
 def test_device_wish_by_index():
     hub = Hub(h200_devices(2))
     alice = hub.open("alice")
-    assert only(hub.request(alice, "L1", device="1"), core.Grant).placement.device_index == 1
+    assert only(hub.request(alice, "L1", device="1"), core.GrantLease).placement.device_index == 1
 
 
 def test_device_wish_by_uuid():
     devices = h200_devices(2)
     hub = Hub(devices)
     alice = hub.open("alice")
-    grant = only(hub.request(alice, "L1", device=devices[1].uuid), core.Grant)
+    grant = only(hub.request(alice, "L1", device=devices[1].uuid), core.GrantLease)
     assert grant.placement.device_uuid == devices[1].uuid
 
 
@@ -267,7 +269,7 @@ def test_device_wish_by_uuid():
 def test_an_impossible_device_wish_is_refused_as_invalid(wish, words):
     hub = Hub(h200_devices(2))
     alice = hub.open("alice")
-    refuse = only(hub.request(alice, "L1", device=wish), core.Refuse)
+    refuse = only(hub.request(alice, "L1", device=wish), core.RefuseRequest)
     assert refuse.code == ErrorCode.INVALID
     assert words in refuse.message
 
@@ -275,7 +277,7 @@ def test_an_impossible_device_wish_is_refused_as_invalid(wish, words):
 def test_a_request_bigger_than_any_device_is_refused():
     hub = Hub()
     alice = hub.open("alice")
-    refuse = only(hub.request(alice, "L1", memory=200 * GIB), core.Refuse)
+    refuse = only(hub.request(alice, "L1", memory=200 * GIB), core.RefuseRequest)
     assert refuse.code == ErrorCode.INVALID
     assert "does not fit" in refuse.message
 
@@ -288,7 +290,7 @@ def test_mig_instances_are_placed_best_fit(memory, profile):
     hub = Hub(mig_devices())
     alice = hub.open("alice")
 
-    grant = only(hub.request(alice, "L1", memory=memory), core.Grant)
+    grant = only(hub.request(alice, "L1", memory=memory), core.GrantLease)
 
     assert grant.placement.mig_profile == profile
     assert grant.placement.cuda_visible_devices.startswith("MIG-")
@@ -297,24 +299,24 @@ def test_mig_instances_are_placed_best_fit(memory, profile):
 def test_best_fit_moves_to_the_next_instance_when_the_smallest_is_busy():
     hub = Hub(mig_devices(), policy=Policy(sharing="exclusive"))
     alice, bob = hub.open("alice"), hub.open("bob")
-    first = only(hub.request(alice, "L1", memory=10 * GIB), core.Grant)
-    second = only(hub.request(bob, "L2", memory=10 * GIB), core.Grant)
+    first = only(hub.request(alice, "L1", memory=10 * GIB), core.GrantLease)
+    second = only(hub.request(bob, "L2", memory=10 * GIB), core.GrantLease)
     assert (first.placement.mig_profile, second.placement.mig_profile) == ("1g.18gb", "2g.35gb")
 
 
 def test_mig_layout_refuses_a_shared_slice_and_oversized_requests():
     hub = Hub(mig_devices())
     alice = hub.open("alice")
-    shared = only(hub.request(alice, "L1", slice=SliceWish.SHARED), core.Refuse)
+    shared = only(hub.request(alice, "L1", slice=SliceWish.SHARED), core.RefuseRequest)
     assert "cut into MIG instances" in shared.message
-    too_big = only(hub.request(alice, "L2", memory=100 * GIB), core.Refuse)
+    too_big = only(hub.request(alice, "L2", memory=100 * GIB), core.RefuseRequest)
     assert "does not fit" in too_big.message
 
 
 def test_mig_wish_without_mig_is_refused():
     hub = Hub()
     alice = hub.open("alice")
-    refuse = only(hub.request(alice, "L1", slice=SliceWish.MIG), core.Refuse)
+    refuse = only(hub.request(alice, "L1", slice=SliceWish.MIG), core.RefuseRequest)
     assert "MIG is off" in refuse.message
 
 
@@ -330,7 +332,7 @@ def test_the_memory_watchdog_pauses_an_over_quota_lease_at_lock_and_keeps_it_pau
     assert hub.memory_seen(pid, 8 * GIB + 32 * MIB) == []  # context overhead is tolerated
     actions = hub.memory_seen(pid, 12 * GIB)
 
-    preempt = only(actions, core.Preempt)
+    preempt = only(actions, core.PauseLease)
     assert (preempt.lease_id, preempt.level, preempt.for_lease) == ("L1", PreemptionLevel.LOCK, "")
     assert "over its memory quota" in preempt.reason
     hub.applied("L1", PreemptionLevel.LOCK)
@@ -372,7 +374,7 @@ def test_an_admin_cancel_revokes_and_ends_the_lease():
     alice = hub.open("alice")
     hub.request(alice, "L1")
     actions = hub.release(alice, "L1", by_admin=True)
-    assert only(actions, core.Revoke).lease_id == "L1"
+    assert only(actions, core.RevokeLease).lease_id == "L1"
     assert hub.state("L1") == LeaseState.REVOKED
 
 
@@ -385,7 +387,7 @@ def test_a_closed_session_loses_its_leases_and_the_queue_moves_on():
     actions = hub.close(alice, "its process ended")
 
     assert only(actions, core.LeaseEnded).reason == "its process ended"
-    assert only(actions, core.Grant).lease_id == "L2"
+    assert only(actions, core.GrantLease).lease_id == "L2"
 
 
 def test_a_request_from_an_unknown_session_is_out_of_order():
@@ -411,6 +413,20 @@ def test_an_unstoppable_victim_time_slices_and_status_can_say_why():
     mps, explorer = hub.open("mps"), hub.open("explorer")
     hub.request(mps, "low", priority=LOW, capabilities=Capabilities(lockable=False))
     actions = hub.request(explorer, "high", priority=HIGH)
-    assert not of_type(actions, core.Preempt)
-    assert of_type(actions, core.Grant)
+    assert not of_type(actions, core.PauseLease)
+    assert of_type(actions, core.GrantLease)
     assert not hub.lease("low").lockable
+
+
+def test_an_event_the_scheduler_has_no_handler_for_is_refused_and_changes_nothing():
+    hub = Hub()
+    hub.open("ada")
+    before = fingerprint(hub.scheduler)
+
+    class Unknown:
+        now = 5.0
+
+    with pytest.raises(core.SchedulerError, match="no handler for Unknown") as refused:
+        hub.scheduler.handle(Unknown())  # type: ignore[arg-type]
+    assert refused.value.code == ErrorCode.INVALID
+    assert fingerprint(hub.scheduler) == before

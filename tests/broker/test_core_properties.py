@@ -175,7 +175,7 @@ def check_capacity(scheduler: core.Scheduler) -> None:
 def check_grants_fit_what_is_seen(scheduler: core.Scheduler, actions: list) -> None:
     """A grant never takes memory that NVML shows held by processes no lease accounts
     for (idle notebooks, unknown processes): leases plus that memory fit the slot."""
-    for grant in (a for a in actions if isinstance(a, core.Grant)):
+    for grant in (a for a in actions if isinstance(a, core.GrantLease)):
         ranks = [r.lease_id for r in grant.ranks] or [grant.lease_id]
         keys = {scheduler.leases[lease_id].slot for lease_id in ranks}
         assert None not in keys
@@ -199,7 +199,7 @@ def _wanted_slots(scheduler: core.Scheduler, lease: core.Lease) -> set[str]:
         return {lease.target_slot} if lease.target_slot else set()
     if lease.slot is not None:
         return {lease.slot}
-    keys, _ = scheduler._candidate_slots(lease.device_wish, lease.slice)
+    keys, _ = scheduler.finder.candidate_slots(lease.device_wish, lease.slice)
     return {
         k
         for k in keys
@@ -217,7 +217,7 @@ def check_no_needless_wait(scheduler: core.Scheduler) -> None:
             continue  # a gang needs all its slots at once: its own property covers it
         if lease.awaiting_memory_from:
             # Waiting for exactly one round of evictions, all of lower-band leases.
-            band = priority_band(scheduler._effective(lease, now))
+            band = priority_band(scheduler.book.effective(lease, now))
             for victim_id in lease.awaiting_memory_from:
                 victim = scheduler.leases[victim_id]
                 if victim.parks_session:  # an idle session of its band or lower
@@ -226,14 +226,14 @@ def check_no_needless_wait(scheduler: core.Scheduler) -> None:
                     assert priority_band(victim.running_priority()) < band
                 assert victim.pending_level == PreemptionLevel.EVICT
             continue
-        key = scheduler._queue_key(lease, now)
-        band = priority_band(scheduler._effective(lease, now))
+        key = scheduler.book.queue_key(lease, now)
+        band = priority_band(scheduler.book.effective(lease, now))
         reserved: set[str] = set()
         for other in waiters:
             if (
                 other is not lease
                 and not other.held_by_watchdog
-                and scheduler._queue_key(other, now) < key
+                and scheduler.book.queue_key(other, now) < key
             ):
                 reserved |= _wanted_slots(scheduler, other)
         for slot in _wanted_slots(scheduler, lease) - reserved:
@@ -249,7 +249,7 @@ def check_no_needless_wait(scheduler: core.Scheduler) -> None:
                 and h.evictable
                 for holder in holders
                 # A rank is stopped with its whole gang: every rank must allow it.
-                for h in scheduler._gang_mates(holder)
+                for h in scheduler.book.gang_mates(holder)
                 if h is holder or h.state == LeaseState.RUNNING
             )
             # Memory no lease accounts for is not freed by preempting (parking frees it).
@@ -278,10 +278,10 @@ def check_index(scheduler: core.Scheduler) -> None:
     for lease in scheduler.queue():
         for key in scheduler.slots:
             _, running = scheduler.slot_usage(key)
-            load = scheduler._index.slots[key]
-            assert scheduler._compatible_with_slot(
+            load = scheduler.book.index.slots[key]
+            assert scheduler.placer.compatible_with_slot(
                 lease, load, now
-            ) == scheduler._compute_compatible(lease, running, now), (lease.lease_id, key)
+            ) == scheduler.placer.compute_compatible(lease, running, now), (lease.lease_id, key)
 
 
 def check_gangs_whole(scheduler: core.Scheduler) -> None:
@@ -360,7 +360,7 @@ class Run:
         actions = self.scheduler.handle(event)
         self.outcomes.append(actions)
         for action in actions:
-            if isinstance(action, core.Preempt):
+            if isinstance(action, core.PauseLease):
                 self.pending.append((action.lease_id, action.level))
             elif isinstance(action, core.RivalryChanged):
                 self.told[action.session_id] = action.unrivalled
@@ -530,12 +530,18 @@ def lease_outcomes(run: Run) -> dict[str, list[core.Action]]:
 def test_capacity_and_priority_hold_after_every_event(script, policy):
     run = play(script, policy)  # check_all runs after each event
     actions = [a for outcome in run.outcomes if isinstance(outcome, list) for a in outcome]
-    for kind in (core.Grant, core.Preempt, core.ResumeLease, core.NotifyQueued, core.Refuse):
+    for kind in (
+        core.GrantLease,
+        core.PauseLease,
+        core.ResumeLease,
+        core.NotifyQueued,
+        core.RefuseRequest,
+    ):
         if any(isinstance(a, kind) for a in actions):
             event(f"has {kind.__name__}")
     if any(isinstance(a, core.RivalryChanged) and not a.unrivalled for a in actions):
         event("tells a session it has a rival")
-    if any(isinstance(a, core.Preempt) and a.parks_bytes for a in actions):
+    if any(isinstance(a, core.PauseLease) and a.parks_bytes for a in actions):
         event("parks an idle session")
     if any(isinstance(a, core.ResumeLease) and a.restores_park for a in actions):
         event("restores a parked session")
@@ -551,8 +557,8 @@ def test_every_request_is_granted_refused_with_a_reason_or_ends_with_its_session
     closed_sessions = {e.session_id for e in run.events if isinstance(e, core.SessionClosed)}
     withdrawn = {e.lease_id for e in run.events if isinstance(e, core.LeaseReleased)}
     for lease_id, actions in lease_outcomes(run).items():
-        granted = [a for a in actions if isinstance(a, core.Grant)]
-        refused = [a for a in actions if isinstance(a, core.Refuse)]
+        granted = [a for a in actions if isinstance(a, core.GrantLease)]
+        refused = [a for a in actions if isinstance(a, core.RefuseRequest)]
         ended = [a for a in actions if isinstance(a, core.LeaseEnded)]
         if refused:
             assert refused[0].message, f"{lease_id} refused without a reason"
@@ -617,7 +623,7 @@ def _stream_with_low_waiting(aging_per_minute: float, minutes: int) -> float | N
             now=1.0, session_id="S0", lease_id="low", request=RequestLease(priority=LOW)
         )
     )
-    assert not any(isinstance(a, core.Grant) for a in actions)
+    assert not any(isinstance(a, core.GrantLease) for a in actions)
     running = [(30.0, "S1", "N0")]
     now, number = 1.0, 0
     while now < minutes * 60:
@@ -639,7 +645,7 @@ def _stream_with_low_waiting(aging_per_minute: float, minutes: int) -> float | N
             )
         )
         running.append((now + 30.0, f"S{1 + number % 2}", lease_id))
-        if any(isinstance(a, core.Grant) and a.lease_id == "low" for a in granted):
+        if any(isinstance(a, core.GrantLease) and a.lease_id == "low" for a in granted):
             return now
     return None
 

@@ -64,7 +64,7 @@ def test_a_gang_on_one_gpu_is_granted_all_its_ranks_in_one_grant():
 
     actions = hub.request(trainer, "L1", memory=20 * GIB, sm_share=0.25, ranks=4)
 
-    grant = only(actions, core.Grant)
+    grant = only(actions, core.GrantLease)
     assert grant.lease_id == "L1"
     assert [r.lease_id for r in grant.ranks] == ["L1.0", "L1.1", "L1.2", "L1.3"]
     assert {r.placement.device_index for r in grant.ranks} == {0}
@@ -80,7 +80,7 @@ def test_a_gang_on_mig_gets_an_instance_per_rank():
     hub = Hub(mig_devices(SEVEN_SMALL))
     trainer = hub.open("trainer")
 
-    grant = only(hub.request(trainer, "L1", memory=8 * GIB, ranks=3), core.Grant)
+    grant = only(hub.request(trainer, "L1", memory=8 * GIB, ranks=3), core.GrantLease)
 
     instances = [r.placement.mig_uuid for r in grant.ranks]
     assert len(set(instances)) == 3 and None not in instances
@@ -90,7 +90,7 @@ def test_a_gang_on_two_gpus_puts_one_rank_on_each():
     hub = Hub(h200_devices(2))
     trainer = hub.open("trainer")
 
-    grant = only(hub.request(trainer, "L1", memory=40 * GIB, ranks=2), core.Grant)
+    grant = only(hub.request(trainer, "L1", memory=40 * GIB, ranks=2), core.GrantLease)
 
     assert sorted(r.placement.device_index for r in grant.ranks) == [0, 1]
 
@@ -102,13 +102,13 @@ def test_a_gang_that_does_not_fit_whole_waits_whole_and_is_told_once():
 
     actions = hub.request(trainer, "L2", memory=30 * GIB, ranks=3, priority=NORMAL)
 
-    assert not of_type(actions, core.Grant)
+    assert not of_type(actions, core.GrantLease)
     notice = only(actions, core.NotifyQueued)
     assert (notice.lease_id, notice.position) == ("L2", 1)
     assert states(hub, "L2") == [LeaseState.QUEUED] * 3
     assert hub.scheduler.queued_position("L2") == 1 == hub.scheduler.queued_position("L2.2")
 
-    grant = only(hub.release(holder, "L1"), core.Grant)
+    grant = only(hub.release(holder, "L1"), core.GrantLease)
     assert grant.lease_id == "L2" and len(grant.ranks) == 3
     assert states(hub, "L2") == [LeaseState.RUNNING] * 3
 
@@ -117,7 +117,7 @@ def test_a_gang_asking_for_more_than_the_host_can_ever_hold_is_refused_with_the_
     hub = Hub()
     trainer = hub.open("trainer")
 
-    refusal = only(hub.request(trainer, "L1", memory=50 * GIB, ranks=3), core.Refuse)
+    refusal = only(hub.request(trainer, "L1", memory=50 * GIB, ranks=3), core.RefuseRequest)
 
     assert refusal.code == ErrorCode.INVALID
     assert refusal.message == (
@@ -132,7 +132,7 @@ def test_a_gang_above_the_users_lease_limit_is_refused_by_policy():
     trainer = hub.open("trainer")
     hub.request(trainer, "L1", memory=1 * GIB)
 
-    refusal = only(hub.request(trainer, "L2", memory=1 * GIB, ranks=3), core.Refuse)
+    refusal = only(hub.request(trainer, "L2", memory=1 * GIB, ranks=3), core.RefuseRequest)
 
     assert refusal.code == ErrorCode.POLICY
     assert "a gang of 3 ranks takes 3 leases; you hold or wait for 1" in refusal.message
@@ -150,11 +150,11 @@ def test_a_high_cell_pauses_every_rank_of_a_low_gang_and_they_resume_together():
 
     actions = hub.request(explorer, "L2", memory=8 * GIB, priority=HIGH, device="0")
 
-    preempts = of_type(actions, core.Preempt)
+    preempts = of_type(actions, core.PauseLease)
     # Only rank 0 is on GPU 0, but rank 1 on GPU 1 stops too: a gang never runs in part.
     assert sorted(p.lease_id for p in preempts) == ["L1.0", "L1.1"]
     assert {p.level for p in preempts} == {PreemptionLevel.YIELD}
-    assert only(actions, core.Grant).lease_id == "L2"
+    assert only(actions, core.GrantLease).lease_id == "L2"
     assert states(hub, "L1") == [LeaseState.PAUSED] * 2
     for p in preempts:
         hub.applied(p.lease_id, p.level)
@@ -172,8 +172,8 @@ def test_a_high_gang_preempts_low_work_and_is_granted_whole():
 
     actions = hub.request(trainer, "L2", memory=10 * GIB, ranks=2, priority=HIGH)
 
-    assert only(actions, core.Preempt).lease_id == "L1"
-    assert len(only(actions, core.Grant).ranks) == 2
+    assert only(actions, core.PauseLease).lease_id == "L1"
+    assert len(only(actions, core.GrantLease).ranks) == 2
 
 
 def test_a_gang_that_needs_memory_waits_for_the_evictions_then_takes_all_of_it():
@@ -183,12 +183,12 @@ def test_a_gang_that_needs_memory_waits_for_the_evictions_then_takes_all_of_it()
 
     actions = hub.request(trainer, "L2", memory=40 * GIB, ranks=2, priority=HIGH)
 
-    evict = only(actions, core.Preempt)
+    evict = only(actions, core.PauseLease)
     assert (evict.lease_id, evict.level) == ("L1", PreemptionLevel.EVICT)
-    assert not of_type(actions, core.Grant)
+    assert not of_type(actions, core.GrantLease)
     assert only(actions, core.NotifyQueued).lease_id == "L2"
 
-    grant = only(hub.applied("L1", PreemptionLevel.EVICT), core.Grant)
+    grant = only(hub.applied("L1", PreemptionLevel.EVICT), core.GrantLease)
     assert grant.lease_id == "L2" and len(grant.ranks) == 2
 
 
@@ -230,7 +230,7 @@ def test_closing_the_session_ends_the_gang_and_frees_its_memory():
     actions = hub.close(trainer)
 
     assert len(of_type(actions, core.LeaseEnded)) == 2
-    assert only(actions, core.Grant).lease_id == "L2"
+    assert only(actions, core.GrantLease).lease_id == "L2"
 
 
 def test_two_gangs_that_each_need_most_of_the_gpu_run_one_after_the_other():
@@ -238,10 +238,10 @@ def test_two_gangs_that_each_need_most_of_the_gpu_run_one_after_the_other():
     first, second = hub.open("first"), hub.open("second")
     hub.request(first, "L1", memory=40 * GIB, ranks=3)
     actions = hub.request(second, "L2", memory=40 * GIB, ranks=3)
-    assert not of_type(actions, core.Grant)  # no rank of L2 runs beside L1 in part
+    assert not of_type(actions, core.GrantLease)  # no rank of L2 runs beside L1 in part
     assert states(hub, "L2") == [LeaseState.QUEUED] * 3
 
-    grant = only(hub.release(first, "L1"), core.Grant)
+    grant = only(hub.release(first, "L1"), core.GrantLease)
 
     assert grant.lease_id == "L2"
 
@@ -263,7 +263,7 @@ def test_once_its_workers_are_named_a_gangs_ranks_are_stopped_in_those_processes
 
     assert [hub.lease(m).identity.pid for m in ("L1.0", "L1.1")] == [7001, 7002]
     assert hub.lease("L1.0").session_id == trainer  # still the notebook's to release
-    preempts = of_type(hub.request(explorer, "L2", priority=HIGH), core.Preempt)
+    preempts = of_type(hub.request(explorer, "L2", priority=HIGH), core.PauseLease)
     assert sorted(p.pid for p in preempts) == [7001, 7002]
 
 
@@ -301,12 +301,12 @@ def test_a_gang_under_mps_is_held_at_the_gate_and_one_without_a_gate_time_slices
 
     actions = hub.request(explorer, "L3", memory=8 * GIB, priority=HIGH)
 
-    preempts = of_type(actions, core.Preempt)
+    preempts = of_type(actions, core.PauseLease)
     assert sorted((p.lease_id, p.level) for p in preempts) == [
         ("L1.0", PreemptionLevel.GATE), ("L1.1", PreemptionLevel.GATE),
     ]  # fmt: skip
     assert states(hub, "L2") == [LeaseState.RUNNING] * 2  # nothing can stop it: it time-slices
-    assert only(actions, core.Grant).lease_id == "L3"
+    assert only(actions, core.GrantLease).lease_id == "L3"
 
 
 def test_a_gang_with_a_rank_that_cannot_be_evicted_runs_on_rather_than_hold_the_gpu():
@@ -317,7 +317,7 @@ def test_a_gang_with_a_rank_that_cannot_be_evicted_runs_on_rather_than_hold_the_
     trainer, other = hub.open("trainer"), hub.open("other")
     hub.request(trainer, "L1", memory=60 * GIB, ranks=2, priority=LOW)
     actions = hub.request(other, "L2", memory=100 * GIB, priority=NORMAL)
-    assert {p.lease_id for p in of_type(actions, core.Preempt)} == {"L1.0", "L1.1"}
+    assert {p.lease_id for p in of_type(actions, core.PauseLease)} == {"L1.0", "L1.1"}
 
     hub.applied("L1.0", PreemptionLevel.EVICT)
     resumed = hub.failed("L1.1", PreemptionLevel.EVICT, "cannot be evicted: checkpoint failed")
@@ -325,5 +325,5 @@ def test_a_gang_with_a_rank_that_cannot_be_evicted_runs_on_rather_than_hold_the_
 
     assert states(hub, "L1") == [LeaseState.RUNNING] * 2, resumed
     assert hub.state("L2") == LeaseState.QUEUED
-    grant = only(hub.release(trainer, "L1"), core.Grant)  # the gang's end frees the GPU
+    grant = only(hub.release(trainer, "L1"), core.GrantLease)  # the gang's end frees the GPU
     assert grant.lease_id == "L2"

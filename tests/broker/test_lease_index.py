@@ -23,7 +23,7 @@ def test_the_index_agrees_with_a_recount_through_a_busy_story():
     hub.request(bo, "X", memory=10 * GIB, slice=SliceWish.EXCLUSIVE)
     hub.request(bo, "L1", priority=LOW, memory=100 * GIB)
     actions = hub.request(cy, "H1", priority=HIGH, memory=120 * GIB)
-    for preempt in of_type(actions, core.Preempt):
+    for preempt in of_type(actions, core.PauseLease):
         hub.applied(preempt.lease_id, preempt.level)
     hub.advance(30)
     hub.release(cy, "H1")
@@ -60,7 +60,7 @@ def test_spatial_shares_are_summed_exactly_however_leases_come_and_go():
             hub.release(ada, f"T{round_}-{n}")
     for n in range(9):
         hub.request(ada, f"K{n}", memory=1 * GIB, sm_share=0.1)
-    load = hub.scheduler._index.slots["0"]
+    load = hub.scheduler.book.index.slots["0"]
     assert load.shares == 9 * exact_share(0.1)
 
 
@@ -69,11 +69,11 @@ def test_an_eviction_awaited_is_tracked_until_it_lands():
     ada, bo = hub.open("ada"), hub.open("bo")
     hub.request(ada, "L1", priority=LOW, memory=100 * GIB)
     actions = hub.request(bo, "H1", priority=HIGH, memory=100 * GIB)
-    [preempt] = of_type(actions, core.Preempt)
+    [preempt] = of_type(actions, core.PauseLease)
     assert preempt.level == PreemptionLevel.EVICT
-    assert set(hub.scheduler._index.making_room) == {"H1"}
+    assert set(hub.scheduler.book.index.making_room) == {"H1"}
     hub.applied("L1", PreemptionLevel.EVICT)
-    assert hub.scheduler._index.making_room == {}
+    assert hub.scheduler.book.index.making_room == {}
     assert hub.state("H1") == LeaseState.RUNNING
 
 

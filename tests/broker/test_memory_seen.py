@@ -31,12 +31,12 @@ def test_a_request_that_only_fits_in_memory_idle_notebooks_hold_waits_instead_of
 
     actions = hub.request(cy, "H1", priority=HIGH, memory=80 * GIB)
 
-    assert not of_type(actions, core.Grant)
+    assert not of_type(actions, core.GrantLease)
     assert hub.scheduler.leases["H1"].state == LeaseState.QUEUED
     assert hub.scheduler.unleased_memory("0") == 120 * GIB
 
     actions = _seen(hub, {hub.pid_of(ada): 60 * GIB})  # bo's notebook let its arrays go
-    assert only(actions, core.Grant).lease_id == "H1"
+    assert only(actions, core.GrantLease).lease_id == "H1"
 
 
 def test_memory_a_process_without_a_lease_holds_is_counted_and_never_preempted():
@@ -47,7 +47,7 @@ def test_memory_a_process_without_a_lease_holds_is_counted_and_never_preempted()
     assert "100 GiB of the GPU is held outside any lease" in queued.reason
     assert queued.waiting_for == ()  # no lease is in the way: nothing to preempt
     hub.release(ada, "L1")
-    assert of_type(hub.request(ada, "L2", memory=30 * GIB), core.Grant)
+    assert of_type(hub.request(ada, "L2", memory=30 * GIB), core.GrantLease)
 
 
 def test_a_notebook_asking_for_memory_it_already_holds_is_not_asked_to_find_it_twice():
@@ -57,7 +57,7 @@ def test_a_notebook_asking_for_memory_it_already_holds_is_not_asked_to_find_it_t
     _seen(hub, {hub.pid_of(ada): 60 * GIB, hub.pid_of(bo): 70 * GIB})
 
     # Ada's 60 GiB are her own cached arrays: a 60 GiB lease covers them.
-    assert only(hub.request(ada, "A1", memory=60 * GIB), core.Grant).lease_id == "A1"
+    assert only(hub.request(ada, "A1", memory=60 * GIB), core.GrantLease).lease_id == "A1"
     assert hub.scheduler.unleased_memory("0") == 0
 
 
@@ -68,9 +68,9 @@ def test_what_a_leased_process_holds_beyond_its_lease_is_counted_too():
     _seen(hub, {hub.pid_of(ada): 110 * GIB})  # its context and a cache past the lease
 
     assert hub.scheduler.unleased_memory("0") == 10 * GIB
-    assert not of_type(hub.request(bo, "B1", memory=35 * GIB), core.Grant)
+    assert not of_type(hub.request(bo, "B1", memory=35 * GIB), core.GrantLease)
     hub.release(bo, "B1")
-    assert of_type(hub.request(bo, "B2", memory=25 * GIB), core.Grant)
+    assert of_type(hub.request(bo, "B2", memory=25 * GIB), core.GrantLease)
 
 
 def test_an_eviction_frees_what_was_seen_of_its_process_at_once():
@@ -80,11 +80,11 @@ def test_an_eviction_frees_what_was_seen_of_its_process_at_once():
     _seen(hub, {hub.pid_of(low): 101 * GIB})  # its lease and its CUDA context
 
     actions = hub.request(high, "H1", priority=HIGH, memory=60 * GIB)
-    evict = [p for p in of_type(actions, core.Preempt) if p.level == PreemptionLevel.EVICT]
+    evict = [p for p in of_type(actions, core.PauseLease) if p.level == PreemptionLevel.EVICT]
     assert [p.lease_id for p in evict] == ["L1"]
 
     actions = hub.applied("L1", PreemptionLevel.EVICT)  # before the next NVML reading
-    assert only(actions, core.Grant).lease_id == "H1"
+    assert only(actions, core.GrantLease).lease_id == "H1"
 
 
 def test_a_real_broker_shows_and_counts_memory_held_outside_leases(start_broker, tmp_path):
@@ -132,7 +132,7 @@ def test_memory_seen_on_a_mig_instance_is_counted_on_that_instance_only():
     queued = only(hub.request(ada, "A1", memory=40 * GIB), core.NotifyQueued)
     assert "60.0 GiB of the GPU is held outside any lease" in queued.reason
     # 20 GiB goes to the 2g instance, where nothing is held.
-    grant = only(hub.request(ada, "A2", memory=20 * GIB), core.Grant)
+    grant = only(hub.request(ada, "A2", memory=20 * GIB), core.GrantLease)
     assert grant.placement.mig_uuid == slots["2g.35gb"].mig_uuid
 
 

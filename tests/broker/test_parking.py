@@ -43,11 +43,11 @@ def _idle_with(hub: Hub, user: str, *, priority: int = NORMAL, lease: str = "") 
     return session
 
 
-def _parks(actions: list[core.Action]) -> list[core.Preempt]:
-    return [a for a in of_type(actions, core.Preempt) if a.parks_bytes]
+def _parks(actions: list[core.Action]) -> list[core.PauseLease]:
+    return [a for a in of_type(actions, core.PauseLease) if a.parks_bytes]
 
 
-def _a_high_request_beside_an_idle_notebook(hub: Hub) -> tuple[str, str, list[core.Preempt]]:
+def _a_high_request_beside_an_idle_notebook(hub: Hub) -> tuple[str, str, list[core.PauseLease]]:
     """Ada's low-priority notebook idles holding 100 GiB; Bo asks for 60 GiB at high
     priority (lease B1).  Returns both sessions and the parks that request made."""
     ada = _idle_with(hub, "ada", priority=LOW)
@@ -68,13 +68,14 @@ def test_a_request_that_needs_idle_memory_parks_the_lowest_priority_idle_session
     [park] = _parks(actions)  # 140 - 120 + 60 = 80: one park is enough
     assert park.session_id == ada and park.level == PreemptionLevel.EVICT
     assert park.parks_bytes == 60 * GIB and park.for_lease == "H1"
+    assert not park.keeps_lock  # a failed park is undone whole: the session runs again
     assert "parked to free its GPU memory for high lease H1" in park.reason
-    assert not of_type(actions, core.Grant)
+    assert not of_type(actions, core.GrantLease)
     queued = only(actions, core.NotifyQueued)
     assert "parking idle sessions" in queued.reason
 
     actions = hub.applied(park.lease_id, PreemptionLevel.EVICT)
-    assert only(actions, core.Grant).lease_id == "H1"
+    assert only(actions, core.GrantLease).lease_id == "H1"
     assert hub.state(park.lease_id) == LeaseState.EVICTED
 
 
@@ -95,7 +96,7 @@ def test_an_idle_session_of_a_higher_band_is_not_parked_for_a_lower_request():
     bo = hub.open("bo")
     _seen(hub, {hub.pid_of(ada): 100 * GIB})
     actions = hub.request(bo, "B1", priority=LOW, memory=60 * GIB)
-    assert not _parks(actions) and not of_type(actions, core.Grant)
+    assert not _parks(actions) and not of_type(actions, core.GrantLease)
     assert "held outside any lease" in only(actions, core.NotifyQueued).reason
 
 
@@ -231,7 +232,7 @@ def test_a_parked_session_does_not_count_against_max_leases():
     ada, _bo, parks = _a_high_request_beside_an_idle_notebook(hub)
     [park] = parks
     hub.applied(park.lease_id, PreemptionLevel.EVICT)
-    assert not of_type(hub.request(ada, "A2", memory=1 * GIB), core.Refuse)
+    assert not of_type(hub.request(ada, "A2", memory=1 * GIB), core.RefuseRequest)
 
 
 def test_a_bad_park_setting_is_one_line_naming_the_key():
@@ -363,7 +364,7 @@ def test_parking_never_grants_beyond_what_nvml_says_is_free_plus_what_it_freed(
         )
         assert on_host <= max(0, min(512 * GIB, available_gib * GIB - HOST_MARGIN)) or not on_host
     actions = [a for outcome in run.outcomes if isinstance(outcome, list) for a in outcome]
-    if any(isinstance(a, core.Preempt) and a.parks_bytes for a in actions):
+    if any(isinstance(a, core.PauseLease) and a.parks_bytes for a in actions):
         event("parks an idle session")
     if any(isinstance(a, core.ResumeLease) and a.restores_park for a in actions):
         event("restores a parked session")

@@ -9,8 +9,10 @@ from gpushare_ext.broker.policy import (
     GIB,
     Limits,
     PolicyError,
+    StopCause,
     VictimTraits,
     format_size,
+    ladder_level,
     parse_policy,
     parse_size,
     stopping_level,
@@ -214,3 +216,33 @@ def test_a_missing_config_file_is_a_policy_error_naming_it(tmp_path):
 def test_the_cheapest_level_that_stops_all_work_is_chosen(traits, level):
     chosen = stopping_level(VictimTraits(evictable=True, **traits))
     assert chosen == (PreemptionLevel[level] if level else None)
+
+
+YIELDS = VictimTraits(
+    gate=True, yield_flag=True, instrumented_only=True, lockable=True, evictable=True
+)
+LOCKS = VictimTraits(
+    gate=True, yield_flag=False, instrumented_only=False, lockable=True, evictable=True
+)
+MPS = VictimTraits(
+    gate=False, yield_flag=False, instrumented_only=False, lockable=False, evictable=True
+)
+
+
+@pytest.mark.parametrize(
+    ("cause", "stopping", "applied", "level"),
+    [
+        # Making room: the highest level any of the gang's running ranks needs.
+        (StopCause.MAKE_ROOM, [YIELDS], None, PreemptionLevel.YIELD),
+        (StopCause.MAKE_ROOM, [YIELDS, LOCKS], None, PreemptionLevel.LOCK),
+        (StopCause.MAKE_ROOM, [YIELDS, MPS], None, None),
+        # What was applied before a restart is asked for again, whatever the traits.
+        (StopCause.MAKE_ROOM, [YIELDS], PreemptionLevel.EVICT, PreemptionLevel.EVICT),
+        (StopCause.FREE_MEMORY, [YIELDS], None, PreemptionLevel.EVICT),
+        # The watchdog locks, or leaves running what cannot be locked.
+        (StopCause.OVER_QUOTA, [YIELDS], None, PreemptionLevel.LOCK),
+        (StopCause.OVER_QUOTA, [MPS], None, None),
+    ],
+)
+def test_one_function_chooses_the_ladder_level_for_every_cause(cause, stopping, applied, level):
+    assert ladder_level(cause, stopping, applied) == level

@@ -152,7 +152,7 @@ class BusyDay:
                     outcomes.append(error.message)
             if isinstance(outcomes[0], list):
                 self.pending += [
-                    (a.lease_id, a.level) for a in outcomes[0] if isinstance(a, core.Preempt)
+                    (a.lease_id, a.level) for a in outcomes[0] if isinstance(a, core.PauseLease)
                 ]
             yield event, outcomes
 
@@ -325,7 +325,7 @@ def test_a_long_queue_hears_nothing_of_events_that_leave_its_places_alone():
 
     heard = [action for _ in range(10) for action in line.churn()]
 
-    assert of_type(heard, core.Grant)
+    assert of_type(heard, core.GrantLease)
     assert not of_type(heard, core.NotifyQueued)
     assert [lease.lease_id for lease in line.hub.scheduler.queue()] == [f"W{n}" for n in range(200)]
 
@@ -443,7 +443,7 @@ def test_a_request_told_before_a_waiter_behind_it_resumed_hears_of_it_at_the_nex
         hub.advance(29.0)
         high = hub.open("high")
         for preempt in of_type(
-            hub.request(high, "H", priority=HIGH, memory=20 * GIB), core.Preempt
+            hub.request(high, "H", priority=HIGH, memory=20 * GIB), core.PauseLease
         ):
             hub.applied(preempt.lease_id, preempt.level)
         hub.advance(30.0)

@@ -82,12 +82,12 @@ class Hub:
 
     @staticmethod
     def grant_of(actions: list) -> Placement:
-        grants = [a for a in actions if isinstance(a, core.Grant)]
+        grants = [a for a in actions if isinstance(a, core.GrantLease)]
         assert len(grants) == 1, f"expected one grant, got {actions}"
         return grants[0].placement
 
     @staticmethod
     def refusal_of(actions: list) -> str:
-        refusals = [a for a in actions if isinstance(a, core.Refuse)]
+        refusals = [a for a in actions if isinstance(a, core.RefuseRequest)]
         assert len(refusals) == 1, f"expected one refusal, got {actions}"
         return refusals[0].message

@@ -1,0 +1,218 @@
+"""Carrying out placement's decisions on the core's state: start, resume, pause, evict, park.
+
+What it is for: :class:`LeaseMoves` starts a lease on a slot (a :class:`GrantLease` for a
+request, a :class:`ResumeLease` for a paused or evicted lease, with the aging it earned
+kept), and carries out a room plan: parks the idle sessions, pauses the victims at the
+level that stops them (a rank stops its whole gang), evicts what must leave, and either
+starts the lease or leaves it waiting for the evictions.
+
+What it must not do: choose slots or victims (:mod:`~gpushare_ext.broker.placement`
+does), or read a clock; it moves leases only through the lease index.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from gpushare_ext.broker.actions import Action, GrantLease, PauseLease, ResumeLease
+from gpushare_ext.broker.idle_parking import IdleParking
+from gpushare_ext.broker.lease_book import LeaseBook
+from gpushare_ext.broker.parking import parked_for_reason
+from gpushare_ext.broker.placement import Placer, RoomPlan
+from gpushare_ext.broker.policy import (
+    StopCause,
+    effective_priority,
+    ladder_level,
+    lock_kept_when_failing,
+)
+from gpushare_ext.broker.queue_notices import QueueNotices
+from gpushare_ext.broker.scheduler_records import Lease, Slot
+from gpushare_ext.protocol import (
+    LeaseState,
+    Placement,
+    PreemptionLevel,
+    describe_priority,
+)
+
+
+class GrantWatcher(Protocol):
+    """Told of every request granted, before it leaves the queue (the scheduling pass
+    keeps the places of the requests behind it)."""
+
+    def granting(self, lease: Lease) -> None: ...
+
+
+class LeaseMoves:
+    """Starts, resumes and stops leases, and says so in actions."""
+
+    def __init__(
+        self,
+        book: LeaseBook,
+        slots: dict[str, Slot],
+        placer: Placer,
+        parking: IdleParking,
+        notices: QueueNotices,
+    ) -> None:
+        self._book = book
+        self._slots = slots
+        self._placer = placer
+        self._parking = parking
+        self._notices = notices
+        self.grant_watcher: GrantWatcher | None = None
+
+    def start(self, lease: Lease, key: str, now: float) -> list[Action]:
+        """Run ``lease`` on ``key``: granted if it was queued, else resumed."""
+        slot = self._slots[key]
+        waited = now - lease.state_since
+        limits = self._book.policy.limits_for(lease.identity.user, lease.identity.groups)
+        lease.aging_bonus = min(
+            299.0 - lease.base_priority,
+            lease.aging_bonus + effective_priority(0, waited, limits.aging_per_minute),
+        )
+        previous = lease.state
+        if previous == LeaseState.QUEUED:
+            lease.granted_at = now  # before the move: the index keeps when holders were granted
+            lease.waited_s = now - lease.requested_at
+            if self.grant_watcher is not None:
+                self.grant_watcher.granting(lease)
+        self._book.index.move(lease, LeaseState.RUNNING, key)
+        lease.state_since = now
+        lease.reason = ""
+        lease.paused_for = ""
+        lease.last_queue_notice = None
+        if previous == LeaseState.QUEUED:
+            return [self._grant(lease, slot)]
+        undo = lease.applied_level if lease.applied_level is not None else PreemptionLevel.GATE
+        lease.applied_level = None
+        return [
+            ResumeLease(
+                session_id=lease.session_id,
+                lease_id=lease.lease_id,
+                pid=lease.identity.pid,
+                device_index=slot.device_index,
+                undo_level=undo,
+                paused_s=waited,
+                restores_park=lease.parks_session,
+            )
+        ]
+
+    def _grant(self, lease: Lease, slot: Slot) -> GrantLease:
+        blocks = max(1, round(lease.sm_share * slot.multiprocessor_count))
+        placement = Placement(
+            device_index=slot.device_index,
+            device_uuid=slot.device_uuid,
+            mig_uuid=slot.mig_uuid,
+            mig_profile=slot.mig_profile,
+            memory_bytes=lease.memory_bytes,
+            sm_share=lease.sm_share,
+            max_blocks_per_sm_share=blocks if lease.sm_share < 1.0 else None,
+            mps=self._book.policy.mps and slot.mig_uuid is None,
+        )
+        return GrantLease(
+            session_id=lease.session_id,
+            lease_id=lease.lease_id,
+            placement=placement,
+            priority=lease.base_priority,
+            notice=lease.notice,
+        )
+
+    def preempt_for(
+        self, lease: Lease, key: str, plan: RoomPlan, now: float, ahead: int
+    ) -> list[Action]:
+        """Carry out ``plan`` for ``lease`` on ``key``; start it if nothing must leave."""
+        actions, awaited = self.stop_victims(lease, key, plan, now)
+        if awaited:
+            self.await_room(lease, awaited, bool(plan[1]))
+            lease.target_slot = key
+            actions.extend(
+                self._notices.queue_notice(lease, [key], now, ahead, force_reason=lease.reason)
+            )
+            return actions
+        actions.extend(self.start(lease, key, now))
+        return actions
+
+    def await_room(self, lease: Lease, victims: frozenset[str], evicting: bool) -> None:
+        """``lease`` waits until ``victims`` have left (evicted, or parked)."""
+        self._book.index.await_evictions(lease, victims)
+        lease.reason = (
+            "freeing memory: waiting for lower-priority sessions to be evicted"
+            if evicting
+            else "freeing memory: parking idle sessions (their memory goes to the host)"
+        )
+
+    def stop_victims(
+        self, lease: Lease, key: str, plan: RoomPlan, now: float
+    ) -> tuple[list[Action], frozenset[str]]:
+        """Pause, evict and park what is in ``lease``'s way on ``key`` (a victim that is a
+        gang's rank stops its whole gang); the actions, and the victims whose memory
+        must leave before ``lease`` fits."""
+        to_pause, to_evict, to_park = plan
+        actions: list[Action] = []
+        who = f"{describe_priority(lease.base_priority)} lease {lease.gang or lease.lease_id}"
+        parks = [
+            self._parking.park(idle, key, parked_for_reason(who), lease.lease_id, now)
+            for idle in to_park
+        ]
+        actions.extend(parks)
+        to_pause = to_pause + self._gang_companions(to_pause + to_evict)
+        for victim in to_pause:
+            if victim in to_evict:
+                level = ladder_level(StopCause.FREE_MEMORY, [])
+            else:
+                level = self._placer.stopping_level_of(victim)
+            assert level is not None
+            actions.append(
+                self._pause(
+                    victim, level, lease, f"paused for a higher-priority session ({who})", now
+                )
+            )
+        evict = ladder_level(StopCause.FREE_MEMORY, [])
+        assert evict is not None
+        for victim in to_evict:
+            if victim in to_pause:
+                continue
+            if victim.state == LeaseState.RUNNING:
+                actions.append(self._pause(victim, evict, lease, f"evicted for {who}", now))
+            else:  # already paused: escalate to eviction
+                victim.pending_level = evict
+                victim.reason = f"evicted for {who}"
+                victim.paused_for = lease.lease_id
+                actions.append(self._preempt(victim, evict, lease.lease_id, victim.reason))
+        awaited = frozenset(v.lease_id for v in to_evict) | {park.lease_id for park in parks}
+        return actions, awaited
+
+    def _gang_companions(self, victims: list[Lease]) -> list[Lease]:
+        """The running ranks of the victims' gangs that are not victims already: a gang
+        never runs in part."""
+        chosen = {victim.lease_id for victim in victims}
+        companions: list[Lease] = []
+        for victim in victims:
+            for mate in self._book.gang_mates(victim):
+                if mate.lease_id not in chosen and mate.state == LeaseState.RUNNING:
+                    chosen.add(mate.lease_id)
+                    companions.append(mate)
+        return companions
+
+    def _pause(
+        self, victim: Lease, level: PreemptionLevel, lease: Lease, reason: str, now: float
+    ) -> PauseLease:
+        self._book.index.move(victim, LeaseState.PAUSED)
+        victim.state_since = now
+        victim.pending_level = level
+        victim.reason = reason
+        victim.paused_for = lease.lease_id
+        return self._preempt(victim, level, lease.lease_id, reason)
+
+    def _preempt(
+        self, victim: Lease, level: PreemptionLevel, for_lease: str, reason: str
+    ) -> PauseLease:
+        return PauseLease(
+            session_id=victim.session_id,
+            lease_id=victim.lease_id,
+            pid=victim.identity.pid,
+            device_index=self._slots[victim.slot].device_index,  # type: ignore[index]
+            level=level,
+            for_lease=for_lease,
+            reason=reason,
+            keeps_lock=lock_kept_when_failing(level, parks=False),
+        )

@@ -1,0 +1,80 @@
+"""Telling sessions when they gain or lose their last rival, after each event.
+
+What it is for: :class:`RivalryWatch` feeds :class:`~gpushare_ext.broker.rivals.Rivals`
+what an event changed -- the sessions it or its actions name, and, when a session may
+now ask for another band, every session with a lease on a GPU in a band below -- and
+turns its answer into :class:`RivalryChanged` actions.  A session without a rival runs
+its long kernels as they are.
+
+What it must not do: look at waiters, or change any lease; it only reads them.
+"""
+
+from __future__ import annotations
+
+from gpushare_ext.broker.actions import Action, NotifyQueued, RivalryChanged
+from gpushare_ext.broker.events import ChaosChanged, Event
+from gpushare_ext.broker.lease_book import LeaseBook
+from gpushare_ext.broker.rivals import PlacedLease, Rivals
+from gpushare_ext.broker.scheduler_records import ACTIVE_STATES, Slot, names_of
+from gpushare_ext.units import priority_band
+
+
+class RivalryWatch:
+    """Which sessions' rivalry an event may have changed, and what they are told."""
+
+    def __init__(self, book: LeaseBook, slots: dict[str, Slot]) -> None:
+        self._book = book
+        self._slots = slots
+        self.rivals = Rivals()
+        self._below: int | None = None  # this event's band change (Rivals' answer)
+        # Sessions with a lease on a GPU, by the lowest band among those leases.
+        self._placed_band: dict[str, int] = {}
+
+    def note_band_change(self, below: int | None) -> None:
+        """What :class:`Rivals` answered to a session opened, closed or asking: sessions
+        placed in a band below ``below`` may have changed too."""
+        self._below = below
+
+    def changes(self, event: Event, actions: list[Action]) -> list[Action]:
+        """Tell the sessions whose rivalry changed (:mod:`~gpushare_ext.broker.rivals`).
+
+        Only sessions that may have changed are looked at: those the event or an action
+        names, and, when a session may now ask for another band, every session with a
+        lease on a GPU in a band below the one that changed (the waiters are never looked
+        at)."""
+        touched = {a.session_id for a in actions if not isinstance(a, NotifyQueued)}
+        named = getattr(event, "session_id", None)
+        if isinstance(event, ChaosChanged):
+            named = self._book.session_of_pid.get(event.pid)
+        if named is not None:
+            touched.add(named)
+        below, self._below = self._below, None
+        if below is not None:
+            touched.update(s for s, band in self._placed_band.items() if band < below)
+        if not touched:
+            return []
+        placed = {session_id: self._placed(session_id) for session_id in touched}
+        return [
+            RivalryChanged(session_id=session_id, unrivalled=unrivalled)
+            for session_id, unrivalled in self.rivals.changes(dict(sorted(placed.items())))
+        ]
+
+    def _placed(self, session_id: str) -> list[PlacedLease]:
+        """A session's leases on a GPU, as the rivals see them (its band kept up to date)."""
+        record = self._book.sessions.get(session_id)
+        leases = [] if record is None else [self._book.leases.get(i) for i in record.leases]
+        on_gpu = [
+            PlacedLease(
+                lease_id=lease.lease_id,
+                session_id=session_id,
+                priority=lease.base_priority,
+                gpu_names=names_of(self._slots[lease.slot]),
+            )
+            for lease in leases
+            if lease is not None and lease.state in ACTIVE_STATES and lease.slot in self._slots
+        ]
+        if on_gpu:
+            self._placed_band[session_id] = min(priority_band(p.priority) for p in on_gpu)
+        else:
+            self._placed_band.pop(session_id, None)
+        return on_gpu
