@@ -174,28 +174,34 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-HUB_CONFIG = """\
-# Trial hub: deploy/jupyterhub_config.py plus a test authenticator and an API service.
-c = get_config()  # noqa: F821
-load_subconfig({snippet!r})  # noqa: F821
+WALKTHROUGH = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"
 
+# What the test adds to the walkthrough's hub config: ports of its own (another hub may
+# run on this machine) and patient spawns (CI machines are small).
+TEST_ONLY_HUB_SETTINGS = """
 c.JupyterHub.bind_url = "http://127.0.0.1:{port}"
 c.JupyterHub.hub_bind_url = "http://127.0.0.1:{hub_port}"
 c.ConfigurableHTTPProxy.api_url = "http://127.0.0.1:{proxy_api_port}"
-c.JupyterHub.authenticator_class = "shared-password"
-c.SharedPasswordAuthenticator.user_password = {password!r}
-c.Authenticator.allowed_users = {users!r}
-c.JupyterHub.services = [{{"name": "gpushare-e2e", "api_token": {token!r}}}]
-c.JupyterHub.load_roles = [
-    {{
-        "name": "gpushare-e2e",
-        "services": ["gpushare-e2e"],
-        "scopes": ["admin:users", "admin:servers", "tokens", "access:servers", "read:users"],
-    }}
-]
 c.Spawner.start_timeout = 60
 c.Spawner.http_timeout = 60
 """
+
+
+def walkthrough_hub_config(*, password: str, token: str, users: set[str], **ports: int) -> str:
+    """Step 9's hub config exactly as docs/deploy.md writes it, with the test's prefix,
+    password, users and service token put where the admin would put theirs."""
+    step = WALKTHROUGH.read_text().split("**9. The hub.**", 1)[1]
+    block = step.split("```python\n", 1)[1].split("```", 1)[0]
+    choices = {
+        "/opt/gpushare/": f"{PREFIX}/",
+        '"a trial password"': repr(password),
+        "secrets.token_hex(32)": repr(token),
+        '{"gps-alice", "gps-bob"}': repr(users),
+    }
+    for written, ours in choices.items():
+        assert written in block, f"docs/deploy.md's step 9 no longer writes {written}"
+        block = block.replace(written, ours)
+    return block + TEST_ONLY_HUB_SETTINGS.format(**ports)
 
 
 @dataclass
@@ -214,14 +220,13 @@ def hub(install, users, system_broker, workdir) -> Iterator[RunningHub]:
     password = secrets.token_hex(8)
     config = workdir / "jupyterhub_config.py"
     config.write_text(
-        HUB_CONFIG.format(
-            snippet=str(PREFIX / "share" / "gpushare" / "deploy" / "jupyterhub_config.py"),
+        walkthrough_hub_config(
+            password=password,
+            token=token,
+            users=set(users),
             port=port,
             hub_port=free_port(),
             proxy_api_port=free_port(),
-            password=password,
-            users=set(users),
-            token=token,
         )
     )
     log = workdir / "jupyterhub.log"

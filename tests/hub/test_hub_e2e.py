@@ -297,9 +297,10 @@ def assert_nothing_pending(journal_path: Path) -> None:
         journal.close()
 
 
-def test_a_user_logs_in_and_lands_on_jupyterlab_with_the_gpu_panel(hub, servers):
+def test_both_users_log_in_and_land_on_jupyterlab_with_the_gpu_panel(hub, servers):
     """docs/deploy.md's "Log in as ..., the GPU panel in JupyterLab shows the broker's
-    view for that user", done in a real browser (Debian's Chromium)."""
+    view for that user", done for each user in a real browser (Debian's Chromium), each
+    in a browser context of their own (no shared cookies)."""
     from playwright.sync_api import expect, sync_playwright
 
     chromium = Path("/usr/bin/chromium")
@@ -309,18 +310,21 @@ def test_a_user_logs_in_and_lands_on_jupyterlab_with_the_gpu_panel(hub, servers)
             executable_path=str(chromium), args=["--no-sandbox", "--disable-gpu"]
         )
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(f"{hub.hub.url}/hub/login")
-            page.fill("#username_input", STUDENT)
-            page.fill("#password_input", hub.password)
-            page.click("#login_submit")
-            page.wait_for_url(f"**/user/{STUDENT}/lab**", timeout=60_000)
-            page.wait_for_selector("#jp-main-statusbar", timeout=60_000)
-            expect(page.locator(".gpushare-statusbar")).to_contain_text("GPU:", timeout=20_000)
-            page.locator('.jp-SideBar .lm-TabBar-tab[data-id="gpushare-panel"]').click()
-            panel = page.locator("#gpushare-panel")
-            expect(panel.locator(".gpushare-device").first).to_be_visible(timeout=20_000)
-            expect(panel).to_contain_text(f"you: {STUDENT}")
-            expect(panel).to_contain_text("system mode")
+            for user in (STUDENT, STAFF):
+                context = browser.new_context(viewport={"width": 1400, "height": 1000})
+                page = context.new_page()
+                page.goto(f"{hub.hub.url}/hub/login")
+                page.fill("#username_input", user)
+                page.fill("#password_input", hub.password)
+                page.click("#login_submit")
+                page.wait_for_url(f"**/user/{user}/lab**", timeout=60_000)
+                page.wait_for_selector("#jp-main-statusbar", timeout=60_000)
+                expect(page.locator(".gpushare-statusbar")).to_contain_text("GPU:", timeout=20_000)
+                page.locator('.jp-SideBar .lm-TabBar-tab[data-id="gpushare-panel"]').click()
+                panel = page.locator("#gpushare-panel")
+                expect(panel.locator(".gpushare-device").first).to_be_visible(timeout=20_000)
+                expect(panel).to_contain_text(f"you: {user}")
+                expect(panel).to_contain_text("system mode")
+                context.close()
         finally:
             browser.close()
