@@ -398,17 +398,19 @@ class GpuSession:
         self.leases.pop(handle.lease_id, None)
         if not self.leases:
             memory.apply_quota(None)
-            # Outside a lease nobody can pause this session: a short queue would only
-            # slow its unmarked cells down.
-            interpose.bound(False)
-        client = self.connection.live_client()
-        if client is None:
-            return
         try:
-            client.release(handle.lease_id)
+            client = self.connection.live_client()
+            if client is not None:
+                client.release(handle.lease_id)
         except BrokerError as exc:
             if exc.code != ErrorCode.UNKNOWN_LEASE:
                 raise
+        finally:
+            if not self.leases:
+                # Outside a lease nobody can pause this session: a short queue would only
+                # slow its unmarked cells down.  After the broker heard of the release:
+                # a Ctrl-C while locked lets go from here, and the lock ends only then.
+                interpose.bound(False)
 
     def release_all(self) -> list[str]:
         released = []

@@ -18,6 +18,7 @@ Rooms, lowest first:
 from __future__ import annotations
 
 import ast
+import itertools
 from collections import defaultdict
 from pathlib import Path
 
@@ -137,7 +138,7 @@ def import_cycles(edges: dict[str, list[str]]) -> list[list[str]]:
             visit(module, [])
     # A package's __init__ importing its own submodules is how a package exports them: an
     # arrow from a submodule up to its package is followed to the module it names instead.
-    return [c for c in cycles if not any(_is_package_of(a, b) for a, b in zip(c, c[1:]))]
+    return [c for c in cycles if not any(_is_package_of(a, b) for a, b in itertools.pairwise(c))]
 
 
 def _is_package_of(module: str, target: str) -> bool:

@@ -6,6 +6,7 @@
  */
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 typedef int CUresult;
 static unsigned long launches, records, syncs;
@@ -67,7 +68,25 @@ CUresult cuEventRecord(void *event, void *stream) {
     return 0;
 }
 
-CUresult cuEventQuery(void *event) { return (intptr_t)event <= completed_up_to ? 0 : 600; }
+/* The checkpoint lock: while it holds, driver calls wait (as the real driver's do). */
+static volatile int process_locked;
+static volatile unsigned long calls_waiting;
+void fake_lock_process(int on) { process_locked = on; }
+unsigned long fake_calls_waiting(void) { return calls_waiting; }
+static void wait_while_locked(void) {
+    if (!process_locked) return;
+    __atomic_add_fetch(&calls_waiting, 1, __ATOMIC_RELAXED);
+    while (process_locked) {
+        struct timespec nap = {0, 1000000};
+        nanosleep(&nap, 0);
+    }
+    __atomic_sub_fetch(&calls_waiting, 1, __ATOMIC_RELAXED);
+}
+
+CUresult cuEventQuery(void *event) {
+    wait_while_locked();
+    return (intptr_t)event <= completed_up_to ? 0 : 600;
+}
 
 CUresult cuEventSynchronize(void *event) {
     syncs++;

@@ -478,6 +478,55 @@ def test_launches_outside_a_lease_are_not_kept_waiting(fake_driver, tmp_path):
     assert out["unleased"] == 0 and out["after"] == 0, out
 
 
+LOCKED_SCRIPT = (
+    DRIVER_ENTRIES
+    + r"""
+import json, sys, threading, time
+from pathlib import Path
+from gpushare_ext.runtime import interpose
+from gpushare_ext.control_block import ControlBlock
+from gpushare_ext.lease_state import LeaseState
+
+cuda.fake_calls_waiting.restype = ctypes.c_ulong
+launch = entry(b"cuLaunchKernel", ctypes.CFUNCTYPE(ctypes.c_int, p, u, u, u, u, u, u, u, p, p, p))
+block = ControlBlock.create(Path(sys.argv[1]) / "session.cb")
+block.publish(gate_closed=False, state=LeaseState.RUNNING)
+interpose.attach(block.address())
+stop = threading.Event()
+
+def launching():
+    while not stop.is_set():
+        launch(p(0x1234), 1, 1, 1, 1, 1, 1, 0, None, None, None)
+
+cuda.fake_lock_process(1)  # the broker's checkpoint lock: driver calls wait
+launcher = threading.Thread(target=launching, daemon=True)
+launcher.start()
+deadline = time.monotonic() + 10
+while cuda.fake_calls_waiting() == 0 and time.monotonic() < deadline:
+    time.sleep(0.01)
+out = {"launcher_waits_in_the_driver": cuda.fake_calls_waiting() > 0}
+# What the thread that lets a Ctrl-C through does once it gave the lease up.
+unbound = threading.Thread(target=lambda: (interpose.bound(False), interpose.bound(True)))
+unbound.start()
+unbound.join(2)
+out["unbound_returned"] = not unbound.is_alive()
+cuda.fake_lock_process(0)
+stop.set()
+launcher.join(5)
+unbound.join(5)
+print(json.dumps(out))
+"""
+)
+
+
+def test_the_bound_changes_while_a_launch_waits_in_a_locked_driver(fake_driver, tmp_path):
+    out = run_preloaded(LOCKED_SCRIPT, fake_driver, str(tmp_path))
+    # A launching thread waits inside a driver call of the shim's (the process is locked);
+    # setting the bound from another thread must not wait for it, or a Ctrl-C that gives
+    # the lease up could never reach the broker, and the lock would never end.
+    assert out == {"launcher_waits_in_the_driver": True, "unbound_returned": True}, out
+
+
 def run_preloaded(script: str, fake_driver: Path, *args: str) -> dict:
     """Run ``script`` in a fresh interpreter with the shim preloaded in front of the fake
     driver (as a kernel the server extension starts); its last line of output, as JSON."""

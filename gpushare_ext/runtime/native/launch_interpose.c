@@ -342,12 +342,13 @@ static int rivalled(void) {
  * While a rival may ask at any moment, the tighter target holds and at most one launch
  * waits behind the running one: a pause then drains about that much. */
 static void bound_of(const ContextWindow *w, unsigned *window, unsigned *every) {
-    *window = g_window;
-    *every = g_record_every;
-    if (g_target_us == 0 || w->per_launch_us <= 0) return;
-    unsigned target = g_target_us, least = 2;
-    if (g_rival_target_us != 0 && g_rival_target_us < target && rivalled()) {
-        target = g_rival_target_us;
+    *window = __atomic_load_n(&g_window, __ATOMIC_ACQUIRE);
+    *every = __atomic_load_n(&g_record_every, __ATOMIC_ACQUIRE);
+    unsigned target = __atomic_load_n(&g_target_us, __ATOMIC_ACQUIRE), least = 2;
+    unsigned rival_target = __atomic_load_n(&g_rival_target_us, __ATOMIC_ACQUIRE);
+    if (target == 0 || w->per_launch_us <= 0) return;
+    if (rival_target != 0 && rival_target < target && rivalled()) {
+        target = rival_target;
         least = 1;
     }
     double per = w->per_launch_us;
@@ -361,7 +362,7 @@ static void bound_of(const ContextWindow *w, unsigned *window, unsigned *every) 
 /* Exit of a successful launch: every record_every launches, record an event after it;
  * with window events outstanding, first wait for the oldest.  Returns 1 if it waited. */
 int gps_launch_exit(CUcontext ctx, CUstream stream, int ptsz) {
-    if (!g_driver_ready || g_window == 0 || ctx == NULL) return 0;
+    if (!g_driver_ready || __atomic_load_n(&g_window, __ATOMIC_ACQUIRE) == 0 || ctx == NULL) return 0;
     if (stream == NULL && ptsz) stream = CU_STREAM_PER_THREAD;
     /* Most launches only count: no lock, no driver call. */
     ContextWindow *w = known_window(ctx);
@@ -1187,19 +1188,19 @@ void gps_set_rival_word(volatile uint32_t *unrivalled) { g_unrivalled = unrivall
 /* At most `window` recorded events outstanding, one every `record_every` launches;
  * window 0 turns the bound off. */
 void gps_set_window(unsigned window, unsigned record_every) {
-    pthread_mutex_lock(&g_lock);
-    g_window = window > MAX_OUTSTANDING ? MAX_OUTSTANDING : window;
-    g_record_every = record_every == 0 ? 1 : record_every;
-    pthread_mutex_unlock(&g_lock);
+    /* No lock: a launching thread holds g_lock across driver calls, and those block while
+     * the broker holds the process with the checkpoint lock; the thread that lets a
+     * Ctrl-C through then sets the window (a lease given up) and must not wait for it. */
+    __atomic_store_n(&g_record_every, record_every == 0 ? 1 : record_every, __ATOMIC_RELEASE);
+    __atomic_store_n(&g_window, window > MAX_OUTSTANDING ? MAX_OUTSTANDING : window, __ATOMIC_RELEASE);
 }
 
 /* Keep about `target_us` microseconds of GPU work queued (0: the fixed window above),
  * and `rivalled_us` while a session that could preempt this one exists (0: the same). */
 void gps_set_target(unsigned target_us, unsigned rivalled_us) {
-    pthread_mutex_lock(&g_lock);
-    g_target_us = target_us;
-    g_rival_target_us = rivalled_us;
-    pthread_mutex_unlock(&g_lock);
+    /* No lock, for the same reason as gps_set_window. */
+    __atomic_store_n(&g_rival_target_us, rivalled_us, __ATOMIC_RELEASE);
+    __atomic_store_n(&g_target_us, target_us, __ATOMIC_RELEASE);
 }
 
 void gps_get_stats(gps_stats *out) {
