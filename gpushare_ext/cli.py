@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpushare_ext import __version__
+from gpushare_ext.errors import GpushareError
 
 if TYPE_CHECKING:  # the commands import what they run when they run, to start quickly
     from gpushare_ext.broker.config import BrokerConfig
@@ -308,13 +309,14 @@ def _socket_refusal(socket: str | None, mode: str) -> str:
     )
 
 
-class _Refused(Exception):
+class _Refused(GpushareError):
     """A one-line reason the broker cannot start, and the exit status to end with."""
 
-    def __init__(self, message: str, code: int = 1) -> None:
+    code = "refused"
+
+    def __init__(self, message: str, exit_status: int = 1) -> None:
         super().__init__(message)
-        self.message = message
-        self.code = code
+        self.exit_status = exit_status
 
 
 def _broker_config_file(
@@ -395,7 +397,7 @@ def _cmd_broker(args: argparse.Namespace) -> int:
             paths = broker_paths(mode, config.socket)
         inventory, note = _broker_inventory(args, config)
     except _Refused as refused:
-        return _fail(refused.message, refused.code)
+        return _fail(refused.message, refused.exit_status)
     try:
         asyncio.run(
             run_broker(
