@@ -477,7 +477,13 @@ def _summary_table(
 
 
 def _report(
-    console: Console, timeline: Timeline, started, high_started, low_text, high_text, same
+    console: Console,
+    timeline: Timeline,
+    started: float,
+    high_started: float,
+    low_text: str,
+    high_text: str,
+    same: bool,
 ) -> dict:
     events = timeline.events
     console.print(_events_table(events, started))
