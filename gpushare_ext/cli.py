@@ -16,8 +16,15 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpushare_ext import __version__
+from gpushare_ext.errors import GpushareError
+
+if TYPE_CHECKING:  # the commands import what they run when they run, to start quickly
+    from gpushare_ext.broker.config import BrokerConfig
+    from gpushare_ext.broker.inventory import InventoryBackend
+    from gpushare_ext.paths import BrokerPaths
 
 
 class _Parser(argparse.ArgumentParser):
@@ -302,10 +309,66 @@ def _socket_refusal(socket: str | None, mode: str) -> str:
     )
 
 
-def _cmd_broker(args: argparse.Namespace) -> int:
+class _Refused(GpushareError):
+    """A one-line reason the broker cannot start, and the exit status to end with."""
+
+    code = "refused"
+
+    def __init__(self, message: str, exit_status: int = 1) -> None:
+        super().__init__(message)
+        self.exit_status = exit_status
+
+
+def _broker_config_file(
+    args: argparse.Namespace, paths: BrokerPaths
+) -> tuple[BrokerConfig, str | None]:
+    """The configuration (``--config``, else the mode's file where there is one) and its
+    path."""
     from gpushare_ext.broker.config import load_config
-    from gpushare_ext.broker.inventory import InventoryError, open_inventory
     from gpushare_ext.broker.policy import PolicyError
+
+    config_path = args.config or (
+        str(paths.config) if paths.config and paths.config.exists() else None
+    )
+    try:
+        return load_config(config_path), config_path
+    except PolicyError as exc:
+        raise _Refused(str(exc)) from None
+
+
+def _exit_when_idle_seconds(args: argparse.Namespace) -> float | None:
+    if args.exit_when_idle is None:
+        return None
+    from gpushare_ext.units import parse_duration
+
+    try:
+        return parse_duration(args.exit_when_idle)
+    except ValueError as exc:
+        raise _Refused(f"--exit-when-idle {args.exit_when_idle!r}: {exc}", 2) from None
+
+
+def _broker_inventory(
+    args: argparse.Namespace, config: BrokerConfig
+) -> tuple[InventoryBackend, str | None]:
+    """The GPUs to serve (``--simulate``, ``--inventory``, else the config's), and a note
+    about them; what is opened is said on stderr when it is not the real host's."""
+    from gpushare_ext.broker.inventory import InventoryError, open_inventory
+
+    spec = args.simulate or args.inventory or config.inventory
+    try:
+        inventory, note = open_inventory(spec)
+    except InventoryError as exc:
+        if args.simulate:  # a name or file the user typed: usage, as for the demo
+            raise _Refused(f"--simulate: {exc}", 2) from None
+        raise _Refused(str(exc)) from None
+    if note:
+        print(f"gpushare broker: {note}", file=sys.stderr)
+    if inventory.kind == "simulated":
+        print(f"gpushare broker: SIMULATED GPU -- {inventory.description}", file=sys.stderr)
+    return inventory, note
+
+
+def _cmd_broker(args: argparse.Namespace) -> int:
     from gpushare_ext.broker.server import run_broker
     from gpushare_ext.paths import broker_paths
 
@@ -320,41 +383,21 @@ def _cmd_broker(args: argparse.Namespace) -> int:
     if refusal:
         return _fail(refusal, 2)
     paths = broker_paths(mode, args.socket)
-    config_path = args.config or (
-        str(paths.config) if paths.config and paths.config.exists() else None
-    )
     try:
-        config = load_config(config_path)
-    except PolicyError as exc:
-        return _fail(str(exc))
-    overrides, refusal = _broker_overrides(args)
-    if refusal:
-        return _fail(refusal, 2)
-    exit_when_idle_s = None
-    if args.exit_when_idle is not None:
-        from gpushare_ext.units import parse_duration
+        config, config_path = _broker_config_file(args, paths)
+        overrides, refusal = _broker_overrides(args)
+        if refusal:
+            return _fail(refusal, 2)
+        exit_when_idle_s = _exit_when_idle_seconds(args)
+        if overrides:
+            from dataclasses import replace
 
-        try:
-            exit_when_idle_s = parse_duration(args.exit_when_idle)
-        except ValueError as exc:
-            return _fail(f"--exit-when-idle {args.exit_when_idle!r}: {exc}", 2)
-    if overrides:
-        from dataclasses import replace
-
-        config = replace(config, **overrides)
-    if args.socket is None and config.socket:
-        paths = broker_paths(mode, config.socket)
-    spec = args.simulate or args.inventory or config.inventory
-    try:
-        inventory, note = open_inventory(spec)
-    except InventoryError as exc:
-        if args.simulate:  # a name or file the user typed: usage, as for the demo
-            return _fail(f"--simulate: {exc}", 2)
-        return _fail(str(exc))
-    if note:
-        print(f"gpushare broker: {note}", file=sys.stderr)
-    if inventory.kind == "simulated":
-        print(f"gpushare broker: SIMULATED GPU -- {inventory.description}", file=sys.stderr)
+            config = replace(config, **overrides)
+        if args.socket is None and config.socket:
+            paths = broker_paths(mode, config.socket)
+        inventory, note = _broker_inventory(args, config)
+    except _Refused as refused:
+        return _fail(refused.message, refused.exit_status)
     try:
         asyncio.run(
             run_broker(

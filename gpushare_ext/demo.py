@@ -289,16 +289,9 @@ def run_demo(*, simulate: str | None = None, steps: int = 40, out: str | None = 
 
 def _run_demo(*, simulate: str | None, steps: int, out: str | None) -> int:
     console = Console()
-    if steps < 4:
-        console.print("[red]gpushare demo: --steps must be at least 4[/red]")
-        return 2
-    # Both before anything starts: a bad name or folder must not cost a whole demo run.
-    problem = inventory_problem(simulate) if simulate else None
-    if problem is None and out:
-        problem = output_problem(Path(out))
-    if problem:
-        print(f"gpushare demo: {problem}", file=sys.stderr)
-        return 2
+    refused = _refused_before_start(console, simulate, steps, out)
+    if refused is not None:
+        return refused
     workdir = Path(tempfile.mkdtemp(prefix="gpushare-demo-"))
     os.chmod(workdir, 0o700)
     use_gpu = False
@@ -310,56 +303,12 @@ def _run_demo(*, simulate: str | None, steps: int, out: str | None) -> int:
     socket_path = broker.socket
     os.environ["GPUSHARE_SOCKET"] = str(socket_path)
     try:
-        from gpushare_ext.client import BrokerClient
-
-        with BrokerClient(socket_path, client="cli") as client:
-            snapshot = client.status()
-        device = snapshot.devices[0].info
-        where = "the real GPU" if not device.simulated else "a SIMULATED GPU (no GPU found)"
-        console.rule("[bold]gpushare demo")
-        console.print(f"embedded broker on {socket_path}; {snapshot.inventory_description}")
-        console.print(
-            f"device 0: {device.name}, {device.memory_total_mib} MiB, {device.multiprocessor_count} SMs -- {where}"
-        )
-        size = 4096 if use_gpu else 256
-        step_seconds = 0.0 if use_gpu else 0.05
-        low_params = {
-            "steps": steps * (40 if use_gpu else 1),
-            "step_seconds": step_seconds,
-            "size": size,
-            "use_gpu": use_gpu,
-            "seed": 7,
-        }
-        high_params = {"use_gpu": use_gpu, "repeats": 20, "size": 4096 if use_gpu else 512}
+        _introduce(console, socket_path)
+        low_params, high_params = _session_parameters(steps, use_gpu)
         timeline = Timeline(socket_path)
-        results: dict[str, object] = {}
-
-        def run(name: str, key: str, parameters: dict) -> None:
-            try:
-                results[key] = execute_notebook(name, parameters)
-            except Exception as exc:  # reported below; the other session keeps going
-                results[key] = exc
-
-        console.print("session A (priority low): training loop starts ...")
-        started = time.time()
-        # Daemon threads: an interrupted demo does not wait for its notebooks to end.
-        low = threading.Thread(
-            target=run, args=("training_low.ipynb", "low", low_params), daemon=True
+        results, started, high_started = _contend(
+            console, timeline, low_params, high_params, use_gpu
         )
-        low.start()
-        deadline = time.monotonic() + 120
-        while not timeline.running_low() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(1.0 if not use_gpu else 2.0)
-        console.print("session B (priority high): interactive cell arrives ...")
-        high_started = time.time()
-        high = threading.Thread(
-            target=run, args=("interactive_high.ipynb", "high", high_params), daemon=True
-        )
-        high.start()
-        high.join()
-        low.join()
-        timeline.stop()
         failures = {k: v for k, v in results.items() if isinstance(v, Exception)}
         if failures:
             for key, exc in failures.items():
@@ -373,14 +322,7 @@ def _run_demo(*, simulate: str | None, steps: int, out: str | None) -> int:
         same = _value(cell_text(low_nb), "checksum") == _value(cell_text(reference), "checksum")
         report = _report(console, timeline, started, high_started, low_text, high_text, same)
         if out:
-            target = Path(out)
-            target.mkdir(parents=True, exist_ok=True)
-            import nbformat
-
-            nbformat.write(results["low"], target / "session-a-low.ipynb")  # type: ignore[arg-type]
-            nbformat.write(results["high"], target / "session-b-high.ipynb")  # type: ignore[arg-type]
-            (target / "timeline.json").write_text(json.dumps(report, indent=2))
-            console.print(f"executed notebooks and timeline in {target}")
+            _write_outputs(console, Path(out), results, report)
         return 0 if same else 1
     finally:
         _stop_kernels()
@@ -390,18 +332,111 @@ def _run_demo(*, simulate: str | None, steps: int, out: str | None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)  # its socket, journal and logs
 
 
-def _report(
-    console: Console, timeline: Timeline, started, high_started, low_text, high_text, same
-) -> dict:
-    events = timeline.events
+def _refused_before_start(
+    console: Console, simulate: str | None, steps: int, out: str | None
+) -> int | None:
+    """The exit status for options the demo cannot run with, else None."""
+    if steps < 4:
+        console.print("[red]gpushare demo: --steps must be at least 4[/red]")
+        return 2
+    # Both before anything starts: a bad name or folder must not cost a whole demo run.
+    problem = inventory_problem(simulate) if simulate else None
+    if problem is None and out:
+        problem = output_problem(Path(out))
+    if problem:
+        print(f"gpushare demo: {problem}", file=sys.stderr)
+        return 2
+    return None
+
+
+def _introduce(console: Console, socket_path: Path) -> None:
+    """The banner: where the broker listens and which device it serves, real or not."""
+    from gpushare_ext.client import BrokerClient
+
+    with BrokerClient(socket_path, client="cli") as client:
+        snapshot = client.status()
+    device = snapshot.devices[0].info
+    where = "the real GPU" if not device.simulated else "a SIMULATED GPU (no GPU found)"
+    console.rule("[bold]gpushare demo")
+    console.print(f"embedded broker on {socket_path}; {snapshot.inventory_description}")
+    console.print(
+        f"device 0: {device.name}, {device.memory_total_mib} MiB, {device.multiprocessor_count} SMs -- {where}"
+    )
+
+
+def _session_parameters(steps: int, use_gpu: bool) -> tuple[dict, dict]:
+    """The two notebooks' parameters: real-sized work on a GPU, small and paced without."""
+    low_params = {
+        "steps": steps * (40 if use_gpu else 1),
+        "step_seconds": 0.0 if use_gpu else 0.05,
+        "size": 4096 if use_gpu else 256,
+        "use_gpu": use_gpu,
+        "seed": 7,
+    }
+    high_params = {"use_gpu": use_gpu, "repeats": 20, "size": 4096 if use_gpu else 512}
+    return low_params, high_params
+
+
+def _contend(
+    console: Console, timeline: Timeline, low_params: dict, high_params: dict, use_gpu: bool
+) -> tuple[dict[str, object], float, float]:
+    """The low session starts, the high one arrives once the low one runs; returns each
+    session's notebook (or its exception), when the low and the high one started."""
+    results: dict[str, object] = {}
+
+    def run(name: str, key: str, parameters: dict) -> None:
+        try:
+            results[key] = execute_notebook(name, parameters)
+        except Exception as exc:  # reported below; the other session keeps going
+            results[key] = exc
+
+    console.print("session A (priority low): training loop starts ...")
+    started = time.time()
+    # Daemon threads: an interrupted demo does not wait for its notebooks to end.
+    low = threading.Thread(target=run, args=("training_low.ipynb", "low", low_params), daemon=True)
+    low.start()
+    deadline = time.monotonic() + 120
+    while not timeline.running_low() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0 if not use_gpu else 2.0)
+    console.print("session B (priority high): interactive cell arrives ...")
+    high_started = time.time()
+    high = threading.Thread(
+        target=run, args=("interactive_high.ipynb", "high", high_params), daemon=True
+    )
+    high.start()
+    high.join()
+    low.join()
+    timeline.stop()
+    return results, started, high_started
+
+
+def _write_outputs(
+    console: Console, target: Path, results: dict[str, object], report: dict
+) -> None:
+    """The executed notebooks and the timeline, for ``--out``."""
+    target.mkdir(parents=True, exist_ok=True)
+    import nbformat
+
+    nbformat.write(results["low"], target / "session-a-low.ipynb")  # type: ignore[arg-type]
+    nbformat.write(results["high"], target / "session-b-high.ipynb")  # type: ignore[arg-type]
+    (target / "timeline.json").write_text(json.dumps(report, indent=2))
+    console.print(f"executed notebooks and timeline in {target}")
+
+
+def _events_table(events: list[tuple[float, str, str, str]], started: float) -> Table:
     table = Table(title="what happened (seconds from the start)")
     for column in ("t", "lease", "state", "cell"):
         table.add_column(column)
     for at, lease_id, state, label in events:
         table.add_row(f"{at - started:6.2f}", lease_id, state, label[:50])
-    console.print(table)
-    pauses = [line for line in low_text.splitlines() if "paused for a higher-priority" in line]
-    resumes = [line for line in low_text.splitlines() if "resumed after" in line]
+    return table
+
+
+def _high_queue_wait(timeline: Timeline) -> float | None:
+    """How long the high session's lease queued: its cell is the one that imports
+    ``time`` but not ``hashlib`` (the low session's cell does both)."""
+    events = timeline.events
     high_leases = [
         lid
         for _, lid, _, label in events
@@ -409,17 +444,22 @@ def _report(
     ]
     low_leases = {lid for _, lid, _, label in events if "hashlib" in label}
     high_lease = next((lid for lid in high_leases if lid not in low_leases), None)
-    queue_wait = timeline.waited.get(high_lease) if high_lease else None
-    latencies = json.loads(_value(high_text, "latencies_ms") or "[]")
-    granted_at = float(_value(high_text, "granted_at") or high_started)
+    return timeline.waited.get(high_lease) if high_lease else None
+
+
+def _summary_table(
+    queue_wait: float | None,
+    start_to_run_s: float,
+    latencies: list[float],
+    pauses: list[str],
+    same: bool,
+) -> Table:
     summary = Table(title="summary")
     summary.add_column("")
     summary.add_column("")
     if queue_wait is not None:
         summary.add_row("session B (high) waited in the queue", f"{queue_wait * 1e3:.1f} ms")
-    summary.add_row(
-        "session B from kernel start to its cell running", f"{granted_at - high_started:.2f} s"
-    )
+    summary.add_row("session B from kernel start to its cell running", f"{start_to_run_s:.2f} s")
     if latencies:
         ordered = sorted(latencies)
         summary.add_row(
@@ -433,7 +473,26 @@ def _report(
     summary.add_row(
         "session A result identical to an undisturbed run", "yes (sha256 match)" if same else "NO"
     )
-    console.print(summary)
+    return summary
+
+
+def _report(
+    console: Console,
+    timeline: Timeline,
+    started: float,
+    high_started: float,
+    low_text: str,
+    high_text: str,
+    same: bool,
+) -> dict:
+    events = timeline.events
+    console.print(_events_table(events, started))
+    pauses = [line for line in low_text.splitlines() if "paused for a higher-priority" in line]
+    resumes = [line for line in low_text.splitlines() if "resumed after" in line]
+    queue_wait = _high_queue_wait(timeline)
+    latencies = json.loads(_value(high_text, "latencies_ms") or "[]")
+    granted_at = float(_value(high_text, "granted_at") or high_started)
+    console.print(_summary_table(queue_wait, granted_at - high_started, latencies, pauses, same))
     return {
         "events": [
             {"t": at - started, "lease": lid, "state": st, "cell": lb} for at, lid, st, lb in events

@@ -107,54 +107,114 @@ def trusted_directory(
     if not os.path.isabs(text):
         raise UnsafePathError(f"{text} is not an absolute path")
     suffix = f": {hint}" if hint else ""
-    pending = [part for part in text.split("/") if part and part != "."]
-    pending.reverse()  # a stack: the next component is last
-    current = "/"
-    followed = 0
     try:
-        _check_directory("/", os.lstat("/"), trusted_uids, final=not pending, allow_sticky=False)
-        while pending:
-            part = pending.pop()
-            if part == "..":
-                current = os.path.dirname(current) or "/"
-                continue
-            candidate = os.path.join(current, part)
-            final = not pending
-            try:
-                info = os.lstat(candidate)
-            except FileNotFoundError:
-                if create_mode is None:
-                    raise PathMissing(f"{candidate} does not exist") from None
-                info = _make_directory(candidate, create_mode)
-            if stat.S_ISLNK(info.st_mode):
-                if info.st_uid not in trusted_uids:
-                    raise UnsafePathError(
-                        f"{candidate} is a symbolic link owned by {describe_owner(info.st_uid)}: "
-                        "refusing to follow it"
-                    )
-                followed += 1
-                if followed > _MAX_SYMLINKS:
-                    raise UnsafePathError(f"{text} has too many levels of symbolic links")
-                target = os.readlink(candidate)
-                if os.path.isabs(target):
-                    current = "/"
-                parts = [p for p in target.split("/") if p and p != "."]
-                pending.extend(reversed(parts))
-                continue
-            if not stat.S_ISDIR(info.st_mode):
-                raise UnsafePathError(f"{candidate} is not a directory")
-            _check_directory(candidate, info, trusted_uids, final=final, allow_sticky=allow_sticky)
-            if final and private and stat.S_IMODE(info.st_mode) & 0o077:
-                raise UnsafePathError(
-                    f"{candidate} is open to other users (mode {stat.S_IMODE(info.st_mode):04o}); "
-                    f"it must be private (chmod 700 {candidate})"
-                )
-            current = candidate
+        current = _walk(
+            text,
+            trusted_uids,
+            create_mode=create_mode,
+            allow_sticky=allow_sticky,
+            private=private,
+        )
     except UnsafePathError as exc:
         raise type(exc)(f"{exc}{suffix}") from None
     except OSError as exc:
         raise UnsafePathError(f"cannot use {text}: {exc.strerror}{suffix}") from None
     return Path(current)
+
+
+def _components(text: str) -> list[str]:
+    """The names of a path in order, without empty ones and ``.``."""
+    return [part for part in text.split("/") if part and part != "."]
+
+
+def _walk(
+    text: str,
+    trusted_uids: frozenset[int],
+    *,
+    create_mode: int | None,
+    allow_sticky: bool,
+    private: bool,
+) -> str:
+    """The checked walk of :func:`trusted_directory`, one component at a time from ``/``;
+    returns the directory reached. Raises :class:`UnsafePathError` or ``OSError``."""
+    pending = _components(text)
+    pending.reverse()  # a stack: the next component is last
+    current = "/"
+    followed = 0
+    _check_directory("/", os.lstat("/"), trusted_uids, final=not pending, allow_sticky=False)
+    while pending:
+        part = pending.pop()
+        if part == "..":
+            current = os.path.dirname(current) or "/"
+            continue
+        candidate = os.path.join(current, part)
+        final = not pending
+        info = _lstat_or_create(candidate, create_mode)
+        if stat.S_ISLNK(info.st_mode):
+            followed = _count_trusted_link(candidate, info, trusted_uids, followed, text)
+            target = os.readlink(candidate)
+            if os.path.isabs(target):
+                current = "/"
+            pending.extend(reversed(_components(target)))
+            continue
+        _check_step(
+            candidate,
+            info,
+            trusted_uids,
+            final=final,
+            allow_sticky=allow_sticky,
+            private=private,
+        )
+        current = candidate
+    return current
+
+
+def _lstat_or_create(candidate: str, create_mode: int | None) -> os.stat_result:
+    """What is at ``candidate`` (not followed); a missing directory is made when
+    ``create_mode`` is set, else :class:`PathMissing`."""
+    try:
+        return os.lstat(candidate)
+    except FileNotFoundError:
+        if create_mode is None:
+            raise PathMissing(f"{candidate} does not exist") from None
+        return _make_directory(candidate, create_mode)
+
+
+def _count_trusted_link(
+    candidate: str, info: os.stat_result, trusted_uids: frozenset[int], followed: int, text: str
+) -> int:
+    """Refuse a link that no trusted user owns, or one too many on the way; returns the
+    number of links followed with this one."""
+    if info.st_uid not in trusted_uids:
+        raise UnsafePathError(
+            f"{candidate} is a symbolic link owned by {describe_owner(info.st_uid)}: "
+            "refusing to follow it"
+        )
+    followed += 1
+    if followed > _MAX_SYMLINKS:
+        raise UnsafePathError(f"{text} has too many levels of symbolic links")
+    return followed
+
+
+def _check_step(
+    candidate: str,
+    info: os.stat_result,
+    trusted_uids: frozenset[int],
+    *,
+    final: bool,
+    allow_sticky: bool,
+    private: bool,
+) -> None:
+    """A directory on the way (not a link): a directory, trusted, closed to others'
+    writes, and private when it is the last one and ``private`` is asked."""
+    if not stat.S_ISDIR(info.st_mode):
+        raise UnsafePathError(f"{candidate} is not a directory")
+    _check_directory(candidate, info, trusted_uids, final=final, allow_sticky=allow_sticky)
+    if final and private and stat.S_IMODE(info.st_mode) & 0o077:
+        raise UnsafePathError(
+            f"{candidate} is open to other users (mode {stat.S_IMODE(info.st_mode):04o}); "
+            f"it must be private (chmod 700 {candidate})"
+        )
 
 
 def _make_directory(path: str, mode: int) -> os.stat_result:

@@ -525,6 +525,51 @@ def _names(instances: Iterable[PlannedInstance]) -> str:
     return " + ".join(f"{n} × {name}" if n > 1 else name for name, n in counts.items())
 
 
+def _current_layout(device: DeviceInfo) -> str:
+    if device.instances:
+        return f"its current layout is {_names(_as_planned(device))}"
+    if device.mig_enabled:
+        return "MIG is on but no instance exists yet"
+    return "MIG is off (the GPU is used whole)"
+
+
+def _instance_line(inst: PlannedInstance, demand: Sequence[Demand]) -> str:
+    """One instance of the chosen layout: where, kept or new, its size, whom it serves."""
+    who = ", ".join(demand[i].describe() for i in inst.serves) or "nobody yet"
+    state = "kept" if inst.existing_uuid else "new"
+    where = (
+        f"memory slice {inst.start}"
+        if inst.end - inst.start == 1
+        else f"memory slices {inst.start}-{inst.end - 1}"
+    )
+    return (
+        f"  {inst.profile.name} at {where} ({state}, "
+        f"{format_size(inst.memory_bytes)}, {inst.profile.multiprocessor_count} SMs): {who}"
+    )
+
+
+def _fit_lines(device: DeviceInfo, demand: Sequence[Demand], chosen: Candidate) -> list[str]:
+    """Whether every lease fits, else which wait and why."""
+    if not chosen.waiting:
+        return [f"Every lease fits ({chosen.served} of {len(demand)})."]
+    lines = [
+        f"{chosen.served} of {len(demand)} leases fit; {len(chosen.waiting)} would have to wait:"
+    ]
+    biggest = max(_usable_profiles(device), key=lambda p: p.memory_mib)
+    for i in chosen.waiting:
+        d = demand[i]
+        if not fitting_profiles(device, [d]):
+            why = (
+                f"more than the largest profile ({biggest.name}, "
+                f"{format_size(biggest.memory_mib * MIB)}, {biggest.multiprocessor_count} SMs)"
+                " holds; it needs a whole GPU with MIG off"
+            )
+        else:
+            why = "no instance that holds it can be cut beside the others"
+        lines.append(f"  {d.describe()} waits: {why}.")
+    return lines
+
+
 def _explain(
     device: DeviceInfo,
     demand: Sequence[Demand],
@@ -534,12 +579,7 @@ def _explain(
 ) -> list[str]:
     lines = []
     gpu = f"GPU {device.index} ({device.name}{', simulated' if device.simulated else ''})"
-    if device.instances:
-        current = f"its current layout is {_names(_as_planned(device))}"
-    elif device.mig_enabled:
-        current = "MIG is on but no instance exists yet"
-    else:
-        current = "MIG is off (the GPU is used whole)"
+    current = _current_layout(device)
     if not demand:
         lines.append(f"No lease asks for memory on {gpu}; {current}. Nothing to plan.")
         return lines
@@ -551,37 +591,8 @@ def _explain(
         + "."
     )
     lines.append(f"Chosen layout: {chosen.name} -- {chosen.rule}.")
-    for inst in chosen.instances:
-        who = ", ".join(demand[i].describe() for i in inst.serves) or "nobody yet"
-        state = "kept" if inst.existing_uuid else "new"
-        where = (
-            f"memory slice {inst.start}"
-            if inst.end - inst.start == 1
-            else f"memory slices {inst.start}-{inst.end - 1}"
-        )
-        lines.append(
-            f"  {inst.profile.name} at {where} ({state}, "
-            f"{format_size(inst.memory_bytes)}, {inst.profile.multiprocessor_count} SMs): {who}"
-        )
-    if not chosen.waiting:
-        lines.append(f"Every lease fits ({chosen.served} of {len(demand)}).")
-    else:
-        lines.append(
-            f"{chosen.served} of {len(demand)} leases fit; "
-            f"{len(chosen.waiting)} would have to wait:"
-        )
-        biggest = max(_usable_profiles(device), key=lambda p: p.memory_mib)
-        for i in chosen.waiting:
-            d = demand[i]
-            if not fitting_profiles(device, [d]):
-                why = (
-                    f"more than the largest profile ({biggest.name}, "
-                    f"{format_size(biggest.memory_mib * MIB)}, {biggest.multiprocessor_count} SMs)"
-                    " holds; it needs a whole GPU with MIG off"
-                )
-            else:
-                why = "no instance that holds it can be cut beside the others"
-            lines.append(f"  {d.describe()} waits: {why}.")
+    lines += [_instance_line(inst, demand) for inst in chosen.instances]
+    lines += _fit_lines(device, demand, chosen)
     total = compute_slices_total(device)
     free_slices = total - chosen.compute_slices
     lines.append(

@@ -231,6 +231,30 @@ def _memory_accesses(
     return accesses, atomics, unsupported
 
 
+# (read, written) -> how a buffer is used.
+_ACCESS_OF = {
+    (True, True): Access.READ_WRITTEN,
+    (False, True): Access.WRITTEN,
+    (True, False): Access.READ,
+    (False, False): Access.NONE,
+}
+
+
+def _accesses_to(param: str, accesses: list[MemoryAccess], kind: str) -> tuple[MemoryAccess, ...]:
+    return tuple(a for a in accesses if param in a.params and a.kind == kind)
+
+
+def _is_read(
+    reads: tuple[MemoryAccess, ...],
+    own: tuple[MemoryAccess, ...],
+    atoms: tuple[MemoryAccess, ...],
+) -> bool:
+    """A load of a value another run could have left, or an atomic that reads (not an
+    idempotent max/min/and/or, which counts as a plain write)."""
+    rmw = [a for a in atoms if atomic_op(a.instr) in NON_IDEMPOTENT_ATOMICS]
+    return len(reads) > len(own) or bool(rmw)
+
+
 def _buffers(
     entry: Entry,
     candidates: list[str],
@@ -241,22 +265,13 @@ def _buffers(
     """Per candidate that is used as a buffer: how it is accessed."""
     buffers: dict[str, BufferUse] = {}
     for p in candidates:
-        reads = tuple(a for a in accesses if p in a.params and a.kind == "read")
+        reads = _accesses_to(p, accesses, "read")
         own = tuple(a for a in reads if a.index in own_reads)
-        writes = tuple(a for a in accesses if p in a.params and a.kind == "write")
-        atoms = tuple(a for a in accesses if p in a.params and a.kind == "atomic")
+        writes = _accesses_to(p, accesses, "write")
+        atoms = _accesses_to(p, accesses, "atomic")
         if not (reads or writes or atoms) and p not in definite:
             continue  # a scalar that happens to be 64-bit (size_t n)
-        # An idempotent atomic (max/min/and/or) counts as a plain write; others read too.
-        rmw = [a for a in atoms if atomic_op(a.instr) in NON_IDEMPOTENT_ATOMICS]
-        read = len(reads) > len(own) or bool(rmw)
-        written = bool(writes or atoms)
-        access = (
-            Access.READ_WRITTEN if read and written
-            else Access.WRITTEN if written
-            else Access.READ if read
-            else Access.NONE
-        )  # fmt: skip
+        access = _ACCESS_OF[(_is_read(reads, own, atoms), bool(writes or atoms))]
         buffers[p] = BufferUse(p, entry.display_name(p), access, reads, writes, atoms, own)
     return buffers
 

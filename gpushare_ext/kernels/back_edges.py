@@ -104,6 +104,25 @@ def _countdown(body: list[Item], guard: str) -> tuple[str, int, str, int] | None
     if guard.startswith("!"):
         return None
     instrs = [(k, it.stmt.instr) for k, it in enumerate(body) if it.stmt.instr is not None]
+    found = _zero_test(instrs, guard)
+    if found is None:
+        return None
+    k_test, test, kind = found
+    counter = test.operands[1]
+    step = _decrement_of(instrs, counter, kind)
+    if step is None:
+        return None
+    reads_guard = [ins for _, ins in instrs if ins is not test and guard in _guard_and_sources(ins)]
+    if reads_guard:
+        return None
+    return counter, step, kind, k_test
+
+
+def _zero_test(
+    instrs: list[tuple[int, Instruction]], guard: str
+) -> tuple[int, Instruction, str] | None:
+    """``(index, test, type)`` of the one unguarded ``setp.ne.<type> guard, %r, 0`` that
+    sets the back branch's predicate, if it is that."""
     tests = [(k, ins) for k, ins in instrs if _registers_of(ins.operands[:1]) == [guard]]
     if len(tests) != 1:
         return None
@@ -111,17 +130,19 @@ def _countdown(body: list[Item], guard: str) -> tuple[str, int, str, int] | None
     m = re.fullmatch(r"setp\.ne\.([su](?:32|64))", test.opcode)
     if m is None or len(test.operands) != 3 or test.operands[2] != "0" or test.guard:
         return None
-    counter = test.operands[1]
+    return k_test, test, m.group(1)
+
+
+def _decrement_of(instrs: list[tuple[int, Instruction]], counter: str, kind: str) -> int | None:
+    """The step when the counter's one definition is an unguarded
+    ``add.<type> counter, counter, -step``."""
     defs = [ins for _, ins in instrs if ins.operands and ins.operands[0] == counter]
-    if len(defs) != 1 or defs[0].guard or defs[0].opcode != f"add.{m.group(1)}":
+    if len(defs) != 1 or defs[0].guard or defs[0].opcode != f"add.{kind}":
         return None
     add = defs[0]
     if add.operands[1] != counter or not re.fullmatch(r"-\d+", add.operands[2]):
         return None
-    reads_guard = [ins for _, ins in instrs if ins is not test and guard in _guard_and_sources(ins)]
-    if reads_guard:
-        return None
-    return counter, -int(add.operands[2]), m.group(1), k_test
+    return -int(add.operands[2])
 
 
 def _registers_of(operands: tuple[str, ...] | list[str]) -> list[str]:

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from gpushare_ext.kernels.ptx import Instruction, PtxModule
 from gpushare_ext.kernels.report import (
     Access,
+    BufferUse,
     Classification,
     Idempotence,
     KernelReport,
@@ -83,48 +84,60 @@ def _unknown_reasons(report: KernelReport) -> list[str]:
     return reasons
 
 
+def _rerun_hazards(b: BufferUse) -> list[str]:
+    """Why a buffer that is read and written makes a re-run unsafe: a read of what the
+    first run overwrote, and the first atomic that reads and updates it."""
+    name = f"`{b.display}`"
+    found: list[str] = []
+    hazards = b.hazard_reads
+    if hazards and (b.writes or b.atomics):
+        w = (b.writes or b.atomics)[0]
+        more = len(hazards) - 1
+        also = f" and {more} more read{'s' if more != 1 else ''}" if more else ""
+        found.append(
+            f"parameter {name} is read at {hazards[0].where}{also} and written at "
+            f"{w.where}: a re-run would read values the first run already overwrote"
+        )
+    for a in b.atomics:
+        op = atomic_op(a.instr)
+        if op in NON_IDEMPOTENT_ATOMICS:
+            found.append(
+                f"atomic {op} on parameter {name} at {a.where} reads and updates it: "
+                "a re-run would apply it twice"
+            )
+            break
+    return found
+
+
+def _why_rerun_is_safe(b: BufferUse) -> str | None:
+    """What makes this buffer's use safe to run again, or None for an unused one."""
+    if b.access is Access.READ:
+        return f"parameter `{b.display}` is only read"
+    if b.access is Access.WRITTEN and b.own_reads:
+        return (
+            f"parameter `{b.display}` is written, and read only where the same thread "
+            f"wrote it first (at {b.own_reads[0].where}): a re-run reads its own values "
+            "there, so that is no re-run hazard"
+        )
+    if b.access is Access.WRITTEN:
+        how = " (replay-safe atomics)" if b.atomics and not b.writes else ""
+        return f"parameter `{b.display}` is only written{how}"
+    return None
+
+
 def classify(report: KernelReport, module: PtxModule) -> Classification:
     unknown = _unknown_reasons(report)
     non: list[str] = []
     for b in report.buffers.values():
-        name = f"`{b.display}`"
         if b.access is Access.READ_WRITTEN:
-            hazards = b.hazard_reads
-            if hazards and (b.writes or b.atomics):
-                w = (b.writes or b.atomics)[0]
-                more = len(hazards) - 1
-                also = f" and {more} more read{'s' if more != 1 else ''}" if more else ""
-                non.append(
-                    f"parameter {name} is read at {hazards[0].where}{also} and written at "
-                    f"{w.where}: a re-run would read values the first run already overwrote"
-                )
-            for a in b.atomics:
-                op = atomic_op(a.instr)
-                if op in NON_IDEMPOTENT_ATOMICS:
-                    non.append(
-                        f"atomic {op} on parameter {name} at {a.where} reads and updates it: "
-                        "a re-run would apply it twice"
-                    )
-                    break
+            non += _rerun_hazards(b)
     if report.grid_sync:
         non.append("blocks communicate (" + "; ".join(report.grid_sync[:2]) + ")")
     if unknown:
         return Classification(Idempotence.UNKNOWN, tuple(dict.fromkeys(unknown + non)))
     if non:
         return Classification(Idempotence.NON_IDEMPOTENT, tuple(dict.fromkeys(non)))
-    reasons = []
-    for b in report.buffers.values():
-        if b.access is Access.READ:
-            reasons.append(f"parameter `{b.display}` is only read")
-        elif b.access is Access.WRITTEN and b.own_reads:
-            reasons.append(
-                f"parameter `{b.display}` is written, and read only where the same thread "
-                f"wrote it first (at {b.own_reads[0].where}): a re-run reads its own values "
-                "there, so that is no re-run hazard"
-            )
-        elif b.access is Access.WRITTEN:
-            how = " (replay-safe atomics)" if b.atomics and not b.writes else ""
-            reasons.append(f"parameter `{b.display}` is only written{how}")
+    reasons = [r for r in map(_why_rerun_is_safe, report.buffers.values()) if r is not None]
     if not reasons:
         reasons.append("the kernel touches no global memory through its parameters")
     return Classification(Idempotence.IDEMPOTENT, tuple(reasons))
@@ -133,6 +146,29 @@ def classify(report: KernelReport, module: PtxModule) -> Classification:
 # ---------------------------------------------------------------------------------------
 # Launch-time aliasing
 # ---------------------------------------------------------------------------------------
+
+
+def _overlap(extent_a: tuple[int, int], extent_b: tuple[int, int]) -> bool:
+    """Whether two (address, nbytes) extents share a byte."""
+    pa, na = extent_a
+    pb, nb = extent_b
+    return not (na == 0 or nb == 0 or pa + na <= pb or pb + nb <= pa)
+
+
+def _aliasing_reason(a: BufferUse, b: BufferUse) -> str | None:
+    """Why two overlapping buffers make a launch non-idempotent, or None when they do not
+    (both only read)."""
+    reader = a if a.access is Access.READ else b if b.access is Access.READ else None
+    writer = b if reader is a else a if reader is b else None
+    if reader is not None and writer is not None and writer.is_written:
+        return (
+            f"parameters `{reader.display}` and `{writer.display}` overlap in memory: "
+            f"`{reader.display}` is read and `{writer.display}` is written, so this "
+            "launch updates a buffer in place"
+        )
+    if a.is_written and b.is_written:
+        return f"parameters `{a.display}` and `{b.display}` overlap in memory and both are written"
+    return None
 
 
 def classify_launch(report: KernelReport, extents: Mapping[str, tuple[int, int]]) -> Classification:
@@ -150,23 +186,11 @@ def classify_launch(report: KernelReport, extents: Mapping[str, tuple[int, int]]
     reasons: list[str] = []
     for i, a in enumerate(uses):
         for b in uses[i + 1 :]:
-            pa, na = extents[a.param]
-            pb, nb = extents[b.param]
-            if na == 0 or nb == 0 or pa + na <= pb or pb + nb <= pa:
+            if not _overlap(extents[a.param], extents[b.param]):
                 continue
-            reader = a if a.access is Access.READ else b if b.access is Access.READ else None
-            writer = b if reader is a else a if reader is b else None
-            if reader is not None and writer is not None and writer.is_written:
-                reasons.append(
-                    f"parameters `{reader.display}` and `{writer.display}` overlap in memory: "
-                    f"`{reader.display}` is read and `{writer.display}` is written, so this "
-                    "launch updates a buffer in place"
-                )
-            elif a.is_written and b.is_written:
-                reasons.append(
-                    f"parameters `{a.display}` and `{b.display}` overlap in memory and both "
-                    "are written"
-                )
+            reason = _aliasing_reason(a, b)
+            if reason is not None:
+                reasons.append(reason)
     if reasons:
         return Classification(Idempotence.NON_IDEMPOTENT, tuple(reasons))
     return base

@@ -15,6 +15,7 @@ from gpushare_ext.kernels.ptx import Param, render_entry
 from gpushare_ext.kernels.rewrite import (
     BLOCK_COORDS,
     NO_BLOCK,
+    Item,
     Pass,
     RecordLayout,
     SavePlan,
@@ -61,6 +62,187 @@ def _park(plan: SavePlan) -> list[str]:
     return out
 
 
+_LOOP_PARAMS = (
+    Param("__gs_progress", "u64", 8, 8),
+    Param("__gs_yieldflag", "u64", 8, 8),
+    Param("__gs_gridx", "u32", 4, 4),
+    Param("__gs_gridy", "u32", 4, 4),
+    Param("__gs_gridz", "u32", 4, 4),
+    Param("__gs_stop", "u32", 4, 4),
+    Param("__gs_chunk", "u32", 4, 4),
+)
+_SAVE_PARAMS = (
+    Param("__gs_save", "u64", 8, 8),
+    Param("__gs_savestride", "u64", 8, 8),
+)
+_LOOP_DECLS = (
+    ".reg .b64 %gs_prog0, %gs_prog, %gs_flag0, %gs_flag, %gs_now, %gs_scratch, %gs_scratch_g;",
+    ".reg .b32 %gs_nx, %gs_ny, %gs_nz, %gs_stop, %gs_nxy, %gs_t, %gs_t2, %gs_id, %gs_flagv;",
+    ".reg .b32 %gs_cx, %gs_cy, %gs_cz, %gs_chunk, %gs_base, %gs_lim, %gs_sa, %gs_bc, %gs_bm;",
+    ".reg .pred %gs_leader, %gs_pseen, %gs_pend, %gs_pa, %gs_pb, %gs_pmore, %gs_pf;",
+    # Two slots, used alternately by consecutive chunks: the leader can write the
+    # next chunk's base while a slow warp still reads this one's (one barrier per
+    # chunk instead of two).
+    ".shared .align 8 .b32 __gs_slot[2];",
+    ".shared .align 4 .b32 __gs_abortslot;",
+)
+_SAVE_DECLS = (
+    ".reg .b64 %gs_sv0, %gs_sv, %gs_sst, %gs_sp;",
+    ".reg .b32 %gs_g, %gs_tag;",
+    ".reg .pred %gs_pr;",
+    ".shared .align 4 .b32 __gs_stopped;",  # a thread of the block parked
+)
+
+
+def _add_params_and_decls(state: TransformState, plan: SavePlan | None) -> None:
+    """The loop's parameters go first (the save buffer's after them), its registers and
+    shared slots before every earlier pass's."""
+    state.extra_params[:0] = list(_LOOP_PARAMS)
+    if plan is not None:
+        state.extra_params[7:7] = list(_SAVE_PARAMS)
+    state.decls[:0] = list(_LOOP_DECLS)
+    if plan is not None:
+        state.decls += list(_SAVE_DECLS)
+
+
+def _prologue(state: TransformState, plan: SavePlan | None) -> list[str]:
+    """Once per physical block: the loop's parameters read, the leader chosen, the start
+    stamped, then the earlier passes' prologue and a saved state's reload."""
+    L = RecordLayout
+    return [
+        "// gpushare: persistent preemptible blocks, chunks of logical blocks",
+        "ld.param.u64 %gs_prog0, [__gs_progress];",
+        "cvta.to.global.u64 %gs_prog, %gs_prog0;",
+        "ld.param.u64 %gs_flag0, [__gs_yieldflag];",
+        "cvta.to.global.u64 %gs_flag, %gs_flag0;",
+        f"add.s64 %gs_scratch, %gs_prog0, {L.SCRATCH};",
+        f"add.s64 %gs_scratch_g, %gs_prog, {L.SCRATCH};",
+        "ld.param.u32 %gs_nx, [__gs_gridx];",
+        "ld.param.u32 %gs_ny, [__gs_gridy];",
+        "ld.param.u32 %gs_nz, [__gs_gridz];",
+        "ld.param.u32 %gs_stop, [__gs_stop];",
+        "ld.param.u32 %gs_chunk, [__gs_chunk];",
+        "max.u32 %gs_chunk, %gs_chunk, 1;",
+        "mov.u32 %gs_bc, 0;",  # iterations since the last per-thread flag check
+        "mul.lo.u32 %gs_nxy, %gs_nx, %gs_ny;",
+        "mov.u32 %gs_t, %tid.x;",
+        "mov.u32 %gs_t2, %tid.y;",
+        "or.b32 %gs_t, %gs_t, %gs_t2;",
+        "mov.u32 %gs_t2, %tid.z;",
+        "or.b32 %gs_t, %gs_t, %gs_t2;",
+        "setp.eq.u32 %gs_leader, %gs_t, 0;",
+        "mov.u32 %gs_sa, __gs_slot;",
+        "@%gs_leader mov.u64 %gs_now, %globaltimer;",
+        f"@%gs_leader red.global.min.u64 [%gs_prog+{L.START_NS}], %gs_now;",
+        *state.prologue,
+        *(resume_saved(plan) if plan is not None else ()),
+    ]
+
+
+def _dispatch(plan: SavePlan | None) -> list[str]:
+    """The head of the loop: the leader checks the flag and claims a chunk, every thread
+    reads the claim back, and the chunk's first logical block begins."""
+    L = RecordLayout
+    saves = plan is not None
+    return [
+        "// gpushare: chunk dispatch (leader: flag check, then one atomic per chunk)",
+        "$__gs_next:",
+        *(_PARKED_BLOCK_STOPS if saves else ()),
+        "@!%gs_leader bra $__gs_wait;",
+        f"mov.u32 %gs_base, {NO_BLOCK};",
+        *(_STOP_IF_PARKED if saves else ()),
+        "ld.volatile.global.u32 %gs_flagv, [%gs_flag];",
+        "setp.ne.u32 %gs_pseen, %gs_flagv, 0;",
+        "@%gs_pseen bra $__gs_seen;",
+        f"atom.global.add.u32 %gs_base, [%gs_prog+{L.NEXT_BLOCK}], %gs_chunk;",
+        "bra $__gs_publish;",
+        "$__gs_seen:",
+        "mov.u64 %gs_now, %globaltimer;",
+        f"red.global.min.u64 [%gs_prog+{L.FIRST_YIELD_NS}], %gs_now;",
+        f"red.global.max.u64 [%gs_prog+{L.LAST_EXIT_NS}], %gs_now;",
+        f"red.global.add.u32 [%gs_prog+{L.YIELD_EXITS}], 1;",
+        "$__gs_publish:",
+        "st.shared.u32 [%gs_sa], %gs_base;",
+        "$__gs_wait:",
+        "barrier.sync 0;",
+        "ld.shared.u32 %gs_base, [%gs_sa];",
+        "xor.b32 %gs_sa, %gs_sa, 4;",  # the other slot for the next chunk
+        "setp.ge.u32 %gs_pend, %gs_base, %gs_stop;",
+        "@%gs_pend bra $__gs_exit;",
+        # The chunk is [base, min(base + chunk, stop)): ids >= stop are never run.
+        "sub.u32 %gs_t, %gs_stop, %gs_base;",
+        "min.u32 %gs_t, %gs_t, %gs_chunk;",
+        "add.u32 %gs_lim, %gs_base, %gs_t;",
+        "mov.u32 %gs_id, %gs_base;",
+        "$__gs_block:",
+        *BLOCK_COORDS,
+        "// gpushare: original kernel body (one logical block)",
+    ]
+
+
+def _epilogue(sync: bool, plan: SavePlan | None) -> list[str]:
+    """The tail of the loop: the next logical block of the chunk or the next chunk, and
+    the abort, exit and parking paths."""
+    L = RecordLayout
+    epilogue = [
+        "$__gs_done:",
+        "add.u32 %gs_id, %gs_id, 1;",
+        "setp.lt.u32 %gs_pmore, %gs_id, %gs_lim;",
+        "@!%gs_pmore bra $__gs_chunkend;",
+    ]
+    if sync:  # shared memory / barriers: the next logical block must not overlap
+        epilogue.append("barrier.sync 0;")
+    epilogue += [
+        "bra $__gs_block;",
+        "$__gs_chunkend:",
+        # The barrier at $__gs_wait closes the chunk's last logical block.
+        "sub.u32 %gs_t, %gs_lim, %gs_base;",
+        f"@%gs_leader red.global.add.u32 [%gs_prog+{L.FINISHED}], %gs_t;",
+        "bra $__gs_next;",
+        "$__gs_abort:",
+        "mov.u64 %gs_now, %globaltimer;",
+        f"red.global.min.u64 [%gs_prog+{L.FIRST_YIELD_NS}], %gs_now;",
+        f"red.global.max.u64 [%gs_prog+{L.LAST_EXIT_NS}], %gs_now;",
+        # Every block below the lowest one an abort left is finished: an idempotent
+        # kernel restarts there, not at 0 (re-running finished blocks is harmless).
+        f"red.global.min.u32 [%gs_prog+{L.LOWEST_ABORTED}], %gs_id;",
+        f"mov.u32 %gs_t, {NO_BLOCK};",
+        "st.shared.u32 [__gs_slot], %gs_t;",
+        "st.shared.u32 [__gs_slot+4], %gs_t;",
+        "mov.u32 %gs_t, 1;",
+        f"st.global.u32 [%gs_prog+{L.ABORTED}], %gs_t;",
+        "exit;",
+        "$__gs_exit:",
+        "@%gs_leader mov.u64 %gs_now, %globaltimer;",
+        f"@%gs_leader red.global.max.u64 [%gs_prog+{L.END_NS}], %gs_now;",
+        "ret;",
+    ]
+    if plan is not None:
+        epilogue += _park(plan)
+    return epilogue
+
+
+def _indented(lines: list[str]) -> list[str]:
+    """Instructions indented by a tab; labels at the line's start."""
+    return ["\t" + s if not s.endswith(":") else s for s in lines]
+
+
+def _entry_text(state: TransformState, head: list[str], tail: list[str]) -> str:
+    """The entry with its top-level declarations first, then the loop's, the loop's head,
+    the rewritten body and the loop's tail."""
+
+    def top_level_decl(it: Item) -> bool:
+        return it.stmt.kind == "decl" and it.stmt.depth == 0
+
+    lines = [it.render() for it in state.body if top_level_decl(it)]
+    lines += ["\t" + d for d in state.decls]
+    lines += _indented(head)
+    lines += [it.render() for it in state.body if not top_level_decl(it)]
+    lines += _indented(tail)
+    params = list(state.entry.params) + state.extra_params
+    return render_entry(state.entry, body_lines=lines, params=params)
+
+
 class PersistentBlocks(Pass):
     """Wrap the body in the persistent loop: flag check, chunk claim, broadcast, then the
     chunk's logical blocks back to back (ids decomposed into ``%ctaid`` replacements)."""
@@ -69,148 +251,12 @@ class PersistentBlocks(Pass):
     effect = "rewrite"
 
     def run(self, state: TransformState) -> None:
-        L = RecordLayout
         sync = needs_block_sync(state)
         state.notes.append(
             "barrier between logical blocks of a chunk" if sync else "chunk runs without barriers"
         )
-        state.extra_params[:0] = [
-            Param("__gs_progress", "u64", 8, 8),
-            Param("__gs_yieldflag", "u64", 8, 8),
-            Param("__gs_gridx", "u32", 4, 4),
-            Param("__gs_gridy", "u32", 4, 4),
-            Param("__gs_gridz", "u32", 4, 4),
-            Param("__gs_stop", "u32", 4, 4),
-            Param("__gs_chunk", "u32", 4, 4),
-        ]
         plan = state.save
-        if plan is not None:
-            state.extra_params[7:7] = [
-                Param("__gs_save", "u64", 8, 8),
-                Param("__gs_savestride", "u64", 8, 8),
-            ]
-        state.decls[:0] = [
-            ".reg .b64 %gs_prog0, %gs_prog, %gs_flag0, %gs_flag, %gs_now, %gs_scratch, %gs_scratch_g;",
-            ".reg .b32 %gs_nx, %gs_ny, %gs_nz, %gs_stop, %gs_nxy, %gs_t, %gs_t2, %gs_id, %gs_flagv;",
-            ".reg .b32 %gs_cx, %gs_cy, %gs_cz, %gs_chunk, %gs_base, %gs_lim, %gs_sa, %gs_bc, %gs_bm;",
-            ".reg .pred %gs_leader, %gs_pseen, %gs_pend, %gs_pa, %gs_pb, %gs_pmore, %gs_pf;",
-            # Two slots, used alternately by consecutive chunks: the leader can write the
-            # next chunk's base while a slow warp still reads this one's (one barrier per
-            # chunk instead of two).
-            ".shared .align 8 .b32 __gs_slot[2];",
-            ".shared .align 4 .b32 __gs_abortslot;",
-        ]
-        if plan is not None:
-            state.decls += [
-                ".reg .b64 %gs_sv0, %gs_sv, %gs_sst, %gs_sp;",
-                ".reg .b32 %gs_g, %gs_tag;",
-                ".reg .pred %gs_pr;",
-                ".shared .align 4 .b32 __gs_stopped;",  # a thread of the block parked
-            ]
-        prologue = [
-            "// gpushare: persistent preemptible blocks, chunks of logical blocks",
-            "ld.param.u64 %gs_prog0, [__gs_progress];",
-            "cvta.to.global.u64 %gs_prog, %gs_prog0;",
-            "ld.param.u64 %gs_flag0, [__gs_yieldflag];",
-            "cvta.to.global.u64 %gs_flag, %gs_flag0;",
-            f"add.s64 %gs_scratch, %gs_prog0, {L.SCRATCH};",
-            f"add.s64 %gs_scratch_g, %gs_prog, {L.SCRATCH};",
-            "ld.param.u32 %gs_nx, [__gs_gridx];",
-            "ld.param.u32 %gs_ny, [__gs_gridy];",
-            "ld.param.u32 %gs_nz, [__gs_gridz];",
-            "ld.param.u32 %gs_stop, [__gs_stop];",
-            "ld.param.u32 %gs_chunk, [__gs_chunk];",
-            "max.u32 %gs_chunk, %gs_chunk, 1;",
-            "mov.u32 %gs_bc, 0;",  # iterations since the last per-thread flag check
-            "mul.lo.u32 %gs_nxy, %gs_nx, %gs_ny;",
-            "mov.u32 %gs_t, %tid.x;",
-            "mov.u32 %gs_t2, %tid.y;",
-            "or.b32 %gs_t, %gs_t, %gs_t2;",
-            "mov.u32 %gs_t2, %tid.z;",
-            "or.b32 %gs_t, %gs_t, %gs_t2;",
-            "setp.eq.u32 %gs_leader, %gs_t, 0;",
-            "mov.u32 %gs_sa, __gs_slot;",
-            "@%gs_leader mov.u64 %gs_now, %globaltimer;",
-            f"@%gs_leader red.global.min.u64 [%gs_prog+{L.START_NS}], %gs_now;",
-            *state.prologue,
-            *(resume_saved(plan) if plan is not None else ()),
-        ]
-        dispatch = [
-            "// gpushare: chunk dispatch (leader: flag check, then one atomic per chunk)",
-            "$__gs_next:",
-            *(_PARKED_BLOCK_STOPS if plan is not None else ()),
-            "@!%gs_leader bra $__gs_wait;",
-            f"mov.u32 %gs_base, {NO_BLOCK};",
-            *(_STOP_IF_PARKED if plan is not None else ()),
-            "ld.volatile.global.u32 %gs_flagv, [%gs_flag];",
-            "setp.ne.u32 %gs_pseen, %gs_flagv, 0;",
-            "@%gs_pseen bra $__gs_seen;",
-            f"atom.global.add.u32 %gs_base, [%gs_prog+{L.NEXT_BLOCK}], %gs_chunk;",
-            "bra $__gs_publish;",
-            "$__gs_seen:",
-            "mov.u64 %gs_now, %globaltimer;",
-            f"red.global.min.u64 [%gs_prog+{L.FIRST_YIELD_NS}], %gs_now;",
-            f"red.global.max.u64 [%gs_prog+{L.LAST_EXIT_NS}], %gs_now;",
-            f"red.global.add.u32 [%gs_prog+{L.YIELD_EXITS}], 1;",
-            "$__gs_publish:",
-            "st.shared.u32 [%gs_sa], %gs_base;",
-            "$__gs_wait:",
-            "barrier.sync 0;",
-            "ld.shared.u32 %gs_base, [%gs_sa];",
-            "xor.b32 %gs_sa, %gs_sa, 4;",  # the other slot for the next chunk
-            "setp.ge.u32 %gs_pend, %gs_base, %gs_stop;",
-            "@%gs_pend bra $__gs_exit;",
-            # The chunk is [base, min(base + chunk, stop)): ids >= stop are never run.
-            "sub.u32 %gs_t, %gs_stop, %gs_base;",
-            "min.u32 %gs_t, %gs_t, %gs_chunk;",
-            "add.u32 %gs_lim, %gs_base, %gs_t;",
-            "mov.u32 %gs_id, %gs_base;",
-            "$__gs_block:",
-            *BLOCK_COORDS,
-            "// gpushare: original kernel body (one logical block)",
-        ]
-        epilogue = [
-            "$__gs_done:",
-            "add.u32 %gs_id, %gs_id, 1;",
-            "setp.lt.u32 %gs_pmore, %gs_id, %gs_lim;",
-            "@!%gs_pmore bra $__gs_chunkend;",
-        ]
-        if sync:  # shared memory / barriers: the next logical block must not overlap
-            epilogue.append("barrier.sync 0;")
-        epilogue += [
-            "bra $__gs_block;",
-            "$__gs_chunkend:",
-            # The barrier at $__gs_wait closes the chunk's last logical block.
-            "sub.u32 %gs_t, %gs_lim, %gs_base;",
-            f"@%gs_leader red.global.add.u32 [%gs_prog+{L.FINISHED}], %gs_t;",
-            "bra $__gs_next;",
-            "$__gs_abort:",
-            "mov.u64 %gs_now, %globaltimer;",
-            f"red.global.min.u64 [%gs_prog+{L.FIRST_YIELD_NS}], %gs_now;",
-            f"red.global.max.u64 [%gs_prog+{L.LAST_EXIT_NS}], %gs_now;",
-            # Every block below the lowest one an abort left is finished: an idempotent
-            # kernel restarts there, not at 0 (re-running finished blocks is harmless).
-            f"red.global.min.u32 [%gs_prog+{L.LOWEST_ABORTED}], %gs_id;",
-            f"mov.u32 %gs_t, {NO_BLOCK};",
-            "st.shared.u32 [__gs_slot], %gs_t;",
-            "st.shared.u32 [__gs_slot+4], %gs_t;",
-            "mov.u32 %gs_t, 1;",
-            f"st.global.u32 [%gs_prog+{L.ABORTED}], %gs_t;",
-            "exit;",
-            "$__gs_exit:",
-            "@%gs_leader mov.u64 %gs_now, %globaltimer;",
-            f"@%gs_leader red.global.max.u64 [%gs_prog+{L.END_NS}], %gs_now;",
-            "ret;",
-        ]
-        if plan is not None:
-            epilogue += _park(plan)
-        top_decls = [it for it in state.body if it.stmt.kind == "decl" and it.stmt.depth == 0]
-        rest = [it for it in state.body if not (it.stmt.kind == "decl" and it.stmt.depth == 0)]
-        lines = [it.render() for it in top_decls]
-        lines += ["\t" + d for d in state.decls]
-        lines += ["\t" + s if not s.endswith(":") else s for s in prologue + dispatch]
-        lines += [it.render() for it in rest]
-        lines += ["\t" + s if not s.endswith(":") else s for s in epilogue]
-        params = list(state.entry.params) + state.extra_params
-        state.text = render_entry(state.entry, body_lines=lines, params=params)
+        _add_params_and_decls(state, plan)
+        head = _prologue(state, plan) + _dispatch(plan)
+        state.text = _entry_text(state, head, _epilogue(sync, plan))
         state.chunk_sync = sync

@@ -421,6 +421,43 @@ def _parse_body(text: str, offset: int, full: str) -> list[Statement]:
     return stmts
 
 
+def _skip_space(text: str, j: int) -> int:
+    while j < len(text) and text[j].isspace():
+        j += 1
+    return j
+
+
+def _parse_head(clean: str, kind: str, after: int) -> tuple[str, str, list[Param], int]:
+    """``(name, return list, parameters, end)`` of the head of an entry or function whose
+    ``.entry``/``.func`` ends at ``after``: ``.func (.param .b32 r) name (params)``."""
+    return_decl = ""
+    j = _skip_space(clean, after)
+    if kind == "func" and j < len(clean) and clean[j] == "(":
+        close = _match_paren(clean, j, "(", ")")
+        return_decl = clean[j : close + 1]
+        j = close + 1
+    name_m = re.compile(r"\s*([\w$%.]+)").match(clean, j)
+    if not name_m:
+        raise KernelError("bad-ptx", "entry without a name", step="parse")
+    j = _skip_space(clean, name_m.end())
+    params: list[Param] = []
+    if j < len(clean) and clean[j] == "(":
+        close = _match_paren(clean, j, "(", ")")
+        params = _parse_params(clean[j + 1 : close], clean.count("\n", 0, j) + 1)
+        j = close + 1
+    return name_m.group(1), return_decl, params, j
+
+
+def _module_vars(chunks: list[str | Entry]) -> dict[str, str]:
+    """Module-scope variables declared in the text between entries -> state space."""
+    module_vars: dict[str, str] = {}
+    for chunk in chunks:
+        if isinstance(chunk, str):
+            for vm in _MODULE_VAR.finditer(_blank_comments(chunk)):
+                module_vars[vm.group("name")] = vm.group("space")
+    return module_vars
+
+
 def parse_ptx(text: str) -> PtxModule:
     """Parse a PTX module. Raises :class:`KernelError` (code ``bad-ptx``) on malformed text."""
     clean = _blank_comments(text)
@@ -431,41 +468,14 @@ def parse_ptx(text: str) -> PtxModule:
         raise KernelError("bad-ptx", "not PTX: no .version/.target directive found", step="parse")
     chunks: list[str | Entry] = []
     pos = 0
-    module_vars: dict[str, str] = {}
     for m in _DECL_START.finditer(clean):
         if m.start() < pos:
             continue  # inside an entry we already consumed
-        # Only declarations at top level: the text since pos must not be inside braces.
         prefix_start = m.start()
-        head_end = clean.find("(", m.end())
-        brace = clean.find("{", m.end())
-        semi = clean.find(";", m.end())
-        # A prototype (".extern .func f(...);") has a ';' before any '{'.
-        after = m.end()
-        return_decl = ""
-        # .func may have a return list: .func (.param .b32 r) name (params)
-        j = after
-        while j < len(clean) and clean[j].isspace():
-            j += 1
-        if m.group("kind") == "func" and j < len(clean) and clean[j] == "(":
-            close = _match_paren(clean, j, "(", ")")
-            return_decl = clean[j : close + 1]
-            j = close + 1
-        name_m = re.compile(r"\s*([\w$%.]+)").match(clean, j)
-        if not name_m:
-            raise KernelError("bad-ptx", "entry without a name", step="parse")
-        name = name_m.group(1)
-        j = name_m.end()
-        while j < len(clean) and clean[j].isspace():
-            j += 1
-        params: list[Param] = []
-        if j < len(clean) and clean[j] == "(":
-            close = _match_paren(clean, j, "(", ")")
-            params = _parse_params(clean[j + 1 : close], clean.count("\n", 0, j) + 1)
-            j = close + 1
-        head_end = j
+        name, return_decl, params, head_end = _parse_head(clean, m.group("kind"), m.end())
         brace = clean.find("{", head_end)
         semi = clean.find(";", head_end)
+        # A prototype (".extern .func f(...);") has a ';' before any '{'.
         if brace < 0 or (0 <= semi < brace):
             continue  # prototype only; stays in the raw text
         perf = clean[head_end:brace].strip()
@@ -485,17 +495,13 @@ def parse_ptx(text: str) -> PtxModule:
         chunks.append(entry)
         pos = body_end + 1
     chunks.append(text[pos:])
-    for chunk in chunks:
-        if isinstance(chunk, str):
-            for vm in _MODULE_VAR.finditer(_blank_comments(chunk)):
-                module_vars[vm.group("name")] = vm.group("space")
     return PtxModule(
         text=text,
         version=version.group(1),
         target=target.group(1).strip(),
         address_size=int(addr.group(1)) if addr else 64,
         chunks=chunks,
-        module_vars=module_vars,
+        module_vars=_module_vars(chunks),
         files={
             int(m.group(1)): m.group(2)
             for m in re.finditer(r'^\s*\.file\s+(\d+)\s+"([^"]*)"', clean, re.M)

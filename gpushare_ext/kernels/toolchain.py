@@ -433,11 +433,25 @@ _TOOLKIT_HEADERS = ("cuda.h", "cuda_runtime.h", "cuda_runtime_api.h", "cub/", "t
 def summarise_log(log: str, path: Path, compiler: str) -> str:
     """The one line a user needs from a failed compile, naming where and what to do."""
     lines = log.splitlines()
+    return (
+        _header_not_found(lines)
+        or _host_compiler_missing(lines, path)
+        or _bad_architecture(lines, path)
+        or _first_error(lines, compiler)
+        or _anything_fatal(lines, path, compiler)
+    )
+
+
+def _header_not_found(lines: list[str]) -> str | None:
     for pattern in _MISSING_HEADER:
         for line in lines:
             m = pattern.match(line)
             if m:
                 return _missing_header(m.group("file"), m.group("line"), m.group("header"))
+    return None
+
+
+def _host_compiler_missing(lines: list[str], path: Path) -> str | None:
     if any("Failed to preprocess host compiler" in line for line in lines) or any(
         re.search(r"(g\+\+|gcc|c\+\+|clang\+\+): (No such file|not found)", line) for line in lines
     ):
@@ -445,17 +459,30 @@ def summarise_log(log: str, path: Path, compiler: str) -> str:
             f"{path}: nvcc could not run its host C++ compiler: apt install g++ "
             "(or set NVCC_CCBIN to one)"
         )
+    return None
+
+
+def _bad_architecture(lines: list[str], path: Path) -> str | None:
     for line in lines:
         if "Unsupported gpu architecture" in line or "is not defined for option 'gpu-" in line:
             return f"{path}: {line.split(':', 1)[-1].strip()} (try --arch sm_90 or sm_80)"
+    return None
+
+
+def _first_error(lines: list[str], compiler: str) -> str | None:
+    """The first error with its file and line, how many more, and a hint where one fits."""
     errors = [m for line in lines if (m := _ERROR_LINE.match(line) or _GCC_ERROR.match(line))]
-    if errors:
-        first = errors[0]
-        where = f"{Path(first.group('file')).name}:{first.group('line')}"
-        what = first.group("what").strip()
-        more = len(errors) - 1
-        tail = f" ({more} more error{'s' if more != 1 else ''})" if more else ""
-        return f"{where}: {what}{tail}{_hint_for(what)}{VERBOSE_HINT} {compiler} log"
+    if not errors:
+        return None
+    first = errors[0]
+    where = f"{Path(first.group('file')).name}:{first.group('line')}"
+    what = first.group("what").strip()
+    more = len(errors) - 1
+    tail = f" ({more} more error{'s' if more != 1 else ''})" if more else ""
+    return f"{where}: {what}{tail}{_hint_for(what)}{VERBOSE_HINT} {compiler} log"
+
+
+def _anything_fatal(lines: list[str], path: Path, compiler: str) -> str:
     fatal = next((line for line in lines if "fatal" in line or "error" in line), "")
     text = fatal.strip() or "the compiler failed without saying why"
     return f"{path}: {compiler} failed: {text}{VERBOSE_HINT} log"
