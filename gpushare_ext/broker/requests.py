@@ -26,6 +26,7 @@ from gpushare_ext.broker import core, schema
 from gpushare_ext.broker.chaos import ChaosError, ChaosSpec
 from gpushare_ext.broker.config import BrokerConfig, load_config, parse_config, restart_needed
 from gpushare_ext.broker.effects import Reply, journal_record
+from gpushare_ext.broker.history_view import history_for
 from gpushare_ext.broker.inventory import InventoryError, managed_devices
 from gpushare_ext.broker.metrics import read_token_file
 from gpushare_ext.broker.peers import (
@@ -37,7 +38,7 @@ from gpushare_ext.broker.peers import (
 )
 from gpushare_ext.broker.policy import PolicyError, format_size
 from gpushare_ext.broker.recovery import placeholder_session
-from gpushare_ext.broker.views import snapshot
+from gpushare_ext.broker.views import OTHER_PROCESSES, display_user, snapshot
 from gpushare_ext.control_block import ControlBlock
 from gpushare_ext.protocol import (
     PROTOCOL_VERSION,
@@ -50,6 +51,8 @@ from gpushare_ext.protocol import (
     ErrorCode,
     Heartbeat,
     Hello,
+    HistoryReply,
+    HistoryRequest,
     Ok,
     Park,
     ProtocolError,
@@ -82,6 +85,7 @@ class Requests:
             Heartbeat: self.heartbeat,
             StatusRequest: self.status,
             Watch: self.watch,
+            HistoryRequest: self.history,
             Unwatch: self.unwatch,
             RegisterYieldFlag: self.register_yield_flag,
             Admin: self.admin,
@@ -368,6 +372,16 @@ class Requests:
         self.broker.send(
             conn, StatusReply(reply_to=message.seq, snapshot=snapshot(self.broker, conn))
         )
+
+    def history(self, conn: Connection, message: HistoryRequest) -> None:
+        """The dashboard's last hour, anonymised as the snapshot is."""
+
+        def seen_as(identity: core.Identity | None) -> str:
+            return OTHER_PROCESSES if identity is None else display_user(broker, identity, conn)
+
+        broker = self.broker
+        found = history_for(broker, conn, message.device, seen_as)
+        broker.send(conn, HistoryReply(reply_to=message.seq, history=found))
 
     def watch(self, conn: Connection, message: Watch) -> None:
         if conn.watch_task is not None:

@@ -51,6 +51,8 @@ from gpushare_ext.broker.chaos_runner import (
 )
 from gpushare_ext.broker.config import BrokerConfig
 from gpushare_ext.broker.effects import NO_REPLY, Effects, Reply
+from gpushare_ext.broker.history import History, HistoryStore, history_path
+from gpushare_ext.broker.history_view import record_tick
 from gpushare_ext.broker.inventory import (
     MIB,
     InventoryBackend,
@@ -144,7 +146,9 @@ class Broker:
         self.per_uid_connections: dict[int, int] = {}
         self.buckets: dict[int, TokenBucket] = {}
         self.notes: dict[str, str] = {}  # lease id -> actuator note for status
-        self.timeline = Timeline()  # the last minutes of each GPU, for the panel
+        # The last hour of each GPU (the dashboard's), in a file beside the journal.
+        self.gpu_history = History(HistoryStore(history_path(self.journal.path)), now=time.time())
+        self.timeline = Timeline(store=self.gpu_history.store, now=time.time())
         self.history: dict[int, deque[int]] = {
             d.index: deque(maxlen=HISTORY_POINTS) for d in self.devices
         }
@@ -360,6 +364,7 @@ class Broker:
         self.metrics.close()
         self.control.close()
         self.journal.close()
+        self.gpu_history.close()
         self.inventory.close()
 
     # ------------------------------------------------------------ periodic work
@@ -417,6 +422,7 @@ class Broker:
         )
         if self.dispatch(core.Tick(now=now, host=host)):
             counts = None  # the tick moved leases: they are counted again below
+        record_tick(self, now)
         if time.monotonic() >= self._next_prune:
             self._next_prune = time.monotonic() + PRUNE_EVERY_S
             self.journal.prune(self.config.journal_keep_hours * 3600.0, now)
