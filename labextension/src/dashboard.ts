@@ -2,7 +2,8 @@
  * The GPU dashboard: a main-area view of every GPU over the last hour, live. Per GPU,
  * utilisation with the queue, memory by user (leased, outside leases, parked) and the
  * lease timeline (charts.ts), from GET {base}/gpushare/history, asked again every
- * POLL_MS while the view is shown (the broker samples every 5 s).
+ * POLL_MS while the view is shown (the broker samples every 5 s); a tab in the
+ * background asks nothing.
  *
  * It only shows what the broker sends: other users arrive as "user-xxxx" and labels only
  * for your own leases, as plain text, and they are put into the page as text. It never
@@ -177,8 +178,17 @@ export class GpuDashboard extends Widget {
 
   protected onAfterAttach(msg: Message): void {
     super.onAfterAttach(msg);
-    void this.refresh();
-    this._timer = window.setInterval(() => void this.refresh(), POLL_MS);
+    if (this.isVisible) this._start();
+  }
+
+  protected onAfterShow(msg: Message): void {
+    super.onAfterShow(msg);
+    this._start();
+  }
+
+  protected onBeforeHide(msg: Message): void {
+    this._stop();
+    super.onBeforeHide(msg);
   }
 
   protected onBeforeDetach(msg: Message): void {
@@ -189,6 +199,13 @@ export class GpuDashboard extends Widget {
   protected onResize(msg: Widget.ResizeMessage): void {
     super.onResize(msg);
     for (const section of this._sections.values()) section.resize();
+  }
+
+  /** Asked at once, then every POLL_MS, while the view is shown. */
+  private _start(): void {
+    if (this._timer !== undefined) return;
+    void this.refresh();
+    this._timer = window.setInterval(() => void this.refresh(), POLL_MS);
   }
 
   private _stop(): void {
