@@ -137,9 +137,23 @@ class HistoryStore:
         try:
             return self._db.execute(statement, args).fetchall()
         except sqlite3.Error as exc:
-            log.warning("the GPU history is kept in memory only from now on: %s", exc)
-            self.close()
+            self._given_up(exc)
             return []
+
+    def _write_many(self, statement: str, rows: list[tuple]) -> None:
+        """``statement`` for each row, in one transaction: one sync, not one per row."""
+        if self._db is None or not rows:
+            return
+        try:
+            with self._db:  # commits, or rolls back on an error
+                self._db.execute("BEGIN")
+                self._db.executemany(statement, rows)
+        except sqlite3.Error as exc:
+            self._given_up(exc)
+
+    def _given_up(self, exc: sqlite3.Error) -> None:
+        log.warning("the GPU history is kept in memory only from now on: %s", exc)
+        self.close()
 
     def close(self) -> None:
         if self._db is not None:
@@ -152,11 +166,13 @@ class HistoryStore:
     # ---- samples
 
     def samples_recorded(self, samples: list[Sample]) -> None:
-        for s in samples:
-            self._run(
-                "INSERT INTO samples(at, device, utilization, queued, memory) VALUES(?,?,?,?,?)",
-                (s.at, s.device_index, s.utilization_pct, s.queued, _memory_json(s.memory)),
-            )
+        rows = [
+            (s.at, s.device_index, s.utilization_pct, s.queued, _memory_json(s.memory))
+            for s in samples
+        ]
+        self._write_many(
+            "INSERT INTO samples(at, device, utilization, queued, memory) VALUES(?,?,?,?,?)", rows
+        )
 
     def load_samples(self, since: float) -> list[Sample]:
         rows = self._run(
@@ -167,11 +183,9 @@ class HistoryStore:
 
     # ---- spans (the timeline's store)
 
-    def span_changed(self, span: Span) -> None:
-        pauses = json.dumps([[p.start, p.end, p.level] for p in span.pauses])
-        self._run(
-            "INSERT OR REPLACE INTO spans(lease_id, device, start, uid, user, priority, label, "
-            "ended, pauses) VALUES(?,?,?,?,?,?,?,?,?)",
+    def spans_changed(self, spans: list[Span]) -> None:
+        """Spans as they are now, in one transaction."""
+        rows = [
             (
                 span.lease_id,
                 span.device_index,
@@ -181,8 +195,14 @@ class HistoryStore:
                 span.priority,
                 span.label,
                 span.end,
-                pauses,
-            ),
+                json.dumps([[p.start, p.end, p.level] for p in span.pauses]),
+            )
+            for span in spans
+        ]
+        self._write_many(
+            "INSERT OR REPLACE INTO spans(lease_id, device, start, uid, user, priority, label, "
+            "ended, pauses) VALUES(?,?,?,?,?,?,?,?,?)",
+            rows,
         )
 
     def load_spans(self, since: float) -> list[Span]:

@@ -51,6 +51,7 @@ __all__ = [
     "REPLY_BUDGET_BYTES",
     "HistorySource",
     "SeenAs",
+    "close_history",
     "history_for",
     "record_tick",
     "take_samples",
@@ -146,9 +147,11 @@ def take_samples(broker: HistorySource, now: float) -> list[Sample]:
 
 
 def record_tick(broker: HistorySource, now: float) -> None:
-    """The tick's part: every few seconds, a sample per GPU; open spans get their
-    lease's label, and spans a previous broker left open end if their lease is gone."""
+    """The tick's part: the timeline's changes to the store; every few seconds, a sample
+    per GPU, open spans get their lease's label, and spans a previous broker left open
+    end if their lease is gone."""
     history = broker.gpu_history
+    broker.timeline.flush()
     if not history.due(now):
         return
     leases = broker.scheduler.leases
@@ -159,6 +162,13 @@ def record_tick(broker: HistorySource, now: float) -> None:
         elif lease.label:
             broker.timeline.labelled(lease_id, lease.label)
     history.record(take_samples(broker, now), now)
+    broker.timeline.flush()  # the labels and ends just set
+
+
+def close_history(broker: HistorySource) -> None:
+    """The broker stops: what the timeline has not written yet goes to the store first."""
+    broker.timeline.flush()
+    broker.gpu_history.close()
 
 
 def _series_of(

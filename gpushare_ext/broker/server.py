@@ -52,7 +52,7 @@ from gpushare_ext.broker.chaos_runner import (
 from gpushare_ext.broker.config import BrokerConfig
 from gpushare_ext.broker.effects import NO_REPLY, Effects, Reply
 from gpushare_ext.broker.history import History, HistoryStore, history_path
-from gpushare_ext.broker.history_view import record_tick
+from gpushare_ext.broker.history_view import close_history, record_tick
 from gpushare_ext.broker.inventory import (
     MIB,
     InventoryBackend,
@@ -364,7 +364,7 @@ class Broker:
         self.metrics.close()
         self.control.close()
         self.journal.close()
-        self.gpu_history.close()
+        close_history(self)
         self.inventory.close()
 
     # ------------------------------------------------------------ periodic work

@@ -5,8 +5,8 @@ seconds) and the dashboard's (the last :data:`KEEP_S`), which answer "why was my
 slow?": a lease is a span from its grant to its end, with the pauses inside it (their
 start, end and the highest ladder level applied).  The effects feed it as they carry
 out grants, preemptions, resumes and ends; the status view reads it per device.  With a
-:class:`SpanStore` it writes each change there and starts from what the store kept, so a
-restarted broker still shows the last hour.
+:class:`SpanStore` it writes the changes there when asked (:meth:`Timeline.flush`) and
+starts from what the store kept, so a restarted broker still shows the last hour.
 
 What it must not do: decide anything, read a clock (times are passed in), or grow: it
 keeps :data:`KEEP_S` seconds and at most :data:`KEEP_SPANS` spans per device, and the
@@ -60,7 +60,7 @@ class Span:
 class SpanStore(Protocol):
     """Where spans outlive the broker (:class:`gpushare_ext.broker.history.HistoryStore`)."""
 
-    def span_changed(self, span: Span) -> None: ...
+    def spans_changed(self, spans: list[Span]) -> None: ...
 
     def load_spans(self, since: float) -> list[Span]: ...
 
@@ -83,6 +83,7 @@ class Timeline:
         self._max = max_spans
         self.keep_spans = max(keep_spans, max_spans)
         self._store = store
+        self._dirty: dict[int, Span] = {}  # changed and not yet in the store
         if store is not None:
             self._restore(store.load_spans(now - self.keep_s))
 
@@ -103,7 +104,14 @@ class Timeline:
 
     def _changed(self, span: Span) -> None:
         if self._store is not None:
-            self._store.span_changed(span)
+            self._dirty[id(span)] = span
+
+    def flush(self) -> None:
+        """Write the spans changed since the last flush to the store, in one go (the
+        broker's tick does it: a busy host grants and ends hundreds of leases a second)."""
+        if self._store is not None and self._dirty:
+            changed, self._dirty = list(self._dirty.values()), {}
+            self._store.spans_changed(changed)
 
     def granted(
         self, lease_id: str, identity: Identity, priority: int, device_index: int, now: float

@@ -66,6 +66,8 @@ def test_a_new_history_on_the_same_file_starts_with_the_last_hour(tmp_path: Path
     timeline.resumed("L1", now=now - 15)
     timeline.granted("L2", BOB, 250, 0, now=now - 20)
     timeline.ended("L2", now=now - 5)
+    assert store.load_spans(0.0) == []  # written when the broker's tick flushes
+    timeline.flush()
     store.close()
 
     reopened = HistoryStore(path)

@@ -75,6 +75,7 @@ def an_hour_of_history(journal: Path, now: float) -> None:
             timeline.paused(lease_id, i % 5, now=start + 60)
             timeline.resumed(lease_id, now=start + 150)
         timeline.ended(lease_id, now=start + 300)
+    timeline.flush()
     store.close()
 
 
