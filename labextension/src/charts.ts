@@ -115,6 +115,14 @@ function timeAxis(theme: ITheme): uPlot.Axis {
   };
 }
 
+/** Room beside each plot, the same in every chart, so that their time axes line up. */
+const AXIS_PX = 64;
+
+/** An empty axis that only takes the room of one, where a chart has nothing to scale. */
+function spacer(side: 1 | 3): uPlot.Axis {
+  return { side, size: AXIS_PX, values: () => [], grid: { show: false }, ticks: { show: false } };
+}
+
 function valueAxis(theme: ITheme, label: string, extra: Partial<uPlot.Axis> = {}): uPlot.Axis {
   return {
     stroke: theme.muted,
@@ -123,7 +131,7 @@ function valueAxis(theme: ITheme, label: string, extra: Partial<uPlot.Axis> = {}
     font: theme.font,
     labelFont: theme.font,
     label,
-    size: 56,
+    size: AXIS_PX,
     ...extra
   };
 }
@@ -259,10 +267,10 @@ export function memoryChart(
       axes: [
         timeAxis(theme),
         valueAxis(theme, 'memory GiB', {
-          size: 64,
           incrs: GIB_STEPS,
           values: (_u, splits) => splits.map(mib => String(Math.round(mib / GIB)))
-        })
+        }),
+        spacer(1)
       ]
     },
     [history.times, ...stacked],
@@ -400,7 +408,7 @@ export function timelineChart(
       legend: { show: false },
       cursor: { drag: { x: false, y: false }, points: { show: false }, y: false },
       series: [{}, { show: false }],
-      axes: [timeAxis(theme), { show: false }],
+      axes: [timeAxis(theme), spacer(3), spacer(1)],
       hooks: { draw: [draw], setCursor: [hover] }
     },
     [
