@@ -43,9 +43,12 @@ from gpushare_ext.protocol import (
     Error,
     ErrorCode,
     FrameReader,
+    GpuHistory,
     Granted,
     Heartbeat,
     Hello,
+    HistoryReply,
+    HistoryRequest,
     Ok,
     Park,
     PreemptionLevel,
@@ -405,6 +408,12 @@ class BrokerClient:
         expect(reply, StatusReply, self.socket_path)
         return reply.snapshot  # type: ignore[attr-defined]
 
+    def history(self, device: int | None = None) -> GpuHistory:
+        """The last hour of every GPU (or of ``device``), as the dashboard draws it."""
+        reply = self._call(HistoryRequest(device=device))
+        expect(reply, HistoryReply, self.socket_path)
+        return reply.history  # type: ignore[attr-defined]
+
     def watch(self, interval_s: float = 1.0) -> None:
         """Start the stream of StateUpdate notices (delivered to listeners)."""
         self._call(Watch(interval_s=interval_s))
@@ -527,6 +536,11 @@ class AsyncBrokerClient:
         reply = await self._call(StatusRequest())
         expect(reply, StatusReply, self.socket_path)
         return reply.snapshot  # type: ignore[attr-defined]
+
+    async def history(self, device: int | None = None) -> GpuHistory:
+        reply = await self._call(HistoryRequest(device=device))
+        expect(reply, HistoryReply, self.socket_path)
+        return reply.history  # type: ignore[attr-defined]
 
     async def watch(self, interval_s: float = 1.0) -> AsyncIterator[Snapshot]:
         await self._call(Watch(interval_s=interval_s))

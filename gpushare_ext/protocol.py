@@ -251,6 +251,13 @@ class Unwatch(ClientMessage, tag="unwatch"):
     pass
 
 
+class HistoryRequest(ClientMessage, tag="history"):
+    """The dashboard's last hour of every GPU, or of GPU ``device`` only (at full
+    resolution: a reply for many GPUs is thinned to fit a frame)."""
+
+    device: Annotated[int, msgspec.Meta(ge=0, le=1023)] | None = None
+
+
 class RegisterYieldFlag(ClientMessage, tag="register_yield_flag"):
     """The session's device yield flag, exported as a CUDA IPC memory handle (hex)."""
 
@@ -301,6 +308,7 @@ ClientMessageUnion = (
     | StatusRequest
     | Watch
     | Unwatch
+    | HistoryRequest
     | RegisterYieldFlag
     | Admin
     | CellActivity
@@ -504,6 +512,50 @@ class Snapshot(msgspec.Struct, kw_only=True):
     timeline_window_s: float = 0.0  # how far back DeviceView.timeline reaches
 
 
+# ---- the dashboard's last hour (HistoryRequest)
+
+
+class MemorySeries(msgspec.Struct, kw_only=True):
+    """What one user held on a GPU over time, of one kind, in MiB: ``leased`` in running
+    or paused leases, ``outside`` leases (NVML's reading beyond them), ``parked`` on the
+    host for an idle session."""
+
+    user: str  # as in LeaseView: a name for your own and for admins, "user-xxxx" otherwise
+    own: bool
+    kind: Literal["leased", "outside", "parked"]
+    mib: list[int]  # one per DeviceHistory.times
+
+
+class HistorySpan(TimelineSpan, kw_only=True):
+    """A lease on the dashboard's timeline: a timeline span with its label."""
+
+    label: str = ""  # only for your own leases and admins, as plain text
+
+
+class DeviceHistory(msgspec.Struct, kw_only=True):
+    index: int
+    name: str
+    memory_total_mib: int
+    times: list[float]  # when each sample was taken (Unix time), oldest first
+    utilization_pct: list[int]
+    queued: list[int]  # requests waiting that this GPU could serve
+    memory: list[MemorySeries] = []
+    spans: list[HistorySpan] = []
+
+
+class GpuHistory(msgspec.Struct, kw_only=True):
+    time: float
+    window_s: float  # how far back the series and the spans reach
+    sample_every_s: float  # the spacing of the samples sent (wider when thinned to fit)
+    you: str
+    is_admin: bool
+    devices: list[DeviceHistory]
+
+
+class HistoryReply(BrokerMessage, tag="history_reply"):
+    history: GpuHistory
+
+
 class StatusReply(BrokerMessage, tag="status_reply"):
     snapshot: Snapshot
 
@@ -526,6 +578,7 @@ BrokerMessageUnion = (
     | Error
     | StatusReply
     | StateUpdate
+    | HistoryReply
 )
 
 

@@ -35,6 +35,7 @@ from gpushare_ext.broker import core
 from gpushare_ext.broker.actuators import Ladder, ProcessControl, Target
 from gpushare_ext.broker.chaos_runner import ChaosRunner
 from gpushare_ext.broker.config import BrokerConfig
+from gpushare_ext.broker.history import History
 from gpushare_ext.broker.inventory import InventoryBackend
 from gpushare_ext.broker.journal import Journal
 from gpushare_ext.broker.metrics import BrokerMetrics
@@ -173,6 +174,7 @@ class BrokerContext:
     salt: str = ""
     should_exit: bool = False
     timeline: Timeline = field(default_factory=Timeline)  # the last minutes of each GPU
+    gpu_history: History = field(default_factory=History)  # the dashboard's last hour
     history: dict[int, deque[int]] = field(default_factory=dict)  # GPU -> utilization
     readings: dict[int, DeviceReading] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)  # lease id -> actuator note

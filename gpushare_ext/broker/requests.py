@@ -29,6 +29,7 @@ from gpushare_ext.broker.chaos import ChaosError, ChaosSpec
 from gpushare_ext.broker.chaos_mode import start_chaos
 from gpushare_ext.broker.config import BrokerConfig, load_config, parse_config, restart_needed
 from gpushare_ext.broker.context import BrokerContext, Reply
+from gpushare_ext.broker.history_view import history_for
 from gpushare_ext.broker.inventory import InventoryError, managed_devices
 from gpushare_ext.broker.metrics import read_token_file
 from gpushare_ext.broker.peers import (
@@ -40,7 +41,7 @@ from gpushare_ext.broker.peers import (
 )
 from gpushare_ext.broker.policy import PolicyError
 from gpushare_ext.broker.recovery import placeholder_session
-from gpushare_ext.broker.views import snapshot
+from gpushare_ext.broker.views import OTHER_PROCESSES, display_user, snapshot
 from gpushare_ext.control_block import ControlBlock
 from gpushare_ext.protocol import (
     PROTOCOL_VERSION,
@@ -53,6 +54,8 @@ from gpushare_ext.protocol import (
     ErrorCode,
     Heartbeat,
     Hello,
+    HistoryReply,
+    HistoryRequest,
     Ok,
     Park,
     ProtocolError,
@@ -82,6 +85,7 @@ class Requests:
             Heartbeat: self.heartbeat,
             StatusRequest: self.status,
             Watch: self.watch,
+            HistoryRequest: self.history,
             Unwatch: self.unwatch,
             RegisterYieldFlag: self.register_yield_flag,
             Admin: self.admin,
@@ -364,6 +368,16 @@ class Requests:
         self.ctx.outbox.put(
             conn, StatusReply(reply_to=message.seq, snapshot=snapshot(self.ctx, conn))
         )
+
+    def history(self, conn: Connection, message: HistoryRequest) -> None:
+        """The dashboard's last hour, anonymised as the snapshot is."""
+
+        def seen_as(identity: core.Identity | None) -> str:
+            return OTHER_PROCESSES if identity is None else display_user(ctx, identity, conn)
+
+        ctx = self.ctx
+        found = history_for(ctx, conn, message.device, seen_as)
+        ctx.outbox.put(conn, HistoryReply(reply_to=message.seq, history=found))
 
     def watch(self, conn: Connection, message: Watch) -> None:
         if conn.watch_task is not None:

@@ -49,6 +49,8 @@ from gpushare_ext.broker.actuators import (
 from gpushare_ext.broker.config import BrokerConfig
 from gpushare_ext.broker.context import NO_REPLY, BrokerContext, Reply
 from gpushare_ext.broker.effects import Effects
+from gpushare_ext.broker.history import History, HistoryStore, history_path
+from gpushare_ext.broker.history_view import close_history, record_tick
 from gpushare_ext.broker.inventory import (
     MIB,
     InventoryBackend,
@@ -76,6 +78,7 @@ from gpushare_ext.broker.policy import PolicyError
 from gpushare_ext.broker.records import Recorder
 from gpushare_ext.broker.recovery import recover, same_process
 from gpushare_ext.broker.requests import Requests
+from gpushare_ext.broker.timeline import Timeline
 from gpushare_ext.broker.views import Tally, tally
 from gpushare_ext.devices import DeviceReading
 from gpushare_ext.paths import BrokerPaths
@@ -128,6 +131,8 @@ class Broker:
             inventory.restore_fails if isinstance(inventory, SimulatedInventory) else frozenset(),
         )
         journal = Journal(config.journal or paths.journal)
+        # The last hour of each GPU (the dashboard's), in a file beside the journal.
+        gpu_history = History(HistoryStore(history_path(journal.path)), now=time.time())
         history: dict[int, deque[int]] = {d.index: deque(maxlen=HISTORY_POINTS) for d in devices}
         self.ctx = ctx = BrokerContext(
             config=config,
@@ -146,6 +151,8 @@ class Broker:
             node=config.node_name or os.uname().nodename,
             sessions_dir=paths.socket.parent,
             history=history,
+            gpu_history=gpu_history,
+            timeline=Timeline(store=gpu_history.store, now=time.time()),
             readings={r.index: r for r in inventory.readings() if r.index in history},
         )
         self.effects = Effects(ctx)
@@ -289,6 +296,7 @@ class Broker:
         self.ctx.metrics.close()
         self.ctx.control.close()
         self.ctx.journal.close()
+        close_history(self.ctx)
         self.ctx.inventory.close()
 
     # ------------------------------------------------------------ periodic work
@@ -346,6 +354,7 @@ class Broker:
         )
         if self.dispatch(core.Tick(now=now, host=host)):
             counts = None  # the tick moved leases: they are counted again below
+        record_tick(self.ctx, now)
         if time.monotonic() >= self._next_prune:
             self._next_prune = time.monotonic() + PRUNE_EVERY_S
             self.ctx.journal.prune(self.ctx.config.journal_keep_hours * 3600.0, now)

@@ -6,6 +6,8 @@ Routes (all under the server's base URL, e.g. JupyterHub's ``/user/<name>/``):
 ``GET  gpushare/stream``    Server-Sent Events: ``event: snapshot`` about once a second,
                             ``event: unavailable`` when the broker goes away (then the
                             stream ends and the client reconnects)
+``GET  gpushare/history``   the last hour of every GPU (``?device=N``: of one, at full
+                            resolution), a :class:`~gpushare_ext.protocol.GpuHistory`
 ``POST gpushare/admin``     ``{"action": "drain"|"undrain"|"cancel", "device"?, "lease_id"?}``
 
 Every verb is ``@tornado.web.authenticated``.  The server talks to the broker as the
@@ -32,7 +34,13 @@ from tornado.iostream import StreamClosedError
 
 from gpushare_ext.client import AsyncBrokerClient, BrokerError, BrokerUnavailable
 from gpushare_ext.paths import how_a_broker_starts
-from gpushare_ext.protocol import ErrorCode, Snapshot, encode_json, snapshot_to_builtins
+from gpushare_ext.protocol import (
+    ErrorCode,
+    GpuHistory,
+    Snapshot,
+    encode_json,
+    snapshot_to_builtins,
+)
 
 #: How long one broker round trip may take before the request fails with 503.
 BROKER_TIMEOUT_S = 10.0
@@ -120,6 +128,30 @@ class SnapshotHandler(GpushareHandler):
         self.set_header("Content-Type", "application/json")
         self.set_header("Cache-Control", "no-store")
         self.finish(encode_json(snapshot_to_builtins(snapshot)))
+
+
+MAX_DEVICE_INDEX = 1023
+
+
+class HistoryHandler(GpushareHandler):
+    """``GET gpushare/history[?device=N]``: the dashboard's last hour, for this user."""
+
+    @tornado.web.authenticated
+    async def get(self) -> None:
+        text = self.get_argument("device", "")
+        if text and not (text.isdecimal() and text.isascii() and int(text) <= MAX_DEVICE_INDEX):
+            self.fail(HTTPStatus.BAD_REQUEST, "invalid", "device must be a GPU index (0, 1, ...)")
+            return
+        device = int(text) if text else None
+        try:
+            history = await self.with_broker(lambda client: client.history(device))
+        except BrokerError as exc:
+            self.fail_for(exc)
+            return
+        assert isinstance(history, GpuHistory)
+        self.set_header("Content-Type", "application/json")
+        self.set_header("Cache-Control", "no-store")
+        self.finish(encode_json(history))
 
 
 class StreamHandler(GpushareHandler):
@@ -221,5 +253,6 @@ def handlers(base_url: str) -> list[tuple[str, type[GpushareHandler]]]:
     return [
         (url_path_join(base_url, "gpushare", "snapshot"), SnapshotHandler),
         (url_path_join(base_url, "gpushare", "stream"), StreamHandler),
+        (url_path_join(base_url, "gpushare", "history"), HistoryHandler),
         (url_path_join(base_url, "gpushare", "admin"), AdminHandler),
     ]

@@ -527,10 +527,25 @@ export function renderTimeline(d, s) {
     labels.length
       ? h("div", "gpushare-timeline-track", undefined, [drawing, ...labels])
       : drawing,
-    legend.length
-      ? h("div", "gpushare-timeline-pauses", legend.slice(-3).join("; "))
-      : null,
+    legend.length ? h("div", "gpushare-timeline-pauses", pausesText(legend)) : null,
   ]);
+}
+
+/** Pauses listed under the panel's timeline: the last few, said to be a few of all. */
+const PAUSES_LISTED = 3;
+
+/**
+ * The pauses' sentences as one line: all of them, or how many there are and the last
+ * PAUSES_LISTED, so that the text never counts fewer pauses than the drawing shows.
+ * @param {string[]} sentences
+ * @returns {string}
+ */
+function pausesText(sentences) {
+  const listed = sentences.slice(-PAUSES_LISTED);
+  const text = listed.join("; ");
+  return sentences.length > listed.length
+    ? `${sentences.length} pauses, the last ${listed.length}: ${text}`
+    : text;
 }
 
 /**

@@ -21,7 +21,10 @@ export const NO_BROKER_PREFIX = 'No GPU broker reachable';
 
 /** The sidebar panel: the node, every GPU, the queue and your sessions, live. */
 export class GpuPanel extends Widget {
-  constructor(private readonly stream: SnapshotStream) {
+  constructor(
+    private readonly stream: SnapshotStream,
+    openDashboard?: () => void
+  ) {
     super();
     this.id = 'gpushare-panel';
     this.addClass('gpushare-panel');
@@ -29,6 +32,14 @@ export class GpuPanel extends Widget {
     const heading = document.createElement('div');
     heading.className = 'gpushare-panel-title';
     heading.textContent = 'GPUs';
+    if (openDashboard) {
+      const button = document.createElement('button');
+      button.className = 'jp-Button gpushare-dashboard-button';
+      button.textContent = 'Dashboard';
+      button.title = 'Open the GPU dashboard: the last hour of every GPU';
+      button.addEventListener('click', openDashboard);
+      heading.append(button);
+    }
     this._view = document.createElement('div');
     this.node.append(heading, this._view);
     stream.changed.connect(this._onEvent, this);

@@ -56,8 +56,8 @@ def lease_rows(snapshot: dict) -> list[tuple]:
     )
 
 
-async def get_json(jp_fetch, *path: str) -> dict:
-    response = await jp_fetch("gpushare", *path)
+async def get_json(jp_fetch, *path: str, params: dict | None = None) -> dict:
+    response = await jp_fetch("gpushare", *path, params=params)
     assert response.headers["Content-Type"].startswith("application/json")
     return json.loads(response.body)
 
@@ -67,6 +67,7 @@ async def get_json(jp_fetch, *path: str) -> dict:
     [
         ("GET", "snapshot", None),
         ("GET", "stream", None),
+        ("GET", "history", None),
         ("POST", "admin", json.dumps({"action": "drain", "device": 0})),
     ],
 )
@@ -229,3 +230,27 @@ def test_the_launch_shim_goes_first_once_and_keeps_what_was_there():
 
     turned_off = {"GPUSHARE_INTERPOSER": "off"}
     assert "off" in preload_for_kernels(turned_off) and "LD_PRELOAD" not in turned_off
+
+
+async def test_history_is_the_last_hour_of_each_gpu_as_json(jp_fetch, sessions):
+    client = sessions()
+    grant = client.request_lease(priority=LOW, memory_bytes=4 * 1024**3, label="train")
+    for _ in range(40):
+        history = await get_json(jp_fetch, "history")
+        device = history["devices"][0]
+        if device["spans"] and device["spans"][0]["label"] and device["memory"]:
+            break
+        await asyncio.sleep(0.25)
+    assert history["window_s"] == 3600.0
+    assert len(device["times"]) == len(device["utilization_pct"]) == len(device["queued"])
+    (span,) = device["spans"]
+    assert (span["lease_id"], span["label"], span["own"]) == (grant.lease_id, "train", True)
+    (leased,) = [s for s in device["memory"] if s["kind"] == "leased"]
+    assert leased["mib"][-1] == 4 * 1024 and len(leased["mib"]) == len(device["times"])
+
+    one = await get_json(jp_fetch, "history", params={"device": "0"})
+    assert [d["index"] for d in one["devices"]] == [0]
+    for bad in ("x", "-1", "99999"):
+        with pytest.raises(HTTPClientError) as refused:
+            await jp_fetch("gpushare", "history", params={"device": bad})
+        assert refused.value.code == 400
