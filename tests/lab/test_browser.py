@@ -54,6 +54,9 @@ WIDGET_NOTEBOOK_CELLS = [
     f"grant = client.request_lease(priority={HIGH}, label='notebook-cell')\n"
     "time.sleep(8)\n"
     "client.release(grant.lease_id)",
+    "%load_ext gpushare_ext",
+    # A %%gpu cell: it ends with its receipt.
+    "%%gpu priority=low\nimport time\ntime.sleep(0.5)",
 ]
 
 pytestmark = pytest.mark.browser
@@ -317,7 +320,7 @@ def test_widget_updates_in_a_notebook_while_a_cell_runs(page, lab):
 
     page.evaluate("window.jupyterapp.commands.execute('docmanager:open', {path: 'widget.ipynb'})")
     notebook = page.locator(".jp-NotebookPanel")
-    expect(notebook.locator(".jp-Notebook-cell")).to_have_count(2, timeout=30_000)
+    expect(notebook.locator(".jp-Notebook-cell")).to_have_count(4, timeout=30_000)
     expect(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")).to_have_count(
         1, timeout=60_000
     )
@@ -346,6 +349,12 @@ def test_widget_updates_in_a_notebook_while_a_cell_runs(page, lab):
     # When the cell releases its lease, the widget shows that too.
     expect(own).to_have_count(0, timeout=15_000)
     expect(view.locator(".gpushare-holder")).to_have_text("free: nobody holds it")
+    # And the %%gpu cell ends with its receipt: one line, in the cell's own output.
+    outputs = notebook.locator(".jp-Notebook-cell").nth(3).locator(".jp-OutputArea-output")
+    receipt = outputs.filter(has_text="gpushare: cell done:")
+    expect(receipt).to_have_count(1, timeout=15_000)
+    expect(receipt).to_contain_text("never paused")
+    assert "\n" not in receipt.inner_text().strip(), receipt.inner_text()
 
 
 def test_panel_timeline_shows_a_pause_with_its_level_after_a_preemption(page, sessions):
