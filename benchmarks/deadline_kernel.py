@@ -87,8 +87,10 @@ def kernel_environment(
     env.pop("LD_PRELOAD", None)
     env["CUPY_CACHE_DIR"] = tempfile.mkdtemp(prefix=cache_prefix)
     if shim:
+        from gpushare_ext.runtime import frameworks
+
         env["LD_PRELOAD"] = str(root / "gpushare_ext/runtime/native/libgpushare_interpose.so")
-        env["CUPY_COMPILE_WITH_PTX"] = "1"
+        frameworks.kernel_environment(env)  # what the server extension sets, where unset
     if socket is not None:
         env["GPUSHARE_SOCKET"] = str(socket)
     return env
