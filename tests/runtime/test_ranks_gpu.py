@@ -226,7 +226,7 @@ def assert_held_together(results: list, undisturbed: list, held: HeldGang, ended
 
 GATED_GANG = """
 import json, sys
-sys.path.insert(0, {tests!r})
+sys.path[:0] = {tests!r}  # this module, and the helpers it imports
 import cloudpickle
 import test_ranks_gpu
 from gpushare_ext.runtime import interpose
@@ -251,7 +251,8 @@ def _gated_gang(socket, steps: int, environment: dict[str, str]) -> subprocess.P
     starts kernels) running a low-priority gang of two ranks; its ranks inherit the shim."""
     from gpushare_ext.runtime import interpose
 
-    script = GATED_GANG.format(tests=str(Path(__file__).parent))
+    here = Path(__file__).parent
+    script = GATED_GANG.format(tests=[str(here), str(here.parent)])
     env = {**os.environ, **environment, "LD_PRELOAD": str(interpose.shim_path())}
     return subprocess.Popen(
         [sys.executable, "-c", script, str(socket), str(steps)],
