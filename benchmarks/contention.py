@@ -231,7 +231,11 @@ def summarise(
                 "p99_ms": percentile(values, 99) * 1e3,
                 "p50_ratio": percentile(values, 50) / percentile(base, 50),
                 "p99_ratio": percentile(values, 99) / percentile(base, 99),
-                "grant_p50_ms": statistics.median(result["high"]["grant_s"]) * 1e3,
+                # The first grant also opens the session: left out where there are more.
+                "grant_p50_ms": statistics.median(
+                    result["high"]["grant_s"][1:] or result["high"]["grant_s"]
+                )
+                * 1e3,
             }
             if per_cell:
                 row["slowest"] = _slowest(values, percentile(base, 50), per_cell)

@@ -25,6 +25,7 @@ import contextlib
 import multiprocessing
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -91,14 +92,18 @@ class SimulatedProcessControl:
     ``restore_fails`` names processes whose restore fails as the H200's driver fails it
     for a process that imported another's memory (``CUDA_ERROR_INVALID_VALUE``, the
     process left locked), so the broker's answer to a lost restore can be shown
-    without a GPU."""
+    without a GPU.  ``lock_drain_s`` is how long each lock takes, as a real lock waits
+    for the work already queued to drain."""
 
     kind = "simulated"
 
-    def __init__(self, restore_fails: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self, restore_fails: frozenset[int] = frozenset(), lock_drain_s: float = 0.0
+    ) -> None:
         self.applied: dict[int, set[str]] = {}
         self._lock = threading.Lock()
         self.restore_fails = restore_fails
+        self.lock_drain_s = lock_drain_s
 
     def _mark(self, pid: int, what: str, on: bool) -> None:
         with self._lock:
@@ -111,6 +116,8 @@ class SimulatedProcessControl:
     def lock(self, pid: int, device_index: int, timeout_ms: int) -> None:
         if not pid_alive(pid):
             raise ActuatorError(f"process {pid} is gone")
+        if self.lock_drain_s:
+            time.sleep(self.lock_drain_s)  # the ladder runs it off the event loop
         self._mark(pid, "lock", True)
 
     def unlock(self, pid: int, device_index: int) -> None:
@@ -422,8 +429,11 @@ class Ladder:
 
 
 def open_process_control(
-    inventory_kind: str, device_indices: list[int], restore_fails: frozenset[int] = frozenset()
+    inventory_kind: str,
+    device_indices: list[int],
+    restore_fails: frozenset[int] = frozenset(),
+    lock_drain_s: float = 0.0,
 ) -> ProcessControl:
     if inventory_kind == "nvml":
         return CudaProcessControl(device_indices)
-    return SimulatedProcessControl(restore_fails)
+    return SimulatedProcessControl(restore_fails, lock_drain_s)

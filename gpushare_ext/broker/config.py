@@ -37,6 +37,7 @@ class BrokerConfig:
     max_requests_per_second: float = 200.0
     reclaim_grace_s: float = 30.0
     lock_timeout_ms: int = 5000
+    grant_after_stops_ms: int = 30
     journal_keep_hours: float = 24.0
     socket_group: str | None = None
     node_name: str | None = None

@@ -69,17 +69,44 @@ NO_REPLY = Reply()
 
 
 class Outbox:
-    """Messages for connections, in the order put; the server writes them to sockets."""
+    """Messages for connections, in the order put; the server writes them to sockets.
+
+    A message can be *reserved* (:meth:`reserve`) and filled in later (:meth:`fill`):
+    what is put for that connection meanwhile waits behind it, so a message sent late
+    still reaches its connection before the ones put after it was reserved."""
 
     def __init__(self) -> None:
         self._pending: deque[tuple[Connection, BrokerMessage]] = deque()
         self._write: Callable[[Connection, BrokerMessage], None] | None = None
+        # Per connection held back: its messages in order, a reserved place being a list
+        # that holds nothing until it is filled.
+        self._held: dict[Connection, deque[list[BrokerMessage]]] = {}
+
+    def reserve(self, conn: Connection) -> list[BrokerMessage]:
+        """A place for a message to ``conn``, before any put from now on."""
+        place: list[BrokerMessage] = []
+        self._held.setdefault(conn, deque()).append(place)
+        return place
+
+    def fill(self, conn: Connection, place: list[BrokerMessage], message: BrokerMessage) -> None:
+        """Put ``message`` in its reserved ``place``; send what no longer waits."""
+        place.append(message)
+        held = self._held.get(conn)
+        while held and held[0]:
+            self._pending.append((conn, held.popleft()[0]))
+        if held is not None and not held:
+            del self._held[conn]
+        self.flush()
 
     def attach(self, write: Callable[[Connection, BrokerMessage], None]) -> None:
         self._write = write
         self.flush()
 
     def put(self, conn: Connection, message: BrokerMessage) -> None:
+        held = self._held.get(conn)
+        if held is not None:
+            held.append([message])
+            return
         self._pending.append((conn, message))
         self.flush()
 
@@ -130,10 +157,11 @@ class Tasks:
     def __init__(self) -> None:
         self.running: set[asyncio.Task] = set()
 
-    def spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+    def spawn(self, coroutine: Coroutine[Any, Any, None]) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coroutine)
         self.running.add(task)
         task.add_done_callback(self._finished)
+        return task
 
     def _finished(self, task: asyncio.Task) -> None:
         self.running.discard(task)

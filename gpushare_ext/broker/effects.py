@@ -20,6 +20,7 @@ event and holds no escape sequence.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -33,6 +34,7 @@ from gpushare_ext.broker.peers import Connection
 from gpushare_ext.broker.views import display_user
 from gpushare_ext.plain_text import SENTENCE_LIMIT, plain_text
 from gpushare_ext.protocol import (
+    BrokerMessage,
     Granted,
     LeaseState,
     Ok,
@@ -69,6 +71,9 @@ class Effects:
             core.LeaseEnded: self.lease_ended,
             core.RivalryChanged: self.rivalry_changed,
         }
+        # The ladder steps under way that stop sessions for a lease (lease id -> tasks):
+        # its grant waits for them, bounded by ``grant_after_stops_ms``.
+        self._stops_for: dict[str, set[asyncio.Task]] = {}
 
     def carry_out(self, action: core.Action, reply: Reply = NO_REPLY) -> None:
         self._handlers[type(action)](action, reply)
@@ -125,17 +130,62 @@ class Effects:
             return
         if conn.control_block is not None:
             conn.control_block.publish(gate_closed=False, state=LeaseState.RUNNING)
-        ctx.outbox.put(
-            conn,
-            Granted(
-                reply_to=self._direct(action, reply),
-                lease_id=action.lease_id,
-                placement=action.placement,
-                priority=action.priority,
-                notice=action.notice,
-                ranks=list(action.ranks),
-            ),
+        granted = Granted(
+            reply_to=self._direct(action, reply),
+            lease_id=action.lease_id,
+            placement=action.placement,
+            priority=action.priority,
+            notice=action.notice,
+            ranks=list(action.ranks),
         )
+        stops = self._stops_under_way({action.lease_id, *(lease.lease_id for lease in leases)})
+        bound_s = ctx.config.grant_after_stops_ms / 1000
+        if stops and bound_s > 0:
+            # The paused sessions' last kernels would share the GPU with the new lease's
+            # first ones (a time-slice hand-over per cell): the grant waits until they
+            # have stopped, or the bound has passed.  Its session's other messages wait
+            # behind it, in order.
+            place = ctx.outbox.reserve(conn)
+            ctx.tasks.spawn(self._grant_after(stops, bound_s, conn, place, granted))
+            return
+        ctx.outbox.put(conn, granted)
+
+    def _stops_under_way(self, lease_ids: set[str]) -> set[asyncio.Task]:
+        return {
+            task
+            for lease_id in lease_ids
+            for task in self._stops_for.get(lease_id, ())
+            if not task.done()
+        }
+
+    async def _grant_after(
+        self,
+        stops: set[asyncio.Task],
+        bound_s: float,
+        conn: Connection,
+        place: list[BrokerMessage],
+        granted: Granted,
+    ) -> None:
+        try:
+            _, late = await asyncio.wait(stops, timeout=bound_s)
+            if late:
+                events.info(
+                    "%s granted before the sessions it pauses had stopped (after %.0f ms)",
+                    granted.lease_id, bound_s * 1000,
+                )  # fmt: skip
+        finally:
+            self.ctx.outbox.fill(conn, place, granted)
+
+    def _track_stop(self, for_lease: str, task: asyncio.Task) -> None:
+        tasks = self._stops_for.setdefault(for_lease, set())
+        tasks.add(task)
+
+        def finished(done: asyncio.Task) -> None:
+            tasks.discard(done)
+            if not tasks and self._stops_for.get(for_lease) is tasks:
+                del self._stops_for[for_lease]
+
+        task.add_done_callback(finished)
 
     def notify_queued(self, action: core.NotifyQueued, reply: Reply) -> None:
         ctx = self.ctx
@@ -237,7 +287,9 @@ class Effects:
             )
         already = lease.applied_level if lease else None
         target = ctx.target(action.lease_id, action.pid, lease.slot if lease else None)
-        ctx.tasks.spawn(self._apply_preemption(target, action, already))
+        task = ctx.tasks.spawn(self._apply_preemption(target, action, already))
+        if action.for_lease:
+            self._track_stop(action.for_lease, task)
         if action.parks_bytes and reply.park:
             self._answer_park(action, reply)
 

@@ -278,7 +278,9 @@ class SimulatedInventory:
     checkpoint holds that process (:meth:`set_checkpointed`): a parked notebook's memory
     is on the host.  ``host_memory`` (``{"total_mib": ..., "available_mib": ...}``) stands
     for the host's own memory where a test needs a host larger than the machine, and
-    ``restore_fails`` (process ids) makes the simulated restore of those fail.
+    ``restore_fails`` (process ids) makes the simulated restore of those fail;
+    ``lock_drain_ms`` makes each simulated lock take that long, as a real one waits for
+    the locked process's queued work.
     """
 
     kind = "simulated"
@@ -306,6 +308,12 @@ class SimulatedInventory:
             self.restore_fails = frozenset(int(pid) for pid in document.get("restore_fails", []))
         except (TypeError, ValueError) as exc:
             raise InventoryError(f"{path}: restore_fails must list process ids") from exc
+        drain_ms = document.get("lock_drain_ms", 0)
+        if isinstance(drain_ms, bool) or not isinstance(drain_ms, (int, float)):
+            raise InventoryError(f"{path}: lock_drain_ms must be a number of milliseconds")
+        if not 0 <= drain_ms <= 60_000:
+            raise InventoryError(f"{path}: lock_drain_ms must be between 0 and 60000")
+        self.lock_drain_s = drain_ms / 1000
         self._checkpointed: frozenset[int] = frozenset()
 
     def devices(self) -> list[DeviceInfo]:

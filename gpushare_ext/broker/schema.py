@@ -492,6 +492,16 @@ BROKER_SETTINGS: dict[str, Setting] = {
             applies="live",
         ),
         Setting(
+            key="grant_after_stops_ms",
+            kind=Whole(0, 60_000),
+            default=30,
+            meaning=(
+                "milliseconds a grant may wait for the sessions it pauses to leave the GPU "
+                "(0: grant at once)"
+            ),
+            applies="live",
+        ),
+        Setting(
             key="journal_keep_hours",
             kind=Number(0.1, 87_600),
             default=24.0,

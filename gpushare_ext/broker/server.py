@@ -125,10 +125,12 @@ class Broker:
             raise RuntimeError(str(exc)) from None
         scheduler = core.Scheduler(devices, config.policy)
         metrics = BrokerMetrics()
+        simulated = inventory if isinstance(inventory, SimulatedInventory) else None
         control = open_process_control(
             inventory.kind,
             [d.index for d in devices],
-            inventory.restore_fails if isinstance(inventory, SimulatedInventory) else frozenset(),
+            simulated.restore_fails if simulated else frozenset(),
+            simulated.lock_drain_s if simulated else 0.0,
         )
         journal = Journal(config.journal or paths.journal)
         # The last hour of each GPU (the dashboard's), in a file beside the journal.

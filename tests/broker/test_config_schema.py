@@ -64,6 +64,8 @@ WRONG = [
     ("[broker]\nlock_timeout_ms = 0", "broker.lock_timeout_ms", "0"),
     ("[broker]\nlock_timeout_ms = 2.5", "broker.lock_timeout_ms", "2.5"),
     ("[broker]\nlock_timeout_ms = 600001", "broker.lock_timeout_ms", "600001"),
+    ("[broker]\ngrant_after_stops_ms = -1", "broker.grant_after_stops_ms", "-1"),
+    ("[broker]\ngrant_after_stops_ms = 60001", "broker.grant_after_stops_ms", "60001"),
     ("[broker]\nmetrics_port = 0", "broker.metrics_port", "0"),
     ("[broker]\nmetrics_port = 70000", "broker.metrics_port", "70000"),
     ("[broker]\nmetrics_port = -1", "broker.metrics_port", "-1"),
@@ -248,6 +250,7 @@ max_connections_per_uid = 100000
 max_requests_per_second = 0.5
 reclaim_grace_s = 0
 lock_timeout_ms = 600000
+grant_after_stops_ms = 0
 journal_keep_hours = 0.1
 socket_group = "{group}"
 node_name = "gpu-node-7"
@@ -266,7 +269,7 @@ mps = true
         inventory="h200-x2", metrics_port=9400, metrics_address="::1",
         metrics_token_file="/etc/gpushare/metrics.token", max_connections_per_uid=100000,
         max_requests_per_second=0.5, reclaim_grace_s=0.0, lock_timeout_ms=600000,
-        journal_keep_hours=0.1, socket_group=group, node_name="gpu-node-7", devices=[1, 0],
+        grant_after_stops_ms=0, journal_keep_hours=0.1, socket_group=group, node_name="gpu-node-7", devices=[1, 0],
         policy=Policy(
             sharing="exclusive", admin_groups=("gpuadmin",), admin_users=("hubadmin",),
             evict_when_memory_needed=False, park_when_memory_needed=False,
@@ -352,6 +355,7 @@ OTHER_VALUES = {
     "max_requests_per_second": "50",
     "reclaim_grace_s": "5",
     "lock_timeout_ms": "100",
+    "grant_after_stops_ms": "250",
     "journal_keep_hours": "720",
 }
 
