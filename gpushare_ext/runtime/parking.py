@@ -63,6 +63,7 @@ def restore(session: GpuSession, park: ParkedMemory, output: CellOutput) -> None
     if session.parked is not park:
         # The connection was new: a broker that starts restores every process its
         # journal held before it serves anyone, so nothing is parked any more.
+        session.park_restored_by_restart = None
         output.show(key, cell_lines.restored_by_restart_line(what))
         return
     output.show(key, cell_lines.restore_starts_line(what))
@@ -138,6 +139,14 @@ def before_cell() -> None:
     if session is None:
         return  # no %%gpu cell yet: the broker does not know this notebook
     session.cell_activity(running=True)
+    restored = session.park_restored_by_restart
+    if restored is not None:
+        # The session reconnected on its own, to a broker that had restored the park.
+        session.park_restored_by_restart = None
+        CellOutput().show(
+            f"gpushare-restore-{uuid.uuid4().hex[:8]}",
+            cell_lines.restored_by_restart_line(restored.describe()),
+        )
     park = session.parked
     if park is not None:
         restore(session, park, CellOutput())

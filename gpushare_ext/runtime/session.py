@@ -90,6 +90,8 @@ class GpuSession:
         self.holds = ProcessHolds()
         self._early: dict[str, list[BrokerMessage]] = {}  # notices that beat their lease handle
         self.parked: ParkedMemory | None = None  # the broker parked this idle session
+        # A park a restarted broker restored while no cell ran: the next cell says so.
+        self.park_restored_by_restart: ParkedMemory | None = None
         self._pause_watch = PauseWatch(
             lambda: self.control_block, lambda: self.connection.closed, self.let_go_for_interrupt
         )
@@ -147,6 +149,7 @@ class GpuSession:
             # A broker that starts restores every process its journal held: nothing of
             # this session is parked any more.
             self.parked.done.set()
+            self.park_restored_by_restart = self.parked
             self.parked = None
 
     def _settle_reclaim(self, handle: LeaseHandle, reclaimed: bool) -> None:
