@@ -309,9 +309,11 @@ class Ladder:
                 del self._per_pid[pid]
 
     async def apply(
-        self, target: Target, level: PreemptionLevel, reason: str, already: PreemptionLevel | None
+        self, target: Target, level: PreemptionLevel, reason: str, state: LeaseState
     ) -> str:
-        """Stop ``target`` at ``level`` (levels below it too); return a note for status."""
+        """Stop ``target`` at ``level`` (levels below it too); its control block says
+        ``state`` (the state the stop results in, as the core said); return a note for
+        status."""
         async with self._serial(target.pid):
             needs_lock = level >= PreemptionLevel.LOCK or (
                 level in (PreemptionLevel.YIELD, PreemptionLevel.ABORT)
@@ -319,7 +321,6 @@ class Ladder:
             )
             simulated = self.control.kind == "simulated"
             if target.control_block is not None:
-                state = LeaseState.EVICTED if level == PreemptionLevel.EVICT else LeaseState.PAUSED
                 # A lock waits until the work already queued has run, gate waits included:
                 # a closed gate would hold that work for ever.  So the gate closes only
                 # where nothing is locked (levels 0-2, or a simulated GPU).

@@ -201,9 +201,7 @@ class Effects:
         events.info(
             "%s (pid %s) %s at level %s (%s) for %s%s: %s",
             action.lease_id, action.pid,
-            "parked" if action.parks_bytes
-            else "evicted" if action.level == PreemptionLevel.EVICT
-            else "paused",
+            "parked" if action.parks_bytes else action.resulting_state.value,
             int(held_by), held_by.name.lower(), action.for_lease or "the broker", asked,
             plain_text(action.reason, SENTENCE_LIMIT),
         )  # fmt: skip
@@ -235,9 +233,8 @@ class Effects:
                     for_user=for_user,
                 ),
             )
-        already = lease.applied_level if lease else None
         target = ctx.target(action.lease_id, action.pid, lease.slot if lease else None)
-        ctx.tasks.spawn(self._apply_preemption(target, action, already))
+        ctx.tasks.spawn(self._apply_preemption(target, action))
         if action.parks_bytes and reply.park:
             self._answer_park(action, reply)
 
@@ -324,9 +321,7 @@ class Effects:
 
     # ---- the ladder, off the event loop
 
-    async def _apply_preemption(
-        self, target: Target, action: core.PauseLease, already: PreemptionLevel | None
-    ) -> None:
+    async def _apply_preemption(self, target: Target, action: core.PauseLease) -> None:
         ctx = self.ctx
         block = target.control_block
         if action.parks_bytes and block is not None and block.ipc_imports:
@@ -340,7 +335,9 @@ class Effects:
             await self._preemption_failed(target, action, refusal)
             return
         try:
-            note = await ctx.ladder.apply(target, action.level, action.reason, already)
+            note = await ctx.ladder.apply(
+                target, action.level, action.reason, action.resulting_state
+            )
         except ActuatorError as exc:
             await self._preemption_failed(target, action, exc)
             return

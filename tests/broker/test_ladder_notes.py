@@ -10,7 +10,7 @@ import pytest
 
 from gpushare_ext.broker.actuators import Ladder, SimulatedProcessControl, Target, _what_stopped
 from gpushare_ext.control_block import ControlBlock
-from gpushare_ext.protocol import PreemptionLevel, applied_level
+from gpushare_ext.protocol import LeaseState, PreemptionLevel, applied_level
 
 
 class RecordingControl:
@@ -45,7 +45,7 @@ def test_a_locked_session_with_a_flag_reports_every_rung(tmp_path: Path):
     target = Target(
         lease_id="L1", pid=4242, device_index=0, control_block=block, yield_flag=("00", 0)
     )
-    note = asyncio.run(ladder.apply(target, PreemptionLevel.LOCK, "a high cell", None))
+    note = asyncio.run(ladder.apply(target, PreemptionLevel.LOCK, "a high cell", LeaseState.PAUSED))
     # The flag is raised before the lock, so the lock finds preemptible kernels gone.
     assert [c[0] for c in control.calls] == ["flag", "lock"]
     assert note == "stopped by: launches held, yield flag, process lock"
@@ -71,7 +71,7 @@ def test_on_a_simulated_gpu_every_level_above_the_gate_is_said_to_have_gated(
     # this very process: the simulated lock wants a live pid, and touches none
     target = Target(lease_id="L1", pid=os.getpid(), device_index=0, control_block=block)
 
-    note = asyncio.run(ladder.apply(target, level, "a high cell", None))
+    note = asyncio.run(ladder.apply(target, level, "a high cell", LeaseState.PAUSED))
 
     assert note == "simulated GPU: the process was gated, not locked"
     assert applied_level(level, simulated=True) == PreemptionLevel.GATE
@@ -85,7 +85,7 @@ def test_on_a_simulated_gpu_the_gate_asked_is_the_gate_applied(tmp_path: Path):
     target = Target(lease_id="L1", pid=os.getpid(), device_index=0, control_block=block)
 
     note = asyncio.run(
-        Ladder(SimulatedProcessControl()).apply(target, PreemptionLevel.GATE, "", None)
+        Ladder(SimulatedProcessControl()).apply(target, PreemptionLevel.GATE, "", LeaseState.PAUSED)
     )
 
     assert note == "stopped by: launches held"
