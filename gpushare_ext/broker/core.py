@@ -461,8 +461,9 @@ class Scheduler:
             return []  # it ended meanwhile; the server undoes what was applied
         if lease.pending_level != event.level:
             return []  # a stale confirmation (it was resumed meanwhile)
-        confirmed = stop_state_of(lease).confirmed(event.level)
-        after = stopped_state(event.level)
+        applied = event.level if event.applied_level is None else event.applied_level
+        confirmed = stop_state_of(lease).confirmed(applied)
+        after = stopped_state(applied)
         if lease.state == LeaseState.PAUSED and after != LeaseState.PAUSED:
             transition(
                 lease,

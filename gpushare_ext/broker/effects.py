@@ -335,23 +335,28 @@ class Effects:
             await self._preemption_failed(target, action, refusal)
             return
         try:
-            note = await ctx.ladder.apply(
+            applied = await ctx.ladder.apply(
                 target, action.level, action.reason, action.resulting_state
             )
         except ActuatorError as exc:
             await self._preemption_failed(target, action, exc)
             return
-        if note:
-            ctx.notes[action.lease_id] = note
+        if applied.note:
+            ctx.notes[action.lease_id] = applied.note
         ctx.events.post(
-            core.PreemptionApplied(now=time.time(), lease_id=action.lease_id, level=action.level)
+            core.PreemptionApplied(
+                now=time.time(),
+                lease_id=action.lease_id,
+                level=action.level,
+                applied_level=applied.level,
+            )
         )
         lease = ctx.scheduler.lease_of(action.lease_id)
         if lease is None or lease.state not in core.ACTIVE_STATES:
             # It ended while this step ran: the undo queued behind it releases the process.
             return
         if lease.state == LeaseState.EVICTED:
-            ctx.record.evicted(lease, action.level)
+            ctx.record.evicted(lease, applied.level)
 
     async def _preemption_failed(
         self, target: Target, action: core.PauseLease, exc: ActuatorError

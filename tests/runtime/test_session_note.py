@@ -39,10 +39,10 @@ def test_a_paused_lease_note_carries_what_the_session_said(tmp_path: Path):
     target = Target(
         lease_id="L1", pid=4242, device_index=0, control_block=block, yield_flag=("00", 0)
     )
-    note = asyncio.run(
+    applied = asyncio.run(
         Ladder(FlagAndLockControl()).apply(target, PreemptionLevel.LOCK, "hi", LeaseState.PAUSED)
     )
-    assert note == (
+    assert applied.note == (
         "stopped by: launches held, yield flag, process lock; the session says: "
         "2 long kernel launches preemptible, 0 yields, 9 stops that kept their work"
     )
