@@ -30,7 +30,7 @@ import msgspec
 
 from gpushare_ext.devices import DeviceInfo
 from gpushare_ext.errors import GpushareError
-from gpushare_ext.lease_state import LeaseState
+from gpushare_ext.lease_state import LeaseState, PreemptionLevel
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 256 * 1024
@@ -111,16 +111,6 @@ class ErrorCode(str, enum.Enum):
     UNAVAILABLE = "unavailable"  # draining, shutting down, or device gone
     NOT_SUPPORTED = "not_supported"  # e.g. checkpoint lock on an MPS client
     INTERNAL = "internal"
-
-
-class PreemptionLevel(enum.IntEnum):
-    """The preemption ladder (docs/design.md): the broker picks the cheapest that suffices."""
-
-    GATE = 0  # hold launches not yet issued (cuStreamWaitValue32 on the gate word)
-    YIELD = 1  # instrumented kernels stop between logical blocks
-    ABORT = 2  # instrumented kernels stop at loop back-edges; restart or roll back
-    LOCK = 3  # cuCheckpointProcessLock: the whole process stops issuing CUDA work
-    EVICT = 4  # cuCheckpointProcessCheckpoint: device memory moved to the host
 
 
 # The rungs as the cell's pause line names them (the broker's status names them too).

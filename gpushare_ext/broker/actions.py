@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from gpushare_ext.protocol import (
     ErrorCode,
+    LeaseState,
     Placement,
     PreemptionLevel,
     RankPlacement,
@@ -62,6 +63,10 @@ class PauseLease:
     # If the stop fails, whether what it locked stays locked (the core's decision:
     # :func:`~gpushare_ext.broker.policy.lock_kept_when_failing`).
     keeps_lock: bool
+    # The state the lease is in once the stop is applied (the core's word, from
+    # :func:`~gpushare_ext.lease_state.stopped_state`): the journal and the control
+    # block say this, never a state of their own making.
+    resulting_state: LeaseState
     parks_bytes: int = 0  # > 0: this parks an idle session holding that much
 
 

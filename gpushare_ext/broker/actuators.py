@@ -55,6 +55,15 @@ class Target:
     yield_flag: tuple[str, int] | None = None  # (IPC handle hex, offset) if registered
 
 
+@dataclass(frozen=True, kw_only=True)
+class Applied:
+    """What :meth:`Ladder.apply` did: the level it applied (the lock where a yield or an
+    abort was asked of a process with no yield flag) and a note for status."""
+
+    level: PreemptionLevel
+    note: str
+
+
 class ProcessControl(Protocol):
     """Levels 1-4 for one kind of host.  All methods may block; call them off the event loop."""
 
@@ -316,9 +325,13 @@ class Ladder:
                 del self._per_pid[pid]
 
     async def apply(
-        self, target: Target, level: PreemptionLevel, reason: str, already: PreemptionLevel | None
-    ) -> str:
-        """Stop ``target`` at ``level`` (levels below it too); return a note for status."""
+        self, target: Target, level: PreemptionLevel, reason: str, state: LeaseState
+    ) -> Applied:
+        """Stop ``target`` at ``level`` (levels below it too); its control block says
+        ``state`` (the state the stop results in, as the core said).  Returns the level
+        applied, which is the lock where a yield or an abort was asked and no yield flag
+        is registered (on a simulated GPU too: it records the lock, and only the gate
+        holds), and a note for status."""
         async with self._serial(target.pid):
             needs_lock = level >= PreemptionLevel.LOCK or (
                 level in (PreemptionLevel.YIELD, PreemptionLevel.ABORT)
@@ -326,7 +339,6 @@ class Ladder:
             )
             simulated = self.control.kind == "simulated"
             if target.control_block is not None:
-                state = LeaseState.EVICTED if level == PreemptionLevel.EVICT else LeaseState.PAUSED
                 # A lock waits until the work already queued has run, gate waits included:
                 # a closed gate would hold that work for ever.  So the gate closes only
                 # where nothing is locked (levels 0-2, or a simulated GPU).
@@ -367,7 +379,8 @@ class Ladder:
             said = target.control_block.session_note if target.control_block is not None else ""
             if said:
                 notes.append(f"the session says: {said}")
-            return "; ".join(notes)
+            applied = max(level, PreemptionLevel.LOCK) if needs_lock else level
+            return Applied(level=applied, note="; ".join(notes))
 
     async def undo(
         self,

@@ -24,6 +24,7 @@ from gpushare_ext.broker.events import (
 )
 from gpushare_ext.broker.gangs import member_id, most_ranks, split_member_id
 from gpushare_ext.broker.lease_book import LeaseBook
+from gpushare_ext.broker.lease_transitions import stop_state_of, transition
 from gpushare_ext.broker.placement import Placer, traits
 from gpushare_ext.broker.policy import (
     Limits,
@@ -40,6 +41,7 @@ from gpushare_ext.broker.scheduler_records import (
     SessionRecord,
 )
 from gpushare_ext.broker.slot_finder import SlotFinder
+from gpushare_ext.lease_state import stopped_state
 from gpushare_ext.protocol import (
     ErrorCode,
     LeaseState,
@@ -242,11 +244,12 @@ class Admission:
         lease.reachable = record.reachable  # what the reconnected process can reach
         if not event.keep_process:
             book.index.reidentify(lease, record.identity)
-        lease.detached = False
+        running = lease.state == LeaseState.RUNNING
+        reattached = replace(stop_state_of(lease), detached=False)
+        transition(lease, now, stop=reattached, reason="" if running else None)
         book.index.touch(lease)  # a plain request now, if it is queued
         record.leases.add(lease.lease_id)
-        if lease.state == LeaseState.RUNNING:
-            lease.reason = ""
+        if running:
             return []
         if lease.state == LeaseState.QUEUED:
             lease.last_queue_notice = None  # the new session hears where it stands
@@ -257,10 +260,8 @@ class Admission:
         """A reclaimed lease that was paused (or evicted while detached).  If it may run
         now, the queue resumes it.  Otherwise stop it again: the new control block must
         show it paused, and what was applied before the restart was undone."""
-        applied = max(
-            (level for level in (lease.applied_level, lease.pending_level) if level is not None),
-            default=None,
-        )
+        stop = stop_state_of(lease)
+        applied = stop.highest
         if (
             applied is None
             and lease.slot is not None
@@ -268,13 +269,18 @@ class Admission:
         ):
             return []
         level = ladder_level(StopCause.MAKE_ROOM, [traits(lease)], applied)
-        if level is None:
-            self._book.index.move(lease, LeaseState.RUNNING)  # nothing can stop it: it time-slices
-            lease.state_since = now
-            lease.reason = "could not be paused again after the broker restarted"
+        if level is None:  # nothing can stop it: it time-slices
+            transition(
+                lease,
+                now,
+                state=LeaseState.RUNNING,
+                stop=stop.cleared(),
+                reason="could not be paused again after the broker restarted",
+                index=self._book.index,
+            )
             return []
-        lease.pending_level = level
-        lease.reason = lease.reason or "paused for a higher-priority session"
+        reason = lease.reason or "paused for a higher-priority session"
+        transition(lease, now, stop=stop.asked(level), reason=reason)
         return [
             PauseLease(
                 session_id=lease.session_id,
@@ -285,6 +291,7 @@ class Admission:
                 for_lease=lease.paused_for,
                 reason=lease.reason,
                 keeps_lock=lock_kept_when_failing(level, parks=False),
+                resulting_state=stopped_state(level),
             )
         ]
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from gpushare_ext.broker.actuators import ActuatorError, Ladder, Target
 from gpushare_ext.broker.chaos import ChaosPause, ChaosSchedule, ChaosSpec
-from gpushare_ext.lease_state import LeaseState
+from gpushare_ext.lease_state import LeaseState, stopped_state
 from gpushare_ext.protocol import PreemptionLevel
 
 log = logging.getLogger("gpushare.broker.chaos")
@@ -110,7 +110,9 @@ class ChaosRunner:
             level = max(below) if below else min(found.allowed)
         actuation = self._journal_applied(found, level)
         try:
-            await self._ladder.apply(found.target, level, "chaos mode: a random pause", None)
+            await self._ladder.apply(
+                found.target, level, "chaos mode: a random pause", stopped_state(level)
+            )
         except ActuatorError as exc:
             log.warning("chaos pause of pid %s at level %s failed: %s", self.spec.pid, level, exc)
         self.applied += 1

@@ -74,6 +74,7 @@ a clock or import the server.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from gpushare_ext.broker.actions import (
@@ -114,6 +115,7 @@ from gpushare_ext.broker.idle_parking import IdleParking
 from gpushare_ext.broker.inventory import DeviceInfo
 from gpushare_ext.broker.lease_book import LeaseBook
 from gpushare_ext.broker.lease_moves import LeaseMoves
+from gpushare_ext.broker.lease_transitions import stop_state_of, transition
 from gpushare_ext.broker.memory_seen import MemorySeen
 from gpushare_ext.broker.parking import HostMemory
 from gpushare_ext.broker.placement import Placer, traits
@@ -137,6 +139,7 @@ from gpushare_ext.broker.scheduler_records import (
 )
 from gpushare_ext.broker.scheduling_pass import LINE_FROM, SchedulingPass
 from gpushare_ext.broker.slot_finder import SlotFinder
+from gpushare_ext.lease_state import stopped_state
 from gpushare_ext.protocol import ErrorCode, LeaseState, PreemptionLevel
 
 # The events, actions and records live in their own modules; the server, its parts and
@@ -458,14 +461,23 @@ class Scheduler:
             return []  # it ended meanwhile; the server undoes what was applied
         if lease.pending_level != event.level:
             return []  # a stale confirmation (it was resumed meanwhile)
-        lease.pending_level = None
-        lease.applied_level = event.level
-        if event.level == PreemptionLevel.EVICT and lease.state == LeaseState.PAUSED:
-            self.book.index.move(lease, LeaseState.EVICTED)
+        applied = event.level if event.applied_level is None else event.applied_level
+        confirmed = stop_state_of(lease).confirmed(applied)
+        after = stopped_state(applied)
+        if lease.state == LeaseState.PAUSED and after != LeaseState.PAUSED:
+            transition(
+                lease,
+                now,
+                state=after,
+                stop=confirmed,
+                reason=lease.reason or "evicted for a higher-priority session",
+                index=self.book.index,
+            )
             # Its process's device memory is on the host now: the last reading is stale.
             self.memory.forget_process(lease.slot or "", lease.identity.pid)
-            lease.reason = lease.reason or "evicted for a higher-priority session"
             self.book.index.victim_done(lease.lease_id)
+        else:
+            transition(lease, now, stop=confirmed)
         return []
 
     def _on_preemption_failed(self, event: PreemptionFailed, now: float) -> list[Action]:
@@ -473,10 +485,11 @@ class Scheduler:
         lease = book.leases.get(event.lease_id)
         if lease is None or lease.state not in ACTIVE_STATES or lease.pending_level != event.level:
             return []
-        lease.pending_level = None
+        stop = stop_state_of(lease)
         if lease.parks_session:
             # It stays on the GPU, unlocked, and is never tried again: a process the
             # checkpoint refused once (MIG, IPC or UVM memory) will refuse again.
+            transition(lease, now, stop=stop.failed())
             record = book.sessions.get(lease.session_id)
             if record is not None:
                 record.unparkable = f"could not be parked: {event.reason}"
@@ -484,14 +497,18 @@ class Scheduler:
             return [book.end(lease, LeaseState.RELEASED, now, f"not parked: {event.reason}")]
         if event.level == PreemptionLevel.EVICT:
             lease.evictable = False
-            lease.reason = f"cannot be evicted: {event.reason}"
+            transition(lease, now, stop=stop.failed(), reason=f"cannot be evicted: {event.reason}")
         else:
             # It could not be paused: it keeps running, time-sliced with the newcomer.
             lease.lockable = False
-            book.index.move(lease, LeaseState.RUNNING)
-            lease.state_since = now
-            lease.applied_level = None
-            lease.reason = f"could not be paused: {event.reason}"
+            transition(
+                lease,
+                now,
+                state=LeaseState.RUNNING,
+                stop=stop.cleared(),
+                reason=f"could not be paused: {event.reason}",
+                index=book.index,
+            )
         book.index.victim_done(lease.lease_id, give_up=True)
         return []
 
@@ -522,11 +539,15 @@ class Scheduler:
             level = ladder_level(StopCause.OVER_QUOTA, [traits(lease)])
             if level is None:
                 continue
-            book.index.move(lease, LeaseState.PAUSED)
-            lease.state_since = now
-            lease.pending_level = level
-            lease.reason = reason + "; release the lease or restart the kernel"
-            lease.held_by_watchdog = True
+            held = replace(stop_state_of(lease).asked(level), held_by_watchdog=True)
+            transition(
+                lease,
+                now,
+                state=LeaseState.PAUSED,
+                stop=held,
+                reason=reason + "; release the lease or restart the kernel",
+                index=book.index,
+            )
             actions.append(
                 PauseLease(
                     session_id=lease.session_id,
@@ -537,6 +558,7 @@ class Scheduler:
                     for_lease="",
                     reason=reason,
                     keeps_lock=lock_kept_when_failing(level, parks=False),
+                    resulting_state=stopped_state(level),
                 )
             )
         return actions

@@ -251,9 +251,7 @@ class Effects:
         events.info(
             "%s (pid %s) %s at level %s (%s) for %s%s: %s",
             action.lease_id, action.pid,
-            "parked" if action.parks_bytes
-            else "evicted" if action.level == PreemptionLevel.EVICT
-            else "paused",
+            "parked" if action.parks_bytes else action.resulting_state.value,
             int(held_by), held_by.name.lower(), action.for_lease or "the broker", asked,
             plain_text(action.reason, SENTENCE_LIMIT),
         )  # fmt: skip
@@ -285,9 +283,8 @@ class Effects:
                     for_user=for_user,
                 ),
             )
-        already = lease.applied_level if lease else None
         target = ctx.target(action.lease_id, action.pid, lease.slot if lease else None)
-        task = ctx.tasks.spawn(self._apply_preemption(target, action, already))
+        task = ctx.tasks.spawn(self._apply_preemption(target, action))
         if action.for_lease:
             self._track_stop(action.for_lease, task)
         if action.parks_bytes and reply.park:
@@ -376,9 +373,7 @@ class Effects:
 
     # ---- the ladder, off the event loop
 
-    async def _apply_preemption(
-        self, target: Target, action: core.PauseLease, already: PreemptionLevel | None
-    ) -> None:
+    async def _apply_preemption(self, target: Target, action: core.PauseLease) -> None:
         ctx = self.ctx
         block = target.control_block
         if action.parks_bytes and block is not None and block.ipc_imports:
@@ -392,21 +387,28 @@ class Effects:
             await self._preemption_failed(target, action, refusal)
             return
         try:
-            note = await ctx.ladder.apply(target, action.level, action.reason, already)
+            applied = await ctx.ladder.apply(
+                target, action.level, action.reason, action.resulting_state
+            )
         except ActuatorError as exc:
             await self._preemption_failed(target, action, exc)
             return
-        if note:
-            ctx.notes[action.lease_id] = note
+        if applied.note:
+            ctx.notes[action.lease_id] = applied.note
         ctx.events.post(
-            core.PreemptionApplied(now=time.time(), lease_id=action.lease_id, level=action.level)
+            core.PreemptionApplied(
+                now=time.time(),
+                lease_id=action.lease_id,
+                level=action.level,
+                applied_level=applied.level,
+            )
         )
         lease = ctx.scheduler.lease_of(action.lease_id)
         if lease is None or lease.state not in core.ACTIVE_STATES:
             # It ended while this step ran: the undo queued behind it releases the process.
             return
         if lease.state == LeaseState.EVICTED:
-            ctx.record.evicted(lease, action.level)
+            ctx.record.evicted(lease, applied.level)
 
     async def _preemption_failed(
         self, target: Target, action: core.PauseLease, exc: ActuatorError

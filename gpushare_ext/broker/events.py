@@ -118,9 +118,13 @@ class RanksAttached:
 
 @dataclass(frozen=True, kw_only=True)
 class PreemptionApplied:
+    """The actuators stopped a lease: ``level`` is the level asked (what the core waits
+    to hear of), ``applied_level`` the level they applied (None: the one asked)."""
+
     now: float
     lease_id: str
     level: PreemptionLevel
+    applied_level: PreemptionLevel | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

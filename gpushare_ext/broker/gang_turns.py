@@ -173,7 +173,7 @@ class GangTurns:
         if not awaited:
             actions.extend(self._start(members, assignment, now))
             return actions
-        self._moves.await_room(leader, awaited, evicting)
+        self._moves.await_room(leader, awaited, evicting, now)
         leader.target_slot = assignment[0]
         self._book.gang_targets[leader.gang or ""] = tuple(dict.fromkeys(assignment))
         notices = self._notices.queue_notice(

@@ -14,9 +14,12 @@ request goes (placement asks it for parks when memory is needed).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from gpushare_ext.broker.actions import Action, PauseLease
 from gpushare_ext.broker.events import ParkAsked, RestoreAsked, SessionActivity, Tick
 from gpushare_ext.broker.lease_book import LeaseBook
+from gpushare_ext.broker.lease_transitions import stop_state_of, transition
 from gpushare_ext.broker.memory_seen import MemorySeen
 from gpushare_ext.broker.parking import (
     HostMemory,
@@ -29,6 +32,7 @@ from gpushare_ext.broker.parking import (
 )
 from gpushare_ext.broker.policy import lock_kept_when_failing
 from gpushare_ext.broker.scheduler_records import Lease, SchedulerError, SessionRecord, Slot
+from gpushare_ext.lease_state import stopped_state
 from gpushare_ext.protocol import (
     PARKED_LABEL,
     Capabilities,
@@ -67,10 +71,9 @@ class IdleParking:
             raise SchedulerError(
                 ErrorCode.UNKNOWN_LEASE, f"this session has no parked memory {event.lease_id}"
             )
-        lease.restore_wanted = not event.cancel
+        stop = replace(stop_state_of(lease), restore_wanted=not event.cancel)
+        transition(lease, now, stop=stop)  # a restore asked waits from now on
         lease.last_queue_notice = None  # a waiting restore is told where it stands anew
-        if lease.restore_wanted:
-            lease.state_since = now
         self._book.index.touch(lease)
         return []
 
@@ -171,10 +174,9 @@ class IdleParking:
         uid = lease.identity.uid
         book.parks_of_uid[uid] = book.parks_of_uid.get(uid, 0) + 1
         lease.granted_at = now
-        book.index.move(lease, LeaseState.RUNNING, key)
-        book.index.move(lease, LeaseState.PAUSED)
-        lease.pending_level = PreemptionLevel.EVICT
-        lease.reason = reason
+        transition(lease, now, state=LeaseState.RUNNING, slot=key, index=book.index)
+        evict = stop_state_of(lease).asked(PreemptionLevel.EVICT)
+        transition(lease, now, state=LeaseState.PAUSED, stop=evict, reason=reason, index=book.index)
         lease.paused_for = for_lease
         return PauseLease(
             session_id=lease.session_id,
@@ -185,6 +187,7 @@ class IdleParking:
             for_lease=for_lease,
             reason=reason,
             keeps_lock=lock_kept_when_failing(PreemptionLevel.EVICT, parks=True),
+            resulting_state=stopped_state(PreemptionLevel.EVICT),
             parks_bytes=lease.memory_bytes,
         )
 

@@ -7,16 +7,17 @@ lease id stands for (a gang's id or a member's).  It also says how a waiter rank
 effective priority under the policy), since every part of the scheduler ranks alike.
 
 What it must not do: place, pause or tell anyone anything; the parts of the scheduler
-above it decide, and change a lease's state, slot or identity only through the index.
+above it decide, and change a lease's state or stop only through
+:func:`~gpushare_ext.broker.lease_transitions.transition` (its identity through the index).
 """
 
 from __future__ import annotations
 
 from gpushare_ext.broker.actions import LeaseEnded
 from gpushare_ext.broker.lease_index import LeaseIndex
+from gpushare_ext.broker.lease_transitions import stop_state_of, transition
 from gpushare_ext.broker.policy import Policy, effective_priority
 from gpushare_ext.broker.scheduler_records import Lease, SchedulerError, SessionRecord, Slot
-from gpushare_ext.lease_state import check_move
 from gpushare_ext.protocol import ErrorCode, LeaseState
 
 ENDED_KEPT = 512  # ended leases kept for status and replay checks
@@ -71,18 +72,12 @@ class LeaseBook:
 
     def end(self, lease: Lease, state: LeaseState, now: float, reason: str) -> LeaseEnded:
         """Take ``lease`` out of the active ones, and say what the actuators must undo."""
-        check_move(lease.lease_id, lease.state, state)
+        stop = stop_state_of(lease)
+        undo = stop.highest
+        transition(lease, now, state=state, stop=stop.cleared(), reason=reason)
         held = now - lease.granted_at if lease.granted_at is not None else 0.0
-        undo = lease.pending_level if lease.pending_level is not None else lease.applied_level
-        if lease.applied_level is not None and lease.pending_level is not None:
-            undo = max(lease.applied_level, lease.pending_level)
         device_index = self.slots[lease.slot].device_index if lease.slot else None
         self.index.drop(lease)
-        lease.state = state
-        lease.state_since = now
-        lease.reason = reason
-        lease.applied_level = None
-        lease.pending_level = None
         if lease.granted_at is not None and not lease.parks_session:
             previous = self.hold_ema.get(lease.identity.uid, held)
             self.hold_ema[lease.identity.uid] = 0.7 * previous + 0.3 * held

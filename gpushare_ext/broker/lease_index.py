@@ -5,7 +5,7 @@ leases run there and whether a newcomer may share it with them (their priority b
 SM shares, exclusive wishes), how many leases a user holds, which leases a process
 runs, which waiters wait for an eviction.  Answered by scanning every lease, an event
 cost grew with the host's load.  :class:`LeaseIndex` keeps those answers as aggregates,
-changed at the one place a lease's state, slot or identity changes (:meth:`~LeaseIndex.move`,
+changed wherever a lease's state, slot or identity changes (:meth:`~LeaseIndex.moving`,
 :meth:`~LeaseIndex.add`, :meth:`~LeaseIndex.drop`, :meth:`~LeaseIndex.reidentify`), so
 an event costs about the same with one lease and with a thousand.
 
@@ -25,14 +25,15 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fractions import Fraction
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
 from gpushare_ext.broker.policy import effective_priority
-from gpushare_ext.lease_state import LeaseState, check_move
+from gpushare_ext.lease_state import LeaseState
 from gpushare_ext.protocol import SliceWish
 from gpushare_ext.units import priority_band
 
@@ -208,15 +209,14 @@ class LeaseIndex:
             if not grants:
                 del load.granted[entry.uid]
 
-    def move(self, lease: Lease, state: LeaseState, slot: str | None = None) -> None:
-        """Put ``lease`` in ``state`` (and on ``slot`` when one is given); a move the
-        state table does not allow raises IllegalMove and changes nothing."""
-        check_move(lease.lease_id, lease.state, state)
+    @contextmanager
+    def moving(self, lease: Lease) -> Iterator[None]:
+        """Around a change of ``lease``'s state or slot (made by
+        :func:`~gpushare_ext.broker.lease_transitions.transition`, checked before): the
+        lease is taken out, and put back as it is then."""
         making_room = lease.lease_id in self.making_room
         self.drop(lease)
-        lease.state = state
-        if slot is not None:
-            lease.slot = slot
+        yield
         self.add(lease)
         if making_room:
             self.making_room[lease.lease_id] = lease

@@ -7,7 +7,8 @@ level that stops them (a rank stops its whole gang), evicts what must leave, and
 starts the lease or leaves it waiting for the evictions.
 
 What it must not do: choose slots or victims (:mod:`~gpushare_ext.broker.placement`
-does), or read a clock; it moves leases only through the lease index.
+does), or read a clock; it moves leases only through
+:func:`~gpushare_ext.broker.lease_transitions.transition`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Protocol
 from gpushare_ext.broker.actions import Action, GrantLease, PauseLease, ResumeLease
 from gpushare_ext.broker.idle_parking import IdleParking
 from gpushare_ext.broker.lease_book import LeaseBook
+from gpushare_ext.broker.lease_transitions import stop_state_of, transition
 from gpushare_ext.broker.parking import parked_for_reason
 from gpushare_ext.broker.placement import Placer, RoomPlan
 from gpushare_ext.broker.policy import (
@@ -27,6 +29,7 @@ from gpushare_ext.broker.policy import (
 )
 from gpushare_ext.broker.queue_notices import QueueNotices
 from gpushare_ext.broker.scheduler_records import Lease, Slot
+from gpushare_ext.lease_state import stopped_state
 from gpushare_ext.protocol import (
     LeaseState,
     Placement,
@@ -75,15 +78,21 @@ class LeaseMoves:
             lease.waited_s = now - lease.requested_at
             if self.grant_watcher is not None:
                 self.grant_watcher.granting(lease)
-        self._book.index.move(lease, LeaseState.RUNNING, key)
-        lease.state_since = now
-        lease.reason = ""
+        stop = stop_state_of(lease)
+        transition(
+            lease,
+            now,
+            state=LeaseState.RUNNING,
+            slot=key,
+            stop=stop.cleared(),
+            reason="",
+            index=self._book.index,
+        )
         lease.paused_for = ""
         lease.last_queue_notice = None
         if previous == LeaseState.QUEUED:
             return [self._grant(lease, slot)]
-        undo = lease.applied_level if lease.applied_level is not None else PreemptionLevel.GATE
-        lease.applied_level = None
+        undo = stop.applied_level if stop.applied_level is not None else PreemptionLevel.GATE
         return [
             ResumeLease(
                 session_id=lease.session_id,
@@ -122,7 +131,7 @@ class LeaseMoves:
         """Carry out ``plan`` for ``lease`` on ``key``; start it if nothing must leave."""
         actions, awaited = self.stop_victims(lease, key, plan, now)
         if awaited:
-            self.await_room(lease, awaited, bool(plan[1]))
+            self.await_room(lease, awaited, bool(plan[1]), now)
             lease.target_slot = key
             actions.extend(
                 self._notices.queue_notice(lease, [key], now, ahead, force_reason=lease.reason)
@@ -131,13 +140,15 @@ class LeaseMoves:
         actions.extend(self.start(lease, key, now))
         return actions
 
-    def await_room(self, lease: Lease, victims: frozenset[str], evicting: bool) -> None:
+    def await_room(self, lease: Lease, victims: frozenset[str], evicting: bool, now: float) -> None:
         """``lease`` waits until ``victims`` have left (evicted, or parked)."""
         self._book.index.await_evictions(lease, victims)
-        lease.reason = (
-            "freeing memory: waiting for lower-priority sessions to be evicted"
+        transition(
+            lease,
+            now,
+            reason="freeing memory: waiting for lower-priority sessions to be evicted"
             if evicting
-            else "freeing memory: parking idle sessions (their memory goes to the host)"
+            else "freeing memory: parking idle sessions (their memory goes to the host)",
         )
 
     def stop_victims(
@@ -174,10 +185,10 @@ class LeaseMoves:
             if victim.state == LeaseState.RUNNING:
                 actions.append(self._pause(victim, evict, lease, f"evicted for {who}", now))
             else:  # already paused: escalate to eviction
-                victim.pending_level = evict
-                victim.reason = f"evicted for {who}"
+                reason = f"evicted for {who}"
+                transition(victim, now, stop=stop_state_of(victim).asked(evict), reason=reason)
                 victim.paused_for = lease.lease_id
-                actions.append(self._preempt(victim, evict, lease.lease_id, victim.reason))
+                actions.append(self._preempt(victim, evict, lease.lease_id, reason))
         awaited = frozenset(v.lease_id for v in to_evict) | {park.lease_id for park in parks}
         return actions, awaited
 
@@ -196,10 +207,14 @@ class LeaseMoves:
     def _pause(
         self, victim: Lease, level: PreemptionLevel, lease: Lease, reason: str, now: float
     ) -> PauseLease:
-        self._book.index.move(victim, LeaseState.PAUSED)
-        victim.state_since = now
-        victim.pending_level = level
-        victim.reason = reason
+        transition(
+            victim,
+            now,
+            state=LeaseState.PAUSED,
+            stop=stop_state_of(victim).asked(level),
+            reason=reason,
+            index=self._book.index,
+        )
         victim.paused_for = lease.lease_id
         return self._preempt(victim, level, lease.lease_id, reason)
 
@@ -215,4 +230,5 @@ class LeaseMoves:
             for_lease=for_lease,
             reason=reason,
             keeps_lock=lock_kept_when_failing(level, parks=False),
+            resulting_state=stopped_state(level),
         )

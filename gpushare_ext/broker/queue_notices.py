@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from gpushare_ext.broker.actions import Action, NotifyQueued
 from gpushare_ext.broker.idle_parking import IdleParking
 from gpushare_ext.broker.lease_book import LeaseBook
+from gpushare_ext.broker.lease_transitions import transition
 from gpushare_ext.broker.memory_seen import MemorySeen
 from gpushare_ext.broker.scheduler_records import Lease
 from gpushare_ext.broker.slot_finder import SlotFinder
@@ -103,7 +104,7 @@ class QueueNotices:
         position = ahead + 1
         waiting_for = holders.waiting_for
         holder_priority = holders.holder_priority
-        lease.reason = reason
+        transition(lease, now, reason=reason)
         signature = (position, waiting_for, holder_priority, reason)
         if signature == lease.last_queue_notice:
             return []

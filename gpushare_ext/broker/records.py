@@ -86,7 +86,7 @@ class Recorder:
         if lease is not None:
             self.journal.lease_state(
                 action.lease_id,
-                LeaseState.EVICTED if action.level == PreemptionLevel.EVICT else LeaseState.PAUSED,
+                action.resulting_state,
                 level=int(action.level),
                 paused_for=lease.paused_for,
                 reason=lease.reason,

@@ -9,8 +9,9 @@ all of them.
 
 What it must not do: import any other part of the scheduler (the lease index, events,
 actions, the ``Scheduler``) or decide anything; records hold state, they do not change
-it on their own (a lease's state, slot and identity change only through the
-:class:`~gpushare_ext.broker.lease_index.LeaseIndex`).
+it on their own (a lease's state, slot and stop sub-state change only through
+:func:`~gpushare_ext.broker.lease_transitions.transition`, its identity only through
+the :class:`~gpushare_ext.broker.lease_index.LeaseIndex`).
 """
 
 from __future__ import annotations
@@ -82,8 +83,9 @@ class Lease:
     label: str
     arrival: int  # tie-breaker: FIFO within equal effective priority
     requested_at: float
-    # state, slot, identity and awaiting_memory_from change only through the scheduler's
-    # LeaseIndex, which keeps the per-slot aggregates placement reads in step with them.
+    # state, slot and the stop sub-state (pending_level, applied_level, held_by_watchdog,
+    # detached, restore_wanted) change only through lease_transitions.transition, which
+    # keeps the LeaseIndex in step; identity and awaiting_memory_from through the index.
     state: LeaseState = LeaseState.QUEUED
     state_since: float = 0.0
     slot: str | None = None

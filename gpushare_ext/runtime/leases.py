@@ -14,7 +14,14 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from gpushare_ext.lease_state import ACTIVE, STOPPED, IllegalMove, LeaseState, check_move
+from gpushare_ext.lease_state import (
+    ACTIVE,
+    STOPPED,
+    IllegalMove,
+    LeaseState,
+    check_move,
+    stopped_state,
+)
 from gpushare_ext.protocol import (
     PRIORITY_CLASSES,
     Capabilities,
@@ -124,9 +131,7 @@ def state_after_preempt(current: LeaseState, level: PreemptionLevel) -> LeaseSta
     """Where a pause notice takes a handle.  A running lease asked for level 4 is paused
     first, as the broker's core has it, and evicted once the checkpoint is done (a
     paused lease asked for level 4); the state table has no running -> evicted."""
-    if level == PreemptionLevel.EVICT and current in STOPPED:
-        return LeaseState.EVICTED
-    return LeaseState.PAUSED
+    return stopped_state(level) if current in STOPPED else LeaseState.PAUSED
 
 
 def queue_is_bounded(handle: LeaseHandle) -> bool:

@@ -7,10 +7,19 @@ import os
 from pathlib import Path
 
 import pytest
+from scheduler_helpers import HIGH, LOW, YIELDING, Hub, only
 
-from gpushare_ext.broker.actuators import Ladder, SimulatedProcessControl, Target, _what_stopped
+from gpushare_ext.broker import core
+from gpushare_ext.broker.actuators import (
+    Applied,
+    Ladder,
+    SimulatedProcessControl,
+    Target,
+    _what_stopped,
+)
+from gpushare_ext.broker.views import _level_of
 from gpushare_ext.control_block import ControlBlock
-from gpushare_ext.protocol import PreemptionLevel, applied_level
+from gpushare_ext.protocol import LeaseState, PreemptionLevel, applied_level
 
 
 class RecordingControl:
@@ -45,10 +54,13 @@ def test_a_locked_session_with_a_flag_reports_every_rung(tmp_path: Path):
     target = Target(
         lease_id="L1", pid=4242, device_index=0, control_block=block, yield_flag=("00", 0)
     )
-    note = asyncio.run(ladder.apply(target, PreemptionLevel.LOCK, "a high cell", None))
+    applied = asyncio.run(
+        ladder.apply(target, PreemptionLevel.LOCK, "a high cell", LeaseState.PAUSED)
+    )
     # The flag is raised before the lock, so the lock finds preemptible kernels gone.
     assert [c[0] for c in control.calls] == ["flag", "lock"]
-    assert note == "stopped by: launches held, yield flag, process lock"
+    assert applied.note == "stopped by: launches held, yield flag, process lock"
+    assert applied.level == PreemptionLevel.LOCK
     block.close()
 
 
@@ -71,9 +83,9 @@ def test_on_a_simulated_gpu_every_level_above_the_gate_is_said_to_have_gated(
     # this very process: the simulated lock wants a live pid, and touches none
     target = Target(lease_id="L1", pid=os.getpid(), device_index=0, control_block=block)
 
-    note = asyncio.run(ladder.apply(target, level, "a high cell", None))
+    applied = asyncio.run(ladder.apply(target, level, "a high cell", LeaseState.PAUSED))
 
-    assert note == "simulated GPU: the process was gated, not locked"
+    assert applied.note == "simulated GPU: the process was gated, not locked"
     assert applied_level(level, simulated=True) == PreemptionLevel.GATE
     assert block.gate_closed  # the one rung that is real there
     asyncio.run(ladder.undo(target, level))
@@ -84,9 +96,40 @@ def test_on_a_simulated_gpu_the_gate_asked_is_the_gate_applied(tmp_path: Path):
     block = ControlBlock.create(tmp_path / "s.cb")
     target = Target(lease_id="L1", pid=os.getpid(), device_index=0, control_block=block)
 
-    note = asyncio.run(
-        Ladder(SimulatedProcessControl()).apply(target, PreemptionLevel.GATE, "", None)
+    applied = asyncio.run(
+        Ladder(SimulatedProcessControl()).apply(target, PreemptionLevel.GATE, "", LeaseState.PAUSED)
     )
 
-    assert note == "stopped by: launches held"
+    assert applied == Applied(level=PreemptionLevel.GATE, note="stopped by: launches held")
     block.close()
+
+
+def test_a_yield_asked_without_a_flag_is_applied_and_recorded_as_the_lock(tmp_path: Path):
+    block = ControlBlock.create(tmp_path / "s.cb")
+    control = RecordingControl()
+    target = Target(lease_id="low", pid=4242, device_index=0, control_block=block)
+
+    applied = asyncio.run(
+        Ladder(control).apply(target, PreemptionLevel.YIELD, "a high cell", LeaseState.PAUSED)
+    )
+
+    assert control.calls == [("lock", 4242)]
+    assert applied.level == PreemptionLevel.LOCK
+    assert applied.note.startswith("no yield flag registered: locked instead")
+    block.close()
+
+    # The core keeps what was applied, not what it asked: status says "lock".
+    hub = Hub()
+    trainer, explorer = hub.open("trainer"), hub.open("explorer")
+    hub.request(trainer, "low", priority=LOW, capabilities=YIELDING)
+    pause = only(hub.request(explorer, "high", priority=HIGH), core.PauseLease)
+    assert pause.level == PreemptionLevel.YIELD
+    hub.handle(
+        core.PreemptionApplied(
+            now=hub.now, lease_id="low", level=pause.level, applied_level=applied.level
+        )
+    )
+    lease = hub.lease("low")
+    assert (lease.applied_level, lease.pending_level) == (PreemptionLevel.LOCK, None)
+    assert _level_of(lease, simulated=False) == int(PreemptionLevel.LOCK)
+    assert _level_of(lease, simulated=True) == int(PreemptionLevel.GATE)  # only the gate holds

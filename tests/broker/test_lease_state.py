@@ -15,6 +15,7 @@ from scheduler_helpers import GIB, Hub
 
 from gpushare_ext import lease_state
 from gpushare_ext.broker import core
+from gpushare_ext.broker.lease_transitions import transition
 from gpushare_ext.control_block import ControlBlock
 from gpushare_ext.lease_state import (
     ACTIVE,
@@ -78,7 +79,7 @@ def test_the_core_refuses_an_illegal_move_and_changes_nothing():
     lease = hub.scheduler.leases["L1"]
     assert lease.state == LeaseState.RUNNING
     with pytest.raises(IllegalMove):
-        hub.scheduler.book.index.move(lease, LeaseState.REFUSED)
+        transition(lease, hub.now, state=LeaseState.REFUSED, index=hub.scheduler.book.index)
     assert lease.state == LeaseState.RUNNING
     assert hub.scheduler.index_mismatch() == ""
     hub.release(ada, "L1")  # and it goes on as before
@@ -99,7 +100,7 @@ def _assignments_of_state(path: Path) -> list[str]:
     return found
 
 
-# The scheduler core's modules: only the book's end and the index's move set a lease's state.
+# The scheduler core's modules: only the transition function sets a lease's state.
 CORE_MODULES = (
     "core",
     "admission",
@@ -108,6 +109,7 @@ CORE_MODULES = (
     "lease_book",
     "lease_index",
     "lease_moves",
+    "lease_transitions",
     "memory_seen",
     "placement",
     "queue_notices",
@@ -118,18 +120,17 @@ CORE_MODULES = (
 )
 
 
-def test_the_core_moves_a_lease_in_two_places_both_checked():
+def test_the_core_moves_a_lease_in_one_place_checked():
     places = [
         name
         for module in CORE_MODULES
         for name in _assignments_of_state(PACKAGE / "broker" / f"{module}.py")
     ]
-    assert sorted(places) == ["end", "move"]
-    for path, name in ((PACKAGE / "broker" / "lease_book.py", "end"), (PACKAGE / "broker" / "lease_index.py", "move")):  # fmt: skip
-        source = path.read_text()
-        body = source[source.index(f"def {name}(") :]
-        body = body[: body.index(".state = ")]
-        assert "check_move(" in body, f"{path.name}: {name} sets the state before checking"
+    assert places == ["_place"]
+    source = (PACKAGE / "broker" / "lease_transitions.py").read_text()
+    body = source[source.index("def transition(") :]
+    body = body[: body.index("_place(")]
+    assert "check_move(" in body and "check_stop(" in body, "the state is set before the checks"
 
 
 def test_the_runtime_moves_its_handles_only_through_the_table():

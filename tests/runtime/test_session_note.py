@@ -8,7 +8,7 @@ from pathlib import Path
 
 from gpushare_ext.broker.actuators import Ladder, Target
 from gpushare_ext.control_block import SESSION_NOTE_SIZE, ControlBlock
-from gpushare_ext.protocol import PreemptionLevel
+from gpushare_ext.protocol import LeaseState, PreemptionLevel
 from gpushare_ext.runtime import interpose, preemptible
 
 CUPY_PTX = Path(__file__).parents[1] / "kernels" / "fixtures" / "cupy"
@@ -39,8 +39,10 @@ def test_a_paused_lease_note_carries_what_the_session_said(tmp_path: Path):
     target = Target(
         lease_id="L1", pid=4242, device_index=0, control_block=block, yield_flag=("00", 0)
     )
-    note = asyncio.run(Ladder(FlagAndLockControl()).apply(target, PreemptionLevel.LOCK, "hi", None))
-    assert note == (
+    applied = asyncio.run(
+        Ladder(FlagAndLockControl()).apply(target, PreemptionLevel.LOCK, "hi", LeaseState.PAUSED)
+    )
+    assert applied.note == (
         "stopped by: launches held, yield flag, process lock; the session says: "
         "2 long kernel launches preemptible, 0 yields, 9 stops that kept their work"
     )

@@ -1,0 +1,92 @@
+"""The one way a lease of the scheduler core changes state: its main state and its stop.
+
+What it is for: :func:`transition` is where the core changes a lease's main state (and
+slot), its preemption sub-state (the level asked of the actuators and the level they
+confirmed, held by the watchdog, detached, a park's restore asked), when its state
+started and why.  It checks the move against the tables of
+:mod:`~gpushare_ext.lease_state` (:func:`~gpushare_ext.lease_state.check_move` for the
+main state, :func:`~gpushare_ext.lease_state.check_stop` for the stop) before anything
+changes, so a refused move leaves the lease and the lease index as they were.
+:func:`stop_state_of` reads the stop sub-state as one value.
+
+What it must not do: decide which move to make (the core's parts do), read a clock or
+do I/O, or import the parts of the core that call it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from gpushare_ext.lease_state import LeaseState, StopState, check_move, check_stop
+
+if TYPE_CHECKING:
+    from gpushare_ext.broker.lease_index import LeaseIndex
+    from gpushare_ext.broker.scheduler_records import Lease
+
+
+def stop_state_of(lease: Lease) -> StopState:
+    """``lease``'s preemption sub-state, as one value."""
+    return StopState(
+        pending_level=lease.pending_level,
+        applied_level=lease.applied_level,
+        held_by_watchdog=lease.held_by_watchdog,
+        detached=lease.detached,
+        restore_wanted=lease.restore_wanted,
+    )
+
+
+def transition(
+    lease: Lease,
+    now: float,
+    *,
+    state: LeaseState | None = None,
+    slot: str | None = None,
+    stop: StopState | None = None,
+    reason: str | None = None,
+    index: LeaseIndex | None = None,
+) -> None:
+    """Move ``lease`` to ``state`` (and, with a state, onto ``slot``), its stop to ``stop``,
+    and say ``reason``; what is None stays as it is.  ``index`` takes the lease out and puts it back around
+    a change of state or slot (None: the lease is not, or no longer, in an index).
+
+    ``state_since`` becomes ``now`` on every move of the main state but the one that
+    completes an eviction (paused -> evicted: it has been stopped since its pause), and
+    when a park's restore is asked (it waits from then on).  An illegal move raises
+    :class:`~gpushare_ext.lease_state.IllegalMove` or
+    :class:`~gpushare_ext.lease_state.IllegalStop` and changes nothing."""
+    before = lease.state
+    after = before if state is None else check_move(lease.lease_id, before, state)
+    current = stop_state_of(lease)
+    wanted = current if stop is None else check_stop(lease.lease_id, after, current, stop)
+    if state is not None:
+        if index is not None:
+            with index.moving(lease):
+                _place(lease, after, slot)
+        else:
+            _place(lease, after, slot)
+        if (before, after) != (LeaseState.PAUSED, LeaseState.EVICTED):
+            lease.state_since = now
+    elif stop is not None and _asks_restore(current, wanted):
+        lease.state_since = now
+    if wanted is not current:
+        lease.pending_level = wanted.pending_level
+        lease.applied_level = wanted.applied_level
+        lease.held_by_watchdog = wanted.held_by_watchdog
+        lease.detached = wanted.detached
+        lease.restore_wanted = wanted.restore_wanted
+    if reason is not None:
+        lease.reason = reason
+
+
+def _place(lease: Lease, state: LeaseState, slot: str | None) -> None:
+    lease.state = state
+    if slot is not None:
+        lease.slot = slot
+
+
+def _asks_restore(current: StopState, wanted: StopState) -> bool:
+    """Whether ``wanted`` asks for a park's restore and changes nothing else."""
+    return (
+        wanted.restore_wanted and replace(wanted, restore_wanted=current.restore_wanted) == current
+    )
