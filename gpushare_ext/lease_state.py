@@ -22,7 +22,7 @@ floor), or hold any state itself.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from gpushare_ext.errors import GpushareError
 
@@ -32,6 +32,7 @@ __all__ = [
     "ENDED",
     "FLAG_MOVES",
     "MOVES",
+    "NO_STOP",
     "STOPPED",
     "STOP_MOVES",
     "IllegalMove",
@@ -194,21 +195,42 @@ class StopState:
         levels = [lv for lv in (self.applied_level, self.pending_level) if lv is not None]
         return max(levels, default=None)
 
+    # Built field by field rather than with dataclasses.replace: the core moves a stop on
+    # most events, and replace() costs several times a constructor.
+
+    def with_levels(
+        self, pending: PreemptionLevel | None, applied: PreemptionLevel | None
+    ) -> StopState:
+        return StopState(
+            pending_level=pending,
+            applied_level=applied,
+            held_by_watchdog=self.held_by_watchdog,
+            detached=self.detached,
+            restore_wanted=self.restore_wanted,
+        )
+
     def asked(self, level: PreemptionLevel) -> StopState:
         """``level`` asked of the actuators, on top of what they applied."""
-        return replace(self, pending_level=level)
+        return self.with_levels(level, self.applied_level)
 
     def confirmed(self, level: PreemptionLevel) -> StopState:
         """The actuators applied ``level`` for what was asked."""
-        return replace(self, pending_level=None, applied_level=level)
+        return self.with_levels(None, level)
 
     def failed(self) -> StopState:
         """The ask failed: what was applied before it stays."""
-        return replace(self, pending_level=None)
+        return self.with_levels(None, self.applied_level)
 
     def cleared(self) -> StopState:
         """Nothing asked or applied any more (resumed, or running on, or ended)."""
-        return replace(self, pending_level=None, applied_level=None)
+        if not (self.held_by_watchdog or self.detached or self.restore_wanted):
+            return NO_STOP
+        return self.with_levels(None, None)
+
+
+# The stop of almost every lease: nothing asked, applied or flagged.  Shared, so that the
+# core's most frequent moves (a grant, an end) make no new object.
+NO_STOP = StopState()
 
 
 class IllegalStop(GpushareError):
@@ -234,6 +256,10 @@ def _why_not(current: StopState, wanted: StopState, state: LeaseState) -> str:
     if after is not StopStage.NONE and state not in STOPPED:
         asked, applied = wanted.pending_level, wanted.applied_level
         return f"a {state.value} lease has no stop level (asked {asked}, applied {applied})"
+    if (current.held_by_watchdog, current.detached, current.restore_wanted) == (
+        wanted.held_by_watchdog, wanted.detached, wanted.restore_wanted,
+    ):  # fmt: skip
+        return ""
     for flag, allowed in FLAG_MOVES.items():
         pair = (getattr(current, flag), getattr(wanted, flag))
         if pair not in allowed:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from gpushare_ext.lease_state import LeaseState, StopState, check_move, check_stop
+from gpushare_ext.lease_state import NO_STOP, LeaseState, StopState, check_move, check_stop
 
 if TYPE_CHECKING:
     from gpushare_ext.broker.lease_index import LeaseIndex
@@ -27,6 +27,12 @@ if TYPE_CHECKING:
 
 def stop_state_of(lease: Lease) -> StopState:
     """``lease``'s preemption sub-state, as one value."""
+    if not (
+        lease.pending_level is not None or lease.applied_level is not None
+        or lease.held_by_watchdog
+        or lease.detached or lease.restore_wanted
+    ):  # fmt: skip
+        return NO_STOP
     return StopState(
         pending_level=lease.pending_level,
         applied_level=lease.applied_level,
@@ -57,24 +63,29 @@ def transition(
     :class:`~gpushare_ext.lease_state.IllegalStop` and changes nothing."""
     before = lease.state
     after = before if state is None else check_move(lease.lease_id, before, state)
-    current = stop_state_of(lease)
-    wanted = current if stop is None else check_stop(lease.lease_id, after, current, stop)
+    # The stop is read and checked only when it changes: most moves leave it alone.
+    current = None if stop is None else stop_state_of(lease)
+    if stop is current:
+        stop = None  # no stop before, none after: nothing to check or change
+    elif current is not None and stop is not None:
+        check_stop(lease.lease_id, after, current, stop)
     if state is not None:
         if index is not None:
-            with index.moving(lease):
-                _place(lease, after, slot)
+            making_room = index.take_out(lease)
+            _place(lease, after, slot)
+            index.put_back(lease, making_room)
         else:
             _place(lease, after, slot)
         if (before, after) != (LeaseState.PAUSED, LeaseState.EVICTED):
             lease.state_since = now
-    elif stop is not None and _asks_restore(current, wanted):
+    elif current is not None and stop is not None and _asks_restore(current, stop):
         lease.state_since = now
-    if wanted is not current:
-        lease.pending_level = wanted.pending_level
-        lease.applied_level = wanted.applied_level
-        lease.held_by_watchdog = wanted.held_by_watchdog
-        lease.detached = wanted.detached
-        lease.restore_wanted = wanted.restore_wanted
+    if stop is not None:
+        lease.pending_level = stop.pending_level
+        lease.applied_level = stop.applied_level
+        lease.held_by_watchdog = stop.held_by_watchdog
+        lease.detached = stop.detached
+        lease.restore_wanted = stop.restore_wanted
     if reason is not None:
         lease.reason = reason
 
