@@ -2,18 +2,27 @@
 
 Started with the launch shim in ``LD_PRELOAD`` and ``CUPY_COMPILE_WITH_PTX=1`` (as the
 server extension starts kernels).  For each kernel -- a user ``ElementwiseKernel`` of
-tens of milliseconds per launch (idempotent), the same in place (not idempotent: snapshot), a
+tens of milliseconds per launch (idempotent), the same in place (not idempotent:
+snapshot), a ``ReductionKernel`` summing a loop per element (one CuPy block), a
 ``RawKernel`` with ``atomicAdd`` into a histogram (not idempotent), a ``RawKernel``
 called on its own output (idempotent statically, in place at launch) and a Numba
-``@cuda.jit`` kernel -- the first
-launch runs unmodified (the shim times it) and is the reference; later launches run
-preemptibly while a thread raises the session's yield flag for 2 ms every 10 ms, as the
+``@cuda.jit`` kernel -- the first launch runs unmodified (the shim times it) and is the
+reference; later launches run preemptibly while a thread raises the session's yield
+flag for 2 ms every 10 ms, as the
 broker does for a pause.  One more runs the first kernel over a single resident wave,
 so that each logical block lasts the whole launch.  Reported per kernel: bit-identical
 to the reference, launches run preemptibly, yields, aborts undone and stops that saved
 their state, how long after the flag rose the kernel had left the GPU (the stop
 latency a pause waits for, against the kernel's own length), and the work kept: the
 kernel time the launches needed over the GPU time the flag left free.
+
+The stop latency is measured twice.  Host-side (``stop_ms``): from the raise to the
+moment the launcher, polling its stream, saw the slice end -- that includes the host's
+polling.  On the GPU's own clock (``gpu_stop_us``): from the host's raise (its wall
+clock, put on the GPU's ``%globaltimer`` by a calibration kernel) to the last block's
+exit, which the transformed kernel stamps; and the drain alone (``drain_us``), from the
+first block that saw the flag to the last exit, both GPU stamps.  The flag is written
+as the broker writes it (``cuStreamWriteValue32`` on a side stream).
 
 ``python -m benchmarks.preemptible [--out DIR]`` prints one JSON line (the GPU test reads
 it) and writes ``preemptible.json`` under ``--out``.
@@ -55,8 +64,18 @@ def _kernels(cupy):
         float v = a[i]; for (int k = 0; k < it; ++k) v = v * 0.999f + 0.25f; b[i] = v; }""",
         "gps_smooth",
     )
+    # A full reduction runs as one CuPy block: its loop is stopped by back-edge checks.
+    long_reduce = cupy.ReductionKernel(
+        "float32 x, int32 n", "float32 y", "_gps_loop(x, n)", "a + b", "y = a", "0",
+        "gps_long_reduce",
+        preamble="__device__ float _gps_loop(float x, int n) { float acc = x; "
+        + loop + " return acc; }",
+    )  # fmt: skip
     n = 1 << 22
     base = cupy.arange(n, dtype=cupy.float32) / 7
+
+    def run_long_reduce():
+        return long_reduce(base, cupy.int32(n_iter // 100))
 
     def run_long_ew():
         return long_ew(base, cupy.int32(n_iter))
@@ -98,6 +117,7 @@ def _kernels(cupy):
     return {
         "gps_numba_relax": run_numba,
         "gps_long_ew": run_long_ew,
+        "gps_long_reduce": run_long_reduce,
         "gps_one_wave": run_one_wave,
         "gps_inplace_ew": run_inplace_ew,
         "gps_histogram": run_histogram,
@@ -112,6 +132,7 @@ class Preempter:
     def __init__(self, flag, on_ms: float = 2.0, period_ms: float = 10.0) -> None:
         self.flag, self.on_ms, self.period_ms = flag, on_ms, period_ms
         self.raised: list[float] = []
+        self.raised_ns: list[int] = []  # the same moments on the host's wall clock
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -119,6 +140,7 @@ class Preempter:
         while not self._stop.is_set():
             time.sleep(self.period_ms / 1e3)
             self.raised.append(time.perf_counter())
+            self.raised_ns.append(time.time_ns())
             self.flag.set(1)
             time.sleep(self.on_ms / 1e3)
             self.flag.set(0)
@@ -131,6 +153,49 @@ class Preempter:
         self._stop.set()
         self._thread.join()
         self.flag.set(0)
+
+
+def _gpu_clock_offset(cupy) -> tuple[int, int]:
+    """(``%globaltimer`` minus the host's wall clock, its uncertainty), both ns: the
+    tightest of 200 reads of the GPU timer between two host reads."""
+    read = cupy.RawKernel(
+        r"""extern "C" __global__ void gps_read_globaltimer(unsigned long long* out) {
+        unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); *out = t; }""",
+        "gps_read_globaltimer",
+    )
+    out = cupy.zeros(1, dtype=cupy.uint64)
+    best: tuple[int, int] | None = None
+    for _ in range(200):
+        before = time.time_ns()
+        read((1,), (1,), (out,))
+        cupy.cuda.runtime.deviceSynchronize()
+        after = time.time_ns()
+        gpu = int(out.get()[0])
+        half = (after - before) // 2
+        if best is None or half < best[1]:
+            best = (gpu - (before + half), half)
+    assert best is not None
+    return best
+
+
+def _gpu_stops(reports: list, raised_ns: list[int], offset_ns: int) -> tuple[list, list]:
+    """Per stop, in µs: the raise (host clock) to the last block's exit, and the drain."""
+    to_free, drains = [], []
+    for report in reports:
+        for first, last in report.stops_ns:
+            seen = first - offset_ns  # on the host's clock
+            raised = max((r for r in raised_ns if r <= seen), default=None)
+            drains.append((last - first) / 1e3)
+            if raised is not None:
+                to_free.append((last - offset_ns - raised) / 1e3)
+    return to_free, drains
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def _running_lease_block():
@@ -177,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     # held and running stands in for the broker's.
     lease = _running_lease_block()
     interpose.point_at(lease.address())
+    offset_ns, offset_error_ns = _gpu_clock_offset(cupy)
     rows = []
     for name, run in _kernels(cupy).items():
         if args.only and name != args.only:
@@ -195,10 +261,18 @@ def main(argv: list[str] | None = None) -> int:
         identical = True
         stops.clear()
         t0 = time.perf_counter()
+        reports = []
         with Preempter(flag) as preempter:
             for _ in range(args.launches):
                 identical &= bool((run().get() == reference).all())
+                reports += [
+                    t.kernel.last_launch
+                    for t in registry.twins.values()
+                    if name in t.name and t.kernel is not None and t.kernel.last_launch
+                    and all(t.kernel.last_launch is not r for r in reports)
+                ]  # fmt: skip
         preempted_s = time.perf_counter() - t0
+        gpu_stops, drains = _gpu_stops(reports, preempter.raised_ns, offset_ns)
         latencies = []
         for stopped in stops:
             raised = max((r for r in preempter.raised if r <= stopped), default=None)
@@ -226,10 +300,18 @@ def main(argv: list[str] | None = None) -> int:
                 "work_kept": kept,
                 "stop_ms_p50": statistics.median(latencies) * 1e3 if latencies else None,
                 "stop_ms_max": max(latencies) * 1e3 if latencies else None,
+                "gpu_stops": len(gpu_stops),
+                "gpu_stop_us_p50": _percentile(gpu_stops, 50),
+                "gpu_stop_us_p99": _percentile(gpu_stops, 99),
+                "gpu_stop_us_max": max(gpu_stops, default=None),
+                "drain_us_p50": _percentile(drains, 50),
+                "drain_us_p99": _percentile(drains, 99),
             }
         )
     document = {
         "benchmark": "preemptible",
+        "gpu_clock_offset_ns": offset_ns,
+        "gpu_clock_offset_error_ns": offset_error_ns,  # every gpu_stop_us is +- this
         "rows": rows,
         "said": registry.said,
         "stats": interpose.stats(),
@@ -246,19 +328,27 @@ def main(argv: list[str] | None = None) -> int:
         (Path(args.out) / "preemptible.json").write_text(text)
     print(
         f"{'kernel':<16}{'ms':>8}{'tr. ms':>8}{'same':>6}{'runs':>6}{'yield':>7}{'abort':>7}{'saved':>7}"
-        f"{'stop ms':>9}{'kept':>7}",
+        f"{'stop ms':>9}{'kept':>7}{'gpu stop us p50/p99/max':>25}{'drain us p99':>13}",
         file=sys.stderr,
     )
+
+    def us(value: float | None) -> str:
+        return "-" if value is None else f"{value:.0f}"
+
     for row in rows:
         stop, kept = row["stop_ms_p50"], row["work_kept"]
+        gpu = "/".join(
+            us(row[k]) for k in ("gpu_stop_us_p50", "gpu_stop_us_p99", "gpu_stop_us_max")
+        )
         print(
             f"{row['kernel']:<16}{row['kernel_ms']:8.1f}{row['transformed_ms']:8.1f}"
             f"{'yes' if row['bit_identical'] else 'NO':>6}"
             f"{row['preemptible_launches']:6d}{row['yields']:7d}{row['aborts']:7d}{row['saves']:7d}"
             f"{'-' if stop is None else f'{stop:9.2f}':>9}"
-            f"{'-' if kept is None else f'{kept:7.0%}':>7}",
+            f"{'-' if kept is None else f'{kept:7.0%}':>7}{gpu:>25}{us(row['drain_us_p99']):>13}",
             file=sys.stderr,
         )
+    print(f"GPU clock offset known to +-{offset_error_ns / 1e3:.1f} us", file=sys.stderr)
     print(json.dumps(document))
     return 0
 

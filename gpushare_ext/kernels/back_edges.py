@@ -29,7 +29,7 @@ __all__ = [
 
 #: Copies of a tight loop's body per round in abort mode (see :class:`UnrollTightLoops`)
 #: and the largest body (instructions) copied.
-UNROLL = 8
+UNROLL = 16
 UNROLL_MAX_BODY = 24
 
 

@@ -161,6 +161,9 @@ class LaunchReport:
     restored: bool = False
     first_yield_ns: int | None = None
     last_exit_ns: int | None = None
+    # Per slice that met the raised flag: (the first block's sight of it, the last
+    # block's exit), both %globaltimer ns; the GPU's own measure of each stop's drain.
+    stops_ns: list[tuple[int, int]] = field(default_factory=list)
     chunk: int = 1  # logical blocks claimed per atomic
     saves: int = 0  # aborts whose threads saved their state (nothing to undo)
     interrupted: str = ""  # Ctrl-C ended it: "rolled back" (untouched) or "finished"
@@ -646,6 +649,7 @@ class LaunchTransaction:
         if state["first_yield_ns"] != (1 << 64) - 1:
             self.out.first_yield_ns = self.out.first_yield_ns or state["first_yield_ns"]
             self.out.last_exit_ns = state["last_exit_ns"]
+            self.out.stops_ns.append((state["first_yield_ns"], state["last_exit_ns"]))
 
     def run(
         self, *, preempt_at: Sequence[int] = (), abort_at: Sequence[int] = (),

@@ -1,0 +1,144 @@
+"""Where a long kernel's preemptible cost goes, on a real GPU: one variant at a time.
+
+A long kernel that runs ready to stop (a rival may ask) pays for three things the
+transform adds: the persistent grid that claims logical blocks (``yield``), the yield
+flag read at loop back-edges with tight loops unrolled so that the read is rare
+(``abort``), and the live registers a stopping thread saves (``abort+save``, what the
+launch shim uses).  This times each, and the back-edge check at other read intervals and
+unroll depths, on two kernels of about 30 ms: a grid-stride loop per element (as a CuPy
+``ElementwiseKernel`` runs) and the same loop feeding ``atomicAdd`` into a histogram.
+Nobody raises the flag: this is the price of being ready.
+
+Each figure is the median wall time of a synchronous launch through the real launcher
+(``launch_kernel``) over the original's, both measured in the same process.
+
+``python -m benchmarks.check_cost [--out DIR] [--repeats 7]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+SOURCE = r"""
+extern "C" __global__ void gps_cc_loop(const float* x, float* y, long long n, int it) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)blockDim.x * gridDim.x) {
+        float a = x[i];
+        for (int k = 0; k < it; ++k) a = a * 0.999f + 0.25f;
+        y[i] = a;
+    }
+}
+extern "C" __global__ void gps_cc_histogram(const float* x, unsigned* bins, int n, int it) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float v = x[i];
+    for (int k = 0; k < it; ++k) v = v * 0.999f + 0.25f;
+    atomicAdd(&bins[((unsigned)(v * 64.0f)) & 255u], 1u);
+}
+"""
+
+# (name, abort checks, save state, unroll copies, read the flag once in this many rounds)
+VARIANTS = (
+    ("yield", False, True, 16, 256),
+    ("abort", True, False, 16, 256),
+    ("abort+save", True, True, 16, 256),
+    ("abort+save every 1024", True, True, 16, 1024),
+    ("abort+save unroll 8", True, True, 8, 256),
+    ("abort+save unroll 32", True, True, 32, 256),
+    ("abort+save unroll 1", True, True, 1, 256),
+)
+
+
+def _median_ms(launch: Callable[[], object], repeats: int) -> float:
+    import cupy
+
+    launch()  # warm-up: module load, first-launch chunk measurement
+    cupy.cuda.runtime.deviceSynchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        launch()
+        cupy.cuda.runtime.deviceSynchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _fresh_kernel(name: str, unroll: int, every: int, save: bool):
+    """The kernel compiled again, its abort-mode variant built with these settings."""
+    from gpushare_ext.kernels import back_edges, kernel
+    from gpushare_ext.kernels.rewrite import TransformOptions
+    from gpushare_ext.kernels.transform import make_preemptible
+
+    back_edges.UNROLL, back_edges.THREAD_CHECK_EVERY = unroll, every
+    k = kernel(SOURCE, name)
+    if not save:  # the launcher asks for the saving variant: hand it the other one
+        built = make_preemptible(
+            k.module, k.entry.name, TransformOptions(abort_checks=True, save_state=False),
+            report=k.report,
+        )  # fmt: skip
+        k._variants[TransformOptions(abort_checks=True)] = built
+    return k
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="directory for check_cost.json")
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args(argv)
+    import cupy
+    import numpy
+
+    from gpushare_ext.kernels import back_edges
+    from gpushare_ext.kernels.launch import launch_kernel
+
+    defaults = back_edges.UNROLL, back_edges.THREAD_CHECK_EVERY
+    n, iterations = 1 << 22, 200_000
+    x = cupy.arange(n, dtype=cupy.float32) / 7
+    y = cupy.empty_like(x)
+    bins = cupy.zeros(256, dtype=cupy.uint32)
+    grid, block = (n // 256, 1, 1), (256, 1, 1)
+    calls = {
+        "gps_cc_loop": (x, y, numpy.int64(n), numpy.int32(iterations)),
+        "gps_cc_histogram": (x, bins, numpy.int32(n), numpy.int32(iterations // 2)),
+    }
+    rows = []
+    for name, call in calls.items():
+        original = _fresh_kernel(name, *defaults, save=True)
+        plain_ms = _median_ms(
+            lambda k=original, a=call: launch_kernel(k, grid, block, a, preemptible=False),
+            args.repeats,
+        )
+        reference = (y.copy(), bins.copy())
+        for label, aborts, save, unroll, every in VARIANTS:
+            k = _fresh_kernel(name, unroll, every, save)
+            bins.fill(0)
+            ms = _median_ms(
+                lambda k=k, a=call, c=aborts: launch_kernel(k, grid, block, a, abort_checks=c),
+                args.repeats,
+            )
+            same = bool((y == reference[0]).all()) if name == "gps_cc_loop" else None
+            rows.append(
+                {"kernel": name, "variant": label, "plain_ms": plain_ms, "ms": ms,
+                 "x_plain": ms / plain_ms, "same_as_plain": same}
+            )  # fmt: skip
+            print(f"{name:<18}{label:<24}{plain_ms:9.2f}{ms:9.2f}{ms / plain_ms:8.3f}", flush=True)
+    back_edges.UNROLL, back_edges.THREAD_CHECK_EVERY = defaults
+    if args.out:
+        from benchmarks.environment import describe
+
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        document = {"benchmark": "check_cost", **describe(), "rows": rows,
+                    "command": "python -m benchmarks.check_cost " + " ".join(argv or sys.argv[1:])}  # fmt: skip
+        (out / "check_cost.json").write_text(json.dumps(document, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
