@@ -167,6 +167,7 @@ class LaunchReport:
     chunk: int = 1  # logical blocks claimed per atomic
     saves: int = 0  # aborts whose threads saved their state (nothing to undo)
     interrupted: str = ""  # Ctrl-C ended it: "rolled back" (untouched) or "finished"
+    gpu_ns: int = 0  # the slices' GPU time, each from its first block start to its last exit
     notes: list[str] = field(default_factory=list)
 
 
@@ -646,6 +647,7 @@ class LaunchTransaction:
     def _account(self, state: dict[str, int]) -> None:
         assert self.out is not None
         self.out.fenced_accesses += state["fenced"]
+        self.out.gpu_ns += progress.slice_gpu_ns(state)
         if state["first_yield_ns"] != (1 << 64) - 1:
             self.out.first_yield_ns = self.out.first_yield_ns or state["first_yield_ns"]
             self.out.last_exit_ns = state["last_exit_ns"]

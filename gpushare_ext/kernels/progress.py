@@ -3,7 +3,8 @@
 What it is for: the record the transformed kernel keeps its counter, stamps and abort
 marks in (``rewrite.RecordLayout``): its first state (:func:`initial_record`), reading
 it back (:func:`parse_record`), and the page-locked host slot each slice's record
-traffic goes through (:class:`PinnedSlot`); and how many logical blocks one claim takes
+traffic goes through (:class:`PinnedSlot`), and the GPU time a slice's stamps span
+(:func:`slice_gpu_ns`); and how many logical blocks one claim takes
 (:func:`choose_chunk`, from the time per logical block :class:`BlockTimes` measured on
 earlier slices).
 
@@ -27,6 +28,7 @@ __all__ = [
     "CHUNK_FIRST_MIN_PER_BLOCK",
     "CHUNK_MAX",
     "CHUNK_TARGET_US",
+    "NO_STAMP",
     "RECORD_HEADER",
     "BlockTimes",
     "PinnedSlot",
@@ -35,12 +37,15 @@ __all__ = [
     "initial_record",
     "parse_record",
     "read_record",
+    "slice_gpu_ns",
 ]
 
 
 # The part of the record the launcher writes before and reads after each slice (the fence
 # scratch area after it is never read).
 RECORD_HEADER = RecordLayout.SCRATCH
+# A %globaltimer stamp no block wrote: the initial value of a stamp reduced by minimum.
+NO_STAMP = (1 << 64) - 1
 
 
 def parse_record(raw: bytes) -> dict[str, int]:
@@ -62,6 +67,16 @@ def parse_record(raw: bytes) -> dict[str, int]:
     }  # fmt: skip
 
 
+def slice_gpu_ns(state: dict[str, int]) -> int:
+    """The GPU time one slice took on the GPU's own clock (ns), from its first persistent
+    block's start to its last leader's exit; 0 when a stamp is missing (the start stamp
+    still holds its initial maximum) or the two do not make an interval."""
+    start, end = state["start_ns"], state["end_ns"]
+    if start == NO_STAMP or end <= start:
+        return 0
+    return end - start
+
+
 def read_record(record: Any) -> dict[str, int]:
     """Read a record held in a CuPy array (a D2H copy and a sync; benchmarks use this)."""
     import numpy as np
@@ -73,8 +88,8 @@ def read_record(record: Any) -> dict[str, int]:
 def initial_record(start_block: int = 0) -> bytes:
     raw = bytearray(PROGRESS_RECORD_BYTES)
     struct.pack_into("<I", raw, RecordLayout.NEXT_BLOCK, start_block)
-    struct.pack_into("<Q", raw, RecordLayout.FIRST_YIELD_NS, (1 << 64) - 1)
-    struct.pack_into("<Q", raw, RecordLayout.START_NS, (1 << 64) - 1)
+    struct.pack_into("<Q", raw, RecordLayout.FIRST_YIELD_NS, NO_STAMP)
+    struct.pack_into("<Q", raw, RecordLayout.START_NS, NO_STAMP)
     struct.pack_into("<I", raw, RecordLayout.LOWEST_ABORTED, NO_BLOCK)
     return bytes(raw)
 

@@ -316,6 +316,7 @@ def kernel_words(before: dict[str, int], after: dict[str, int]) -> str:
         parts.append(
             f"{got['preemptible']} launches ready to stop" + (f" ({stops} stops)" if stops else "")
         )
+        parts.extend(_cost_words(got))
     if got.get("unrivalled"):
         parts.append(f"{got['unrivalled']} run as they are while no one could preempt this cell")
     if got.get("unmodified"):
@@ -365,6 +366,8 @@ def long_kernels_summary(counted: dict[str, int]) -> str:
     if not launched and not fallbacks and not unrivalled:
         return "long kernels loaded from PTX are made preemptible"
     parts = [f"{launched} long kernel launches preemptible"]
+    if launched:
+        parts.extend(_cost_words(counted))
     yields, saves, aborts = (counted.get(k, 0) for k in ("yields", "saves", "aborts"))
     if yields or aborts or saves:
         stops = [f"{yields} yields"]
@@ -378,6 +381,16 @@ def long_kernels_summary(counted: dict[str, int]) -> str:
     if unrivalled:  # the shim's count: no cost while nobody could preempt this session
         parts.append(f"{unrivalled} run as they are while no session could preempt this one")
     return ", ".join(parts)
+
+
+def _cost_words(counted: dict[str, int]) -> list[str]:
+    """What the preemptible launches cost against their originals, as the shim timed
+    those: nothing until a launch with a known original time was counted."""
+    original_ns = counted.get("original_ns", 0)
+    if original_ns <= 0:
+        return []
+    ratio = counted.get("preemptible_ns", 0) / original_ns
+    return [f"their GPU time {ratio:.2f} x their first, unmodified run"]
 
 
 def no_device_gate_words(why: object) -> str:

@@ -112,6 +112,10 @@ class Registry:
     saves: int = 0  # aborts whose threads saved their state and went on
     fallbacks: int = 0  # launches given back to run unmodified
     interrupted: int = 0  # launches Ctrl-C ended whole (rolled back or finished)
+    # Launches that ran whole with the shim's time of the original known: their GPU
+    # time as run preemptibly, and what their first, unmodified runs took.
+    preemptible_ns: int = 0
+    original_ns: int = 0
     said: list[str] = field(default_factory=list)
     said_keys: set[str] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -217,7 +221,17 @@ class Registry:
         self.saves += report.saves
         if report.interrupted:
             self.interrupted += 1
+        self._count_cost(report, longest_us)
         _report(summary())
+
+    def _count_cost(self, report: Any, longest_us: float) -> None:
+        """Add a launch's GPU time beside its original's, where both measure the whole
+        kernel: a launch rolled back by a Ctrl-C did not run it all, and one whose slices
+        left no stamps has no time to compare."""
+        if longest_us <= 0 or report.gpu_ns <= 0 or report.interrupted == "rolled back":
+            return
+        self.preemptible_ns += int(report.gpu_ns)
+        self.original_ns += round(longest_us * 1000)
 
     def _say_once(self, key: str, line: str) -> None:
         """Say ``line`` in the cell that ran the launch (its stderr), once per process."""
@@ -502,6 +516,7 @@ def counts() -> dict[str, int]:
         "preemptible": registry.launched, "yields": registry.yields,
         "aborts": registry.aborts, "saves": registry.saves,
         "unmodified": registry.fallbacks, "unrivalled": unrivalled,
+        "preemptible_ns": registry.preemptible_ns, "original_ns": registry.original_ns,
     }  # fmt: skip
 
 

@@ -2,7 +2,8 @@
 
 The slices here are scripted (no GPU on this machine): each "slice" returns the progress
 record a real one would, and the test follows what the transaction does with it -- which
-slices it launches next, with which flag, whether it waits, rolls back or finishes.  The
+slices it launches next, with which flag, whether it waits, rolls back or finishes, and
+what GPU time its report adds up from the slices' stamps.  The
 same paths run for real on the H200 in ``tests/kernels/test_interrupt_gpu.py``.
 """
 
@@ -62,6 +63,7 @@ class Scripted(LaunchTransaction):
         self.script = list(script)
         self.slices: list[tuple[int, int]] = []  # (stop, flag the slice was given)
         self.rolled_back = 0
+        self.stamps: list[tuple[int, int]] = []  # (start_ns, end_ns) per slice, else none
 
     def take_snapshot(self) -> None:
         self.snapshots.append((0x9000, None, 64))
@@ -76,9 +78,11 @@ class Scripted(LaunchTransaction):
         (flag,) = struct.unpack("<Q", self._head[len(self.bound.values) + 1])
         self.slices.append((stop, flag))
         nxt, aborted = self.script.pop(0) if self.script else (stop, 0)
+        start_ns, end_ns = self.stamps.pop(0) if self.stamps else (0, 0)
         return {
             "next": nxt, "aborted": aborted, "lowest_aborted": nxt, "fenced": 0,
-            "first_yield_ns": (1 << 64) - 1, "last_exit_ns": 0, "start_ns": 0, "end_ns": 0,
+            "first_yield_ns": (1 << 64) - 1, "last_exit_ns": 0, "start_ns": start_ns,
+            "end_ns": end_ns,
         }  # fmt: skip
 
 
@@ -154,3 +158,22 @@ def test_a_flag_raised_for_a_pause_the_last_slice_outran_is_lowered():
     tx.flag.set(1)
     tx.run()
     assert tx.flag.value == 0
+
+
+def test_the_report_adds_up_the_gpu_time_of_the_slices_with_both_stamps():
+    hooks, _ = _hooks(pressed_after_waits=99)
+    tx = Scripted(LaunchMode.SNAPSHOT, [(40, 0), (70, 0)], hooks)  # two yields: 3 slices
+    # The second slice's start stamp was never written; the third's end is not after it.
+    tx.stamps = [(1_000, 4_000), (progress.NO_STAMP, 9_000), (5_000, 5_000)]
+    out = tx.run()
+    assert len(tx.slices) == 3 and out.yields == 2
+    assert out.gpu_ns == 3_000
+
+
+def test_an_aborted_slice_counts_its_gpu_time_too():
+    hooks, _ = _hooks(pressed_after_waits=99)
+    tx = Scripted(LaunchMode.SNAPSHOT, [(30, 1)], hooks)  # aborted, rolled back, run again
+    tx.stamps = [(100, 600), (1_000, 2_500)]
+    out = tx.run()
+    assert out.aborts == 1 and len(tx.slices) == 2
+    assert out.gpu_ns == 500 + 1_500

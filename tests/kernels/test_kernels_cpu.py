@@ -41,6 +41,7 @@ from gpushare_ext.kernels.progress import (
     fit_chunk,
     initial_record,
     parse_record,
+    slice_gpu_ns,
 )
 from gpushare_ext.kernels.rewrite import PROGRESS_RECORD_BYTES, RecordLayout
 
@@ -477,6 +478,14 @@ def test_record_start_stamp_starts_at_max_for_the_min_reduction():
     assert struct.unpack_from("<Q", raw, RecordLayout.START_NS) == ((1 << 64) - 1,)
     assert struct.unpack_from("<Q", raw, RecordLayout.END_NS) == (0,)
     assert RecordLayout.END_NS + 8 <= RecordLayout.SCRATCH
+
+
+def test_a_slice_gpu_time_needs_both_stamps_in_order():
+    assert slice_gpu_ns({"start_ns": 1_000, "end_ns": 3_500}) == 2_500
+    assert slice_gpu_ns({"start_ns": (1 << 64) - 1, "end_ns": 3_500}) == 0  # no block started
+    assert slice_gpu_ns({"start_ns": 3_500, "end_ns": 3_500}) == 0
+    assert slice_gpu_ns({"start_ns": 4_000, "end_ns": 0}) == 0  # no leader exited
+    assert slice_gpu_ns(parse_record(initial_record(0)[: RecordLayout.SCRATCH])) == 0
 
 
 def test_chunk_choice():

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from gpushare_ext.protocol import PreemptionLevel
-from gpushare_ext.runtime.cell_lines import PauseRecord, kernel_words, receipt_line
+from gpushare_ext.runtime.cell_lines import (
+    PauseRecord,
+    kernel_words,
+    long_kernels_summary,
+    receipt_line,
+)
 
 
 def test_a_cell_granted_at_once_and_never_paused_says_so():
@@ -48,3 +53,30 @@ def test_what_the_long_kernels_got_over_the_cell():
     line = receipt_line(queued_s=0, ran_s=1, pauses=[], kernels=kernel_words(before, after))
     assert line.endswith("; never paused; long kernels: 4 launches ready to stop (4 stops), "
                          "1 run unmodified")  # fmt: skip
+
+
+def test_the_receipt_says_what_the_cells_long_kernels_cost_against_their_originals():
+    before = {"preemptible": 2, "yields": 1, "preemptible_ns": 9_000_000,
+              "original_ns": 3_000_000}  # fmt: skip
+    after = {"preemptible": 5, "yields": 3, "preemptible_ns": 11_060_000,
+             "original_ns": 5_000_000}  # fmt: skip
+    # Over the cell: 2.06 ms of GPU time against 2 ms, not the process's 3.0 x so far.
+    assert kernel_words(before, after) == (
+        "3 launches ready to stop (2 stops), their GPU time 1.03 x their first, unmodified run"
+    )
+    # Launches whose originals were never timed say nothing of a cost.
+    untimed = {**after, "preemptible": 6, "preemptible_ns": 12_000_000}
+    assert kernel_words(after, untimed) == "1 launches ready to stop"
+
+
+def test_the_pause_notice_says_what_the_long_kernels_cost_once_one_was_timed():
+    counted = {"preemptible": 4, "yields": 2, "saves": 12, "preemptible_ns": 10_100_000,
+               "original_ns": 10_000_000}  # fmt: skip
+    assert long_kernels_summary(counted) == (
+        "4 long kernel launches preemptible, their GPU time 1.01 x their first, unmodified "
+        "run, 2 yields, 12 stops that kept their work"
+    )
+    untimed = {**counted, "preemptible_ns": 0, "original_ns": 0}
+    assert long_kernels_summary(untimed) == (
+        "4 long kernel launches preemptible, 2 yields, 12 stops that kept their work"
+    )
