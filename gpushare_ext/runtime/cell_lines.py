@@ -390,7 +390,7 @@ def _cost_words(counted: dict[str, int]) -> list[str]:
     if original_ns <= 0:
         return []
     ratio = counted.get("preemptible_ns", 0) / original_ns
-    return [f"their GPU time {ratio:.2f} x their first, unmodified run"]
+    return [f"their GPU time {ratio:.2f} x their unmodified runs"]
 
 
 def no_device_gate_words(why: object) -> str:

@@ -113,7 +113,7 @@ class Registry:
     fallbacks: int = 0  # launches given back to run unmodified
     interrupted: int = 0  # launches Ctrl-C ended whole (rolled back or finished)
     # Launches that ran whole with the shim's time of the original known: their GPU
-    # time as run preemptibly, and what their first, unmodified runs took.
+    # time as run preemptibly, and what their unmodified runs took.
     preemptible_ns: int = 0
     original_ns: int = 0
     said: list[str] = field(default_factory=list)

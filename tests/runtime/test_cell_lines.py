@@ -62,7 +62,7 @@ def test_the_receipt_says_what_the_cells_long_kernels_cost_against_their_origina
              "original_ns": 5_000_000}  # fmt: skip
     # Over the cell: 2.06 ms of GPU time against 2 ms, not the process's 3.0 x so far.
     assert kernel_words(before, after) == (
-        "3 launches ready to stop (2 stops), their GPU time 1.03 x their first, unmodified run"
+        "3 launches ready to stop (2 stops), their GPU time 1.03 x their unmodified runs"
     )
     # Launches whose originals were never timed say nothing of a cost.
     untimed = {**after, "preemptible": 6, "preemptible_ns": 12_000_000}
@@ -73,8 +73,8 @@ def test_the_pause_notice_says_what_the_long_kernels_cost_once_one_was_timed():
     counted = {"preemptible": 4, "yields": 2, "saves": 12, "preemptible_ns": 10_100_000,
                "original_ns": 10_000_000}  # fmt: skip
     assert long_kernels_summary(counted) == (
-        "4 long kernel launches preemptible, their GPU time 1.01 x their first, unmodified "
-        "run, 2 yields, 12 stops that kept their work"
+        "4 long kernel launches preemptible, their GPU time 1.01 x their unmodified runs, "
+        "2 yields, 12 stops that kept their work"
     )
     untimed = {**counted, "preemptible_ns": 0, "original_ns": 0}
     assert long_kernels_summary(untimed) == (

@@ -54,8 +54,7 @@ def test_each_launch_adds_its_gpu_time_beside_its_original(launches: Launches):
     assert counted["preemptible_ns"] == 5_150_000
     assert counted["original_ns"] == 5_000_000
     assert preemptible.summary() == (
-        "2 long kernel launches preemptible, their GPU time 1.03 x their first, "
-        "unmodified run, 2 yields"
+        "2 long kernel launches preemptible, their GPU time 1.03 x their unmodified runs, 2 yields"
     )
 
 
