@@ -1,12 +1,16 @@
 """Telling sessions when they gain or lose their last rival, after each event.
 
 What it is for: :class:`RivalryWatch` feeds :class:`~gpushare_ext.broker.rivals.Rivals`
-what an event changed -- the sessions it or its actions name, and, when a session may
-now ask for another band, every session with a lease on a GPU in a band below -- and
-turns its answer into :class:`RivalryChanged` actions.  A session without a rival runs
-its long kernels as they are.
+what an event changed -- the sessions it or its actions name (their leases on a GPU,
+and the top priority of their requests still queued), and, when a session may now ask
+for another band, every session with a lease on a GPU in a band below -- and turns its
+answer into :class:`RivalryChanged` actions.  A session without a rival runs its long
+kernels as they are.  A request enters or leaves the queue only by an event or an
+action that names its session, so those are the only sessions whose queued requests
+are read.
 
-What it must not do: look at waiters, or change any lease; it only reads them.
+What it must not do: walk the waiting line (only the leases of the sessions named), or
+change any lease; it only reads them.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from gpushare_ext.broker.events import ChaosChanged, Event
 from gpushare_ext.broker.lease_book import LeaseBook
 from gpushare_ext.broker.rivals import PlacedLease, Rivals
 from gpushare_ext.broker.scheduler_records import ACTIVE_STATES, Slot, names_of
+from gpushare_ext.protocol import LeaseState
 from gpushare_ext.units import priority_band
 
 
@@ -32,8 +37,10 @@ class RivalryWatch:
 
     def note_band_change(self, below: int | None) -> None:
         """What :class:`Rivals` answered to a session opened, closed or asking: sessions
-        placed in a band below ``below`` may have changed too."""
-        self._below = below
+        placed in a band below ``below`` may have changed too (several answers in one
+        event: the highest counts)."""
+        if below is not None and (self._below is None or below > self._below):
+            self._below = below
 
     def changes(self, event: Event, actions: list[Action]) -> list[Action]:
         """Tell the sessions whose rivalry changed (:mod:`~gpushare_ext.broker.rivals`).
@@ -48,6 +55,8 @@ class RivalryWatch:
             named = self._book.session_of_pid.get(event.pid)
         if named is not None:
             touched.add(named)
+        for session_id in touched:  # their requests may have entered or left the queue
+            self.note_band_change(self.rivals.waiting(session_id, self._queued_top(session_id)))
         below, self._below = self._below, None
         if below is not None:
             touched.update(s for s, band in self._placed_band.items() if band < below)
@@ -58,6 +67,17 @@ class RivalryWatch:
             RivalryChanged(session_id=session_id, unrivalled=unrivalled)
             for session_id, unrivalled in self.rivals.changes(dict(sorted(placed.items())))
         ]
+
+    def _queued_top(self, session_id: str) -> int | None:
+        """The highest base priority among a session's requests still queued (None: none)."""
+        record = self._book.sessions.get(session_id)
+        leases = [] if record is None else [self._book.leases.get(i) for i in record.leases]
+        queued = [
+            lease.base_priority
+            for lease in leases
+            if lease is not None and lease.state == LeaseState.QUEUED
+        ]
+        return max(queued, default=None)
 
     def _placed(self, session_id: str) -> list[PlacedLease]:
         """A session's leases on a GPU, as the rivals see them (its band kept up to date)."""

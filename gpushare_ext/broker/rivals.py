@@ -3,16 +3,19 @@
 A long kernel made preemptible costs its session GPU time on every launch; it buys a
 fast stop only if somebody may ask for one.  A lease has a *rival* while another live
 session (connected, not a placeholder left by a restart) could preempt it: its last
-request (or, before any, the default priority) is in a higher priority band than the
-lease's, and its process can use the lease's GPU.  A session none of whose placed leases
-has a rival is *unrivalled*: its launch shim runs long kernels as they are.
+request (or, before any, the default priority), or one of its requests still queued, is
+in a higher priority band than the lease's, and its process can use the lease's GPU.  A
+session none of whose placed leases has a rival is *unrivalled*: its launch shim runs
+long kernels as they are.
 
 Why sessions and not only waiting requests: an interactive notebook's high cells come
 and go, and the first request of a cell must not wait for a long kernel that started
 when nobody waited.  A session that may ask at any moment keeps its victims ready; the
-price of a brand-new rival is one original kernel already on the GPU.  Aging is left
-out: a request that ages into a higher band stops its victim after the kernels under
-way, like any launch the shim only holds.
+price of a brand-new rival is one original kernel already on the GPU.  A request that
+waits (for a drained GPU, say) preempts when it is placed, whatever its session asked
+since: it keeps its session's band up until it leaves the queue.  Aging is left out: a
+request that ages into a higher band stops its victim after the kernels under way, like
+any launch the shim only holds.
 
 Pure: no I/O, no clock, no import of the core (the core feeds it what changed).
 """
@@ -40,6 +43,8 @@ class Rivals:
     """Sessions by the band they may ask for, and what each session was last told."""
 
     _band: dict[str, int] = field(default_factory=dict)  # session -> band it may ask for
+    _asked: dict[str, int] = field(default_factory=dict)  # session -> its last request's band
+    _waiting: dict[str, int] = field(default_factory=dict)  # session -> its queued's top band
     _reach: dict[str, tuple[str, ...] | None] = field(default_factory=dict)
     _by_band: dict[int, set[str]] = field(default_factory=dict)
     _told: dict[str, bool] = field(default_factory=dict)  # session -> unrivalled, as told
@@ -54,13 +59,16 @@ class Rivals:
         self, session_id: str, priority: int, reachable: tuple[str, ...] | None
     ) -> int | None:
         self._reach[session_id] = reachable
-        return self._set_band(session_id, priority_band(priority))
+        self._asked[session_id] = priority_band(priority)
+        return self._set_band(session_id)
 
     def session_closed(self, session_id: str) -> int | None:
         band = self._band.pop(session_id, None)
         if band is not None:
             self._by_band[band].discard(session_id)
         self._reach.pop(session_id, None)
+        self._asked.pop(session_id, None)
+        self._waiting.pop(session_id, None)
         self._told.pop(session_id, None)
         self._chaos.discard(session_id)
         return band
@@ -69,7 +77,18 @@ class Rivals:
         """The session's newest request asked for ``priority``."""
         if session_id not in self._band:
             return None
-        return self._set_band(session_id, priority_band(priority))
+        self._asked[session_id] = priority_band(priority)
+        return self._set_band(session_id)
+
+    def waiting(self, session_id: str, priority: int | None) -> int | None:
+        """The highest priority among the session's requests still queued (None: none)."""
+        if session_id not in self._band:
+            return None
+        if priority is None:
+            self._waiting.pop(session_id, None)
+        else:
+            self._waiting[session_id] = priority_band(priority)
+        return self._set_band(session_id)
 
     def chaos(self, session_id: str, on: bool) -> None:
         """Chaos mode pauses the session at random moments: a rival while it lasts."""
@@ -78,7 +97,8 @@ class Rivals:
         else:
             self._chaos.discard(session_id)
 
-    def _set_band(self, session_id: str, band: int) -> int | None:
+    def _set_band(self, session_id: str) -> int | None:
+        band = max(self._asked[session_id], self._waiting.get(session_id, -1))
         old = self._band.get(session_id)
         if old == band:
             return None

@@ -22,6 +22,7 @@ from gpushare_ext.protocol import (
     RequestLease,
     SliceWish,
 )
+from gpushare_ext.units import priority_band
 
 GIB = 1024**3
 MIB = 1024**2
@@ -195,6 +196,19 @@ class Hub:
 
     def pid_of(self, session: str) -> int:
         return self.scheduler.sessions[session].identity.pid
+
+
+def may_ask_band(scheduler: core.Scheduler, session_id: str) -> int:
+    """The highest band a session may preempt with: its last accepted request's (before
+    any, the default's), and each of its requests still queued (placed later, it
+    preempts whatever its session asked since).  Aging is left out."""
+    record = scheduler.sessions[session_id]
+    queued = [
+        scheduler.leases[i].base_priority
+        for i in record.leases
+        if scheduler.leases[i].state == LeaseState.QUEUED
+    ]
+    return max(priority_band(p) for p in [record.last_priority, *queued])
 
 
 def fingerprint(scheduler: core.Scheduler) -> str:

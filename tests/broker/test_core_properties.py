@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from scheduler_helpers import GIB, LOW, NORMAL, fingerprint, h200_document
+from scheduler_helpers import GIB, LOW, NORMAL, fingerprint, h200_document, may_ask_band
 
 from gpushare_ext.broker import core
 from gpushare_ext.broker.gangs import split_member_id
@@ -302,8 +302,9 @@ def _slot_names(slot: core.Slot) -> set[str]:
 
 def check_rivalry(scheduler: core.Scheduler, told: dict[str, bool]) -> None:
     """A session with a lease on a GPU was last told it has no rival exactly when no
-    other open session may ask for a higher band on that GPU: its long kernels run as
-    they are only while nobody could preempt them, and are ready to stop otherwise."""
+    other open session may ask for a higher band on that GPU (by its last request, or a
+    request still queued): its long kernels run as they are only while nobody could
+    preempt them, and are ready to stop otherwise."""
     for session_id, record in scheduler.sessions.items():
         placed = [
             scheduler.leases[i]
@@ -317,7 +318,7 @@ def check_rivalry(scheduler: core.Scheduler, told: dict[str, bool]) -> None:
         rival = any(
             other_id != session_id
             and not other.detached
-            and priority_band(other.last_priority) > priority_band(lease.base_priority)
+            and may_ask_band(scheduler, other_id) > priority_band(lease.base_priority)
             and (
                 other.reachable is None
                 or bool(_slot_names(scheduler.slots[lease.slot]) & set(other.reachable))  # type: ignore[index]

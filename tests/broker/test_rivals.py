@@ -107,3 +107,21 @@ def test_chaos_mode_is_a_rival_while_it_lasts():
     assert told == {ada: False}  # an admin's chaos may pause it at any moment
     told = _told(hub.handle(core.ChaosChanged(now=hub.now, pid=pid, on=False)))
     assert told == {ada: True}
+
+
+def test_a_higher_request_still_waiting_is_a_rival_after_its_session_asks_lower():
+    # bo's normal request waits for GPU 0 (drained) while ada's low lease runs there;
+    # bo's next request is low, but the one waiting still preempts ada once it may be
+    # placed: ada's kernels must stay ready to stop meanwhile.
+    hub = Hub(devices=h200_devices(2))
+    ada, bo = hub.open("ada"), hub.open("bo")
+    hub.request(ada, "A", priority=LOW, memory=10 * GIB, device="0")
+    hub.drain(0)
+    hub.request(bo, "waits", priority=NORMAL, memory=10 * GIB, device="0")
+    assert hub.state("waits") == core.LeaseState.QUEUED
+    hub.request(bo, "B", priority=LOW, memory=10 * GIB, device="1")
+    assert hub.scheduler.rivals.told(ada) is False
+    stops = of_type(hub.drain(0, drained=False), core.PauseLease)
+    assert [stop.lease_id for stop in stops] == ["A"]  # it was a rival indeed
+    # Placed, it waits no more: bo may ask only for low again, which preempts nobody.
+    assert hub.scheduler.rivals.told(ada) is True
