@@ -329,7 +329,8 @@ def test_given_holds_the_broker_keys_the_file_names():
     example = parse_config(EXAMPLE.read_text())
     assert example.given == {
         "admin_groups", "admin_users", "sharing", "evict_when_memory_needed", "reclaim_grace_s",
-        "lock_timeout_ms", "max_connections_per_uid", "max_requests_per_second", "metrics_port",
+        "lock_timeout_ms", "grant_after_stops_ms", "max_connections_per_uid",
+        "max_requests_per_second", "metrics_port",
     }  # fmt: skip
 
 
