@@ -86,6 +86,12 @@ class GpushareHandler(APIHandler):
         self.set_header("Content-Type", "application/json")
         self.finish(json.dumps({"error": code, "message": message}))
 
+    def finish_fresh_json(self, body: bytes | str) -> None:
+        """Answer with ``body`` as JSON that no cache may keep (it is the broker's now)."""
+        self.set_header("Content-Type", "application/json")
+        self.set_header("Cache-Control", "no-store")
+        self.finish(body)
+
     def fail_for(self, exc: BrokerError) -> None:
         if isinstance(exc, BrokerUnavailable):
             self.fail(
@@ -125,9 +131,7 @@ class SnapshotHandler(GpushareHandler):
             self.fail_for(exc)
             return
         assert isinstance(snapshot, Snapshot)
-        self.set_header("Content-Type", "application/json")
-        self.set_header("Cache-Control", "no-store")
-        self.finish(encode_json(snapshot_to_builtins(snapshot)))
+        self.finish_fresh_json(encode_json(snapshot_to_builtins(snapshot)))
 
 
 MAX_DEVICE_INDEX = 1023
@@ -149,9 +153,7 @@ class HistoryHandler(GpushareHandler):
             self.fail_for(exc)
             return
         assert isinstance(history, GpuHistory)
-        self.set_header("Content-Type", "application/json")
-        self.set_header("Cache-Control", "no-store")
-        self.finish(encode_json(history))
+        self.finish_fresh_json(encode_json(history))
 
 
 class StreamHandler(GpushareHandler):
