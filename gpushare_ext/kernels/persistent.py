@@ -24,7 +24,7 @@ from gpushare_ext.kernels.rewrite import (
 )
 from gpushare_ext.kernels.saved_state import restore_stub, resume_saved, save_stub
 
-__all__ = ["PersistentBlocks"]
+__all__ = ["PersistentBlocks", "groups_stop_together", "stop_marks"]
 
 
 # State-saving variants claim a chunk only once every thread of the block has finished
@@ -38,11 +38,10 @@ _STOP_IF_PARKED = (
 )
 
 
-def _park(plan: SavePlan) -> list[str]:
+def _park(plan: SavePlan, grouped: bool) -> list[str]:
     """The save and reload stubs, and the parking path: a thread that saved its state
     marks the record and its block, then waits at the next dispatch like the others
     (it does not exit, so the block's barriers keep counting it)."""
-    L = RecordLayout
     out: list[str] = []
     for n in sorted(plan.live):
         out += save_stub(plan, n)
@@ -50,12 +49,7 @@ def _park(plan: SavePlan) -> list[str]:
         out += restore_stub(plan, n)
     out += [
         "$__gs_park:",
-        "mov.u64 %gs_now, %globaltimer;",
-        f"red.global.min.u64 [%gs_prog+{L.FIRST_YIELD_NS}], %gs_now;",
-        f"red.global.max.u64 [%gs_prog+{L.LAST_EXIT_NS}], %gs_now;",
-        f"red.global.min.u32 [%gs_prog+{L.LOWEST_ABORTED}], %gs_id;",
-        "mov.u32 %gs_t, 1;",
-        f"st.global.u32 [%gs_prog+{L.ABORTED}], %gs_t;",
+        *stop_marks(grouped),
         "st.shared.u32 [__gs_stopped], %gs_t;",
         "bra $__gs_next;",
     ]
@@ -80,6 +74,8 @@ _LOOP_DECLS = (
     ".reg .b32 %gs_nx, %gs_ny, %gs_nz, %gs_stop, %gs_nxy, %gs_t, %gs_t2, %gs_id, %gs_flagv;",
     ".reg .b32 %gs_cx, %gs_cy, %gs_cz, %gs_chunk, %gs_base, %gs_lim, %gs_sa, %gs_bc, %gs_bm;",
     ".reg .pred %gs_leader, %gs_pseen, %gs_pend, %gs_pa, %gs_pb, %gs_pmore, %gs_pf;",
+    ".reg .b32 %gs_am, %gs_ln;",
+    ".reg .pred %gs_lead;",
     # Two slots, used alternately by consecutive chunks: the leader can write the
     # next chunk's base while a slow warp still reads this one's (one barrier per
     # chunk instead of two).
@@ -180,7 +176,7 @@ def _dispatch(plan: SavePlan | None) -> list[str]:
     ]
 
 
-def _epilogue(sync: bool, plan: SavePlan | None) -> list[str]:
+def _epilogue(sync: bool, plan: SavePlan | None, grouped: bool) -> list[str]:
     """The tail of the loop: the next logical block of the chunk or the next chunk, and
     the abort, exit and parking paths."""
     L = RecordLayout
@@ -200,17 +196,10 @@ def _epilogue(sync: bool, plan: SavePlan | None) -> list[str]:
         f"@%gs_leader red.global.add.u32 [%gs_prog+{L.FINISHED}], %gs_t;",
         "bra $__gs_next;",
         "$__gs_abort:",
-        "mov.u64 %gs_now, %globaltimer;",
-        f"red.global.min.u64 [%gs_prog+{L.FIRST_YIELD_NS}], %gs_now;",
-        f"red.global.max.u64 [%gs_prog+{L.LAST_EXIT_NS}], %gs_now;",
-        # Every block below the lowest one an abort left is finished: an idempotent
-        # kernel restarts there, not at 0 (re-running finished blocks is harmless).
-        f"red.global.min.u32 [%gs_prog+{L.LOWEST_ABORTED}], %gs_id;",
+        *stop_marks(grouped),
         f"mov.u32 %gs_t, {NO_BLOCK};",
         "st.shared.u32 [__gs_slot], %gs_t;",
         "st.shared.u32 [__gs_slot+4], %gs_t;",
-        "mov.u32 %gs_t, 1;",
-        f"st.global.u32 [%gs_prog+{L.ABORTED}], %gs_t;",
         "exit;",
         "$__gs_exit:",
         "@%gs_leader mov.u64 %gs_now, %globaltimer;",
@@ -218,8 +207,47 @@ def _epilogue(sync: bool, plan: SavePlan | None) -> list[str]:
         "ret;",
     ]
     if plan is not None:
-        epilogue += _park(plan)
+        epilogue += _park(plan, grouped)
     return epilogue
+
+
+def groups_stop_together(state: TransformState) -> bool:
+    """Whether the module's PTX ISA has ``activemask`` (6.2 and later): without it every
+    stopping thread writes its own marks."""
+    major, _, minor = state.module.version.partition(".")
+    return (int(major), int(minor or 0)) >= (6, 2)
+
+
+def stop_marks(grouped: bool = True) -> list[str]:
+    """What a stopping thread (an abort, or a park with its state saved) writes in the
+    record: when (first sight of the flag, last exit), the lowest logical block stopped,
+    and that the slice was aborted.
+
+    ``grouped``: written by one thread per converged group of a warp, the lowest active
+    lane; the group's threads stop together, at the same time and in the same logical
+    block.  One write per thread put every resident thread's atomics on the same three
+    words, serialised where they live: about 0.44 ms for a kernel that fills an H200,
+    against 5 us for one block (benchmarks/results/2026-12-03-h200-cost-and-stops)."""
+    L = RecordLayout
+    lead = "@%gs_lead " if grouped else ""
+    choose = [
+        "activemask.b32 %gs_am;",
+        "brev.b32 %gs_am, %gs_am;",
+        "clz.b32 %gs_am, %gs_am;",  # the lowest active lane
+        "mov.u32 %gs_ln, %laneid;",
+        "setp.eq.u32 %gs_lead, %gs_am, %gs_ln;",
+    ]
+    return [
+        *(choose if grouped else ()),
+        f"{lead}mov.u64 %gs_now, %globaltimer;",
+        f"{lead}red.global.min.u64 [%gs_prog+{L.FIRST_YIELD_NS}], %gs_now;",
+        f"{lead}red.global.max.u64 [%gs_prog+{L.LAST_EXIT_NS}], %gs_now;",
+        # Every block below the lowest one an abort left is finished: an idempotent
+        # kernel restarts there, not at 0 (re-running finished blocks is harmless).
+        f"{lead}red.global.min.u32 [%gs_prog+{L.LOWEST_ABORTED}], %gs_id;",
+        "mov.u32 %gs_t, 1;",
+        f"{lead}st.global.u32 [%gs_prog+{L.ABORTED}], %gs_t;",
+    ]
 
 
 def _indented(lines: list[str]) -> list[str]:
@@ -258,5 +286,5 @@ class PersistentBlocks(Pass):
         plan = state.save
         _add_params_and_decls(state, plan)
         head = _prologue(state, plan) + _dispatch(plan)
-        state.text = _entry_text(state, head, _epilogue(sync, plan))
+        state.text = _entry_text(state, head, _epilogue(sync, plan, groups_stop_together(state)))
         state.chunk_sync = sync
