@@ -59,7 +59,7 @@ def start_broker(workdir: Path, config: str | None = None) -> tuple[subprocess.P
         "--journal",
         str(workdir / "journal.sqlite"),
         "--log-level",
-        "warning",
+        "info",  # one line per lease event: grants, pauses and how long each stop took
     ]
     if config:
         path = workdir / "broker.toml"

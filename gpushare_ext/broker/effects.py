@@ -386,6 +386,7 @@ class Effects:
             )
             await self._preemption_failed(target, action, refusal)
             return
+        started = time.monotonic()
         try:
             applied = await ctx.ladder.apply(
                 target, action.level, action.reason, action.resulting_state
@@ -393,6 +394,13 @@ class Effects:
         except ActuatorError as exc:
             await self._preemption_failed(target, action, exc)
             return
+        # How long a stop took is what a waiting grant pays: an admin sees it per pause.
+        held_by = applied_level(applied.level, ctx.simulated_control)
+        events.info(
+            "%s (pid %s) stopped at level %s (%s) in %.1f ms",
+            action.lease_id, action.pid, int(held_by), held_by.name.lower(),
+            (time.monotonic() - started) * 1000,
+        )  # fmt: skip
         if applied.note:
             ctx.notes[action.lease_id] = applied.note
         ctx.events.post(
