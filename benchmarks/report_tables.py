@@ -234,7 +234,7 @@ def tail_section(runs: list[tuple[str, dict]]) -> list[str]:
     documents = [doc for _, doc in runs]
     first_day, last_day = ((doc.get("date") or "?")[:10] for doc in (documents[0], documents[-1]))
     lines = [
-        f"**Beside third-party neighbours, {len(runs)} runs** ({where(documents[0])}"
+        f"**Beside third-party neighbours, {len(runs)} run{'' if len(runs) == 1 else 's'}** ({where(documents[0])}"
         f"{'' if last_day == first_day else ' to ' + last_day}): "
         "high priority: cells of 20 fp32 4096^2 matmuls, 10 ms think time. Per run, "
         "separated by /: the high tenant's p99 and cell p90 over running alone in the same "
