@@ -84,12 +84,12 @@ def cost_section(doc: dict) -> list[str]:
         "notebook kernel over the same launch without gpushare. *Uncontended*: a "
         "`%%gpu` cell no other session could preempt (else a cell without `%%gpu`); "
         "*contended*: the same while a high-priority notebook stays connected, so long "
-        "kernels run ready to stop (in parentheses: the lowest and highest repeat's median). The rival's first "
-        "launch includes the analysis and transform.",
+        "kernels run ready to stop (in parentheses: the lowest and highest repeat's "
+        "median). The rival's first launch includes the analysis and transform.",
         "",
         "| kernel | framework | plain ms | uncontended x plain | contended x plain "
-        f"| first launch ms, plain / contended | bit-identical | uncontended <= {UNCONTENDED_TARGET:.2f} "
-        f"| contended <= {CONTENDED_TARGET:.2f} |",
+        "| first launch ms, plain / contended | bit-identical "
+        f"| uncontended <= {UNCONTENDED_TARGET:.2f} | contended <= {CONTENDED_TARGET:.2f} |",
         "|---|---|---:|---:|---:|---:|---|---|---|",
     ]
     unrivalled = _ran_unrivalled(doc)
@@ -104,9 +104,10 @@ def cost_section(doc: dict) -> list[str]:
         first = " / ".join(fmt(w.get("first_ms"), 1) if w else "-" for w in (plain, rival))
         measured = [w for w in ways.values() if w is not None]
         same = "yes" if all(w.get("identical") for w in measured) else "**no**"
+        plain_ms = fmt(plain and plain.get("median_ms"), 1)
         lines.append(
-            f"| {kind} | {FRAMEWORKS.get(kind, kind)} | {fmt(plain and plain.get('median_ms'), 1)} "
-            f"| {alone_text} | {rival_text} | {first} | {same} | {alone_verdict} | {rival_verdict} |"
+            f"| {kind} | {FRAMEWORKS.get(kind, kind)} | {plain_ms} | {alone_text} | {rival_text} "
+            f"| {first} | {same} | {alone_verdict} | {rival_verdict} |"
         )
         for label, verdict_text, target in (
             ("uncontended", alone_verdict, UNCONTENDED_TARGET),
@@ -228,13 +229,13 @@ def _tail_row(
     return f"| {label} | {cells} | {verdict_text} |", missed
 
 
-def tail_section(runs: list[tuple[str, dict]]) -> list[str]:
+def tail_section(documents: list[dict]) -> list[str]:
     """Time-slicing against gpushare beside third-party neighbours, over repeated runs
     of ``benchmarks.third_party`` (``third_party-run1.json``, ...)."""
-    documents = [doc for _, doc in runs]
     first_day, last_day = ((doc.get("date") or "?")[:10] for doc in (documents[0], documents[-1]))
+    count = f"{len(documents)} run" + ("" if len(documents) == 1 else "s")
     lines = [
-        f"**Beside third-party neighbours, {len(runs)} run{'' if len(runs) == 1 else 's'}** ({where(documents[0])}"
+        f"**Beside third-party neighbours, {count}** ({where(documents[0])}"
         f"{'' if last_day == first_day else ' to ' + last_day}): "
         "high priority: cells of 20 fp32 4096^2 matmuls, 10 ms think time. Per run, "
         "separated by /: the high tenant's p99 and cell p90 over running alone in the same "
@@ -279,13 +280,13 @@ def newest_check_cost(folders: list[Path]) -> tuple[str, dict] | None:
     return None
 
 
-def third_party_runs(folders: list[Path]) -> list[tuple[str, dict]]:
+def third_party_runs(folders: list[Path]) -> list[dict]:
     """The repeated runs (``third_party-run<N>.json``) of the first folder holding any,
     in run order."""
     for folder in folders:
         paths = sorted(folder.glob("third_party-run*.json"), key=_run_number)
         if paths:
-            return [(path.name, json.loads(path.read_text())) for path in paths]
+            return [json.loads(path.read_text()) for path in paths]
     return []
 
 
