@@ -1,8 +1,9 @@
 """Turn a results folder into PNG plots and a markdown table; optionally update the README.
 
 Reads whatever suites the folder holds (``control_plane.json``, ``kernels_bench.json``,
-``contention.json``, ``checkpoint.json``, ``fuzz_frames.json``, ``crash_soak.json``),
-states device, driver and date for each, and marks every target as met or not -- an
+``contention.json``, ``checkpoint.json``, ``fuzz_frames.json``, ``crash_soak.json``, and
+those ``report_tables`` writes tables for: ``long_kernel_cost.json``, ``check_cost*.json``,
+``preemptible.json``, ``third_party-run*.json``), states device, driver and date for each, and marks every target as met or not -- an
 unmet target stays in the table.
 """
 
@@ -13,6 +14,13 @@ import math
 import re
 from pathlib import Path
 
+from benchmarks.report_format import THIRD_PARTY_LABELS
+from benchmarks.report_format import fmt as _fmt
+from benchmarks.report_format import portable as _portable
+from benchmarks.report_format import verdict as _verdict
+from benchmarks.report_format import where as _where
+from benchmarks.report_tables import long_kernel_tables
+
 MARK_START = "<!-- bench:start -->"
 MARK_END = "<!-- bench:end -->"
 
@@ -20,25 +28,6 @@ MARK_END = "<!-- bench:end -->"
 def _load(folder: Path, name: str) -> dict | None:
     path = folder / name
     return json.loads(path.read_text()) if path.exists() else None
-
-
-def _verdict(ok: bool | None) -> str:
-    return "n/a" if ok is None else ("met" if ok else "**not met**")
-
-
-def _fmt(value: float | None, digits: int = 2) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return f"{value:.{digits}f}"
-
-
-def _where(document: dict) -> str:
-    device = document.get("device") or "?"
-    driver = document.get("driver")
-    if isinstance(driver, int):  # cudaDriverGetVersion: 13000 means the CUDA 13.0 driver API
-        driver = f"CUDA {driver // 1000}.{driver % 1000 // 10} driver API"
-    date = (document.get("date") or "?")[:10]
-    return f"{device}" + (f", driver {driver}" if driver else "") + f", {date}"
 
 
 def _plots(folder: Path, documents: dict[str, dict]) -> list[str]:
@@ -378,21 +367,6 @@ def _interposer_section(doc: dict) -> list[str]:
     return [*lines, ""]
 
 
-THIRD_PARTY_LABELS = {
-    "cupy_linalg": "cupy.linalg solve + QR, 4096^2",
-    "cupy_fft": "cupy.fft 2-D, 8192^2",
-    "cupyx_solver": "cupyx.scipy CG, 1M unknowns",
-    "elementwise_long": "ElementwiseKernel, 0.4 s launches",
-    "numba": "Numba @cuda.jit, 0.14 s launches",
-    "torchvision": "torchvision ResNet-18 training",
-}
-
-
-def _portable(command: str) -> str:
-    """The command as anyone would type it: the machine's own output folder is DIR."""
-    return re.sub(r"--out \S+", "--out DIR", command)
-
-
 def _third_party_section(doc: dict) -> list[str]:
     """Time-slicing against gpushare beside third-party neighbours, one run."""
     lines = [
@@ -517,12 +491,14 @@ def build_report(folders: list[Path], readme: Path | None = None) -> int:
         "third_party": "third_party.json",
         "preemptible": "preemptible.json",
         "parking": "parking.json",
+        "long_kernel_cost": "long_kernel_cost.json",
     }
     for folder in folders:
         for key, name in names.items():
             if key not in documents and (document := _load(folder, name)):
                 documents[key] = document
-    if not documents:
+    kernel_tables = long_kernel_tables(folders, documents)
+    if not documents and not kernel_tables:
         print(f"no results in {', '.join(map(str, folders))}")
         return 1
     # The control plane is measured on the CPU machine, which any folder may hold: the
@@ -563,6 +539,7 @@ def build_report(folders: list[Path], readme: Path | None = None) -> int:
         sections += _third_party_section(documents["third_party"])
     if "preemptible" in documents:
         sections += _preemptible_section(documents["preemptible"])
+    sections += kernel_tables
     if "control" in documents:
         sections += _control_section(documents["control"])
     if "fuzz" in documents or "soak" in documents:
