@@ -48,6 +48,7 @@ VARIANTS = (
     ("yield", False, True, 16, 256),
     ("abort", True, False, 16, 256),
     ("abort+save", True, True, 16, 256),
+    ("abort+save every 64", True, True, 16, 64),
     ("abort+save every 1024", True, True, 16, 1024),
     ("abort+save unroll 8", True, True, 8, 256),
     ("abort+save unroll 32", True, True, 32, 256),

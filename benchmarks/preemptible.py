@@ -178,17 +178,25 @@ def _gpu_clock_offset(cupy) -> tuple[int, int]:
     return best
 
 
-def _gpu_stops(reports: list, raised_ns: list[int], offset_ns: int) -> tuple[list, list]:
-    """Per stop, in µs: the raise (host clock) to the last block's exit, and the drain."""
-    to_free, drains = [], []
+def _gpu_stops(
+    reports: list, raised_ns: list[int], offset_ns: int
+) -> tuple[list[float], list[float], list[float]]:
+    """Per stop, in µs: the raise (host clock) to the last block's exit, and the drain;
+    and apart, slices that began after the flag rose (from their start to their exit):
+    the GPU held none of that kernel's work at the raise."""
+    to_free, drains, began_flagged = [], [], []
     for report in reports:
-        for first, last in report.stops_ns:
+        for start, first, last in report.stops_ns:
             seen = first - offset_ns  # on the host's clock
             raised = max((r for r in raised_ns if r <= seen), default=None)
             drains.append((last - first) / 1e3)
-            if raised is not None:
+            if raised is None:
+                continue
+            if start - offset_ns > raised:
+                began_flagged.append((last - start) / 1e3)
+            else:
                 to_free.append((last - offset_ns - raised) / 1e3)
-    return to_free, drains
+    return to_free, drains, began_flagged
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -215,14 +223,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="directory for preemptible.json")
     parser.add_argument("--launches", type=int, default=4, help="preempted launches per kernel")
     parser.add_argument("--only", help="one kernel by name (e.g. gps_numba_relax)")
+    parser.add_argument(
+        "--check-every",
+        type=int,
+        help="threads read the flag once in this many loop passes (a power of two; "
+        "default: the transform's own, back_edges.THREAD_CHECK_EVERY)",
+    )
     args = parser.parse_args(argv)
     import faulthandler
 
     faulthandler.dump_traceback_later(240, exit=True)  # a hang shows where, then ends
 
-    from gpushare_ext.kernels import launch, yield_flags
+    from gpushare_ext.kernels import back_edges, launch, yield_flags
     from gpushare_ext.runtime import interpose, preemptible
 
+    if args.check_every:  # before any kernel is transformed
+        back_edges.THREAD_CHECK_EVERY = args.check_every
     registry = preemptible.install()
     if registry is None:
         raise SystemExit("start this with the launch shim in LD_PRELOAD (see the docstring)")
@@ -272,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                     and all(t.kernel.last_launch is not r for r in reports)
                 ]  # fmt: skip
         preempted_s = time.perf_counter() - t0
-        gpu_stops, drains = _gpu_stops(reports, preempter.raised_ns, offset_ns)
+        gpu_stops, drains, began_flagged = _gpu_stops(reports, preempter.raised_ns, offset_ns)
         latencies = []
         for stopped in stops:
             raised = max((r for r in preempter.raised if r <= stopped), default=None)
@@ -306,10 +322,13 @@ def main(argv: list[str] | None = None) -> int:
                 "gpu_stop_us_max": max(gpu_stops, default=None),
                 "drain_us_p50": _percentile(drains, 50),
                 "drain_us_p99": _percentile(drains, 99),
+                "began_flagged": len(began_flagged),
+                "began_flagged_us_max": max(began_flagged, default=None),
             }
         )
     document = {
         "benchmark": "preemptible",
+        "thread_check_every": back_edges.THREAD_CHECK_EVERY,
         "gpu_clock_offset_ns": offset_ns,
         "gpu_clock_offset_error_ns": offset_error_ns,  # every gpu_stop_us is +- this
         "rows": rows,

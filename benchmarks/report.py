@@ -14,7 +14,7 @@ import math
 import re
 from pathlib import Path
 
-from benchmarks.report_format import THIRD_PARTY_LABELS
+from benchmarks.report_format import REPEATED_TAIL_LOWS, THIRD_PARTY_LABELS
 from benchmarks.report_format import fmt as _fmt
 from benchmarks.report_format import portable as _portable
 from benchmarks.report_format import verdict as _verdict
@@ -381,6 +381,8 @@ def _third_party_section(doc: dict) -> list[str]:
     ]
     rows = {(r["low"], r["mode"]): r for r in doc["rows"]}
     for low, label in THIRD_PARTY_LABELS.items():
+        if low in REPEATED_TAIL_LOWS:
+            continue
         slice_row, ours = rows.get((low, "timeslice")), rows.get((low, "shim"))
         if not slice_row or not ours:
             continue

@@ -168,11 +168,12 @@ def stop_section(doc: dict) -> list[str]:
         f"**How fast a long kernel stops** ({where(doc)}; on the GPU's clock): from the "
         "yield flag's raise to the last block's exit (*GPU free*), and from the first block "
         "that saw the flag to the last exit (*drain*). Of fewer than 100 stops the p99 is the "
-        "largest.",
+        "largest. *Began flagged*: slices launched while the flag was up (counted apart, "
+        "from their start: the GPU held none of their work at the raise).",
         "",
         "| kernel | stops | raise -> GPU free p50 / p99 / max µs | drain p99 µs "
-        f"| p99 <= {STOP_P99_TARGET_US:.0f} µs |",
-        "|---|---:|---|---:|---|",
+        f"| began flagged | p99 <= {STOP_P99_TARGET_US:.0f} µs |",
+        "|---|---:|---|---:|---:|---|",
     ]
     notes = []
     for row in rows:
@@ -184,7 +185,7 @@ def stop_section(doc: dict) -> list[str]:
             f"| `{row['kernel']}` | {row.get('gpu_stops', '-')} | "
             f"{fmt(row.get('gpu_stop_us_p50'), 0)} / {fmt(p99, 0)} / "
             f"{fmt(row.get('gpu_stop_us_max'), 0)} | {fmt(row.get('drain_us_p99'), 0)} "
-            f"| {verdict_text} |"
+            f"| {row.get('began_flagged', '-')} | {verdict_text} |"
         )
     return [*lines, "", *_footer([doc.get("command", "")], {"missed p99": notes})]
 

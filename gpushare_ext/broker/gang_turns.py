@@ -73,6 +73,8 @@ class GangTurns:
         (a rank that dies takes its gang with it); when a rank could not be paused and
         runs on, its paused mates resume beside it."""
         book = self._book
+        if not book.gangs:  # after every event: most hosts have no gang
+            return []
         actions: list[Action] = []
         for gang, member_ids in list(book.gangs.items()):
             live = [book.leases[m] for m in member_ids if m in book.leases]

@@ -55,46 +55,48 @@ class RivalryWatch:
             named = self._book.session_of_pid.get(event.pid)
         if named is not None:
             touched.add(named)
+        placed: dict[str, list[PlacedLease]] = {}
         for session_id in touched:  # their requests may have entered or left the queue
-            self.note_band_change(self.rivals.waiting(session_id, self._queued_top(session_id)))
+            queued_top, placed[session_id] = self._leases_of(session_id)
+            self.note_band_change(self.rivals.waiting(session_id, queued_top))
         below, self._below = self._below, None
         if below is not None:
-            touched.update(s for s, band in self._placed_band.items() if band < below)
-        if not touched:
+            for session_id, band in list(self._placed_band.items()):
+                if band < below and session_id not in placed:
+                    placed[session_id] = self._leases_of(session_id)[1]
+        if not placed:
             return []
-        placed = {session_id: self._placed(session_id) for session_id in touched}
         return [
             RivalryChanged(session_id=session_id, unrivalled=unrivalled)
             for session_id, unrivalled in self.rivals.changes(dict(sorted(placed.items())))
         ]
 
-    def _queued_top(self, session_id: str) -> int | None:
-        """The highest base priority among a session's requests still queued (None: none)."""
+    def _leases_of(self, session_id: str) -> tuple[int | None, list[PlacedLease]]:
+        """A session's highest base priority among its requests still queued (None: none),
+        and its leases on a GPU as the rivals see them (its band kept up to date).  One
+        pass: this runs for every session an event names."""
         record = self._book.sessions.get(session_id)
-        leases = [] if record is None else [self._book.leases.get(i) for i in record.leases]
-        queued = [
-            lease.base_priority
-            for lease in leases
-            if lease is not None and lease.state == LeaseState.QUEUED
-        ]
-        return max(queued, default=None)
-
-    def _placed(self, session_id: str) -> list[PlacedLease]:
-        """A session's leases on a GPU, as the rivals see them (its band kept up to date)."""
-        record = self._book.sessions.get(session_id)
-        leases = [] if record is None else [self._book.leases.get(i) for i in record.leases]
-        on_gpu = [
-            PlacedLease(
-                lease_id=lease.lease_id,
-                session_id=session_id,
-                priority=lease.base_priority,
-                gpu_names=names_of(self._slots[lease.slot]),
-            )
-            for lease in leases
-            if lease is not None and lease.state in ACTIVE_STATES and lease.slot in self._slots
-        ]
+        queued_top: int | None = None
+        on_gpu: list[PlacedLease] = []
+        for lease_id in () if record is None else record.leases:
+            lease = self._book.leases.get(lease_id)
+            if lease is None:
+                continue
+            if lease.state == LeaseState.QUEUED and (
+                queued_top is None or lease.base_priority > queued_top
+            ):
+                queued_top = lease.base_priority
+            if lease.state in ACTIVE_STATES and lease.slot in self._slots:
+                on_gpu.append(
+                    PlacedLease(
+                        lease_id=lease_id,
+                        session_id=session_id,
+                        priority=lease.base_priority,
+                        gpu_names=names_of(self._slots[lease.slot]),
+                    )
+                )
         if on_gpu:
             self._placed_band[session_id] = min(priority_band(p.priority) for p in on_gpu)
         else:
             self._placed_band.pop(session_id, None)
-        return on_gpu
+        return queued_top, on_gpu

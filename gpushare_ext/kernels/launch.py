@@ -161,9 +161,10 @@ class LaunchReport:
     restored: bool = False
     first_yield_ns: int | None = None
     last_exit_ns: int | None = None
-    # Per slice that met the raised flag: (the first block's sight of it, the last
-    # block's exit), both %globaltimer ns; the GPU's own measure of each stop's drain.
-    stops_ns: list[tuple[int, int]] = field(default_factory=list)
+    # Per slice that met the raised flag: (its first block's start, the first block's
+    # sight of the flag, the last block's exit), %globaltimer ns; the GPU's own measure
+    # of each stop (a slice that began after the flag rose is told apart by its start).
+    stops_ns: list[tuple[int, int, int]] = field(default_factory=list)
     chunk: int = 1  # logical blocks claimed per atomic
     saves: int = 0  # aborts whose threads saved their state (nothing to undo)
     interrupted: str = ""  # Ctrl-C ended it: "rolled back" (untouched) or "finished"
@@ -651,7 +652,9 @@ class LaunchTransaction:
         if state["first_yield_ns"] != (1 << 64) - 1:
             self.out.first_yield_ns = self.out.first_yield_ns or state["first_yield_ns"]
             self.out.last_exit_ns = state["last_exit_ns"]
-            self.out.stops_ns.append((state["first_yield_ns"], state["last_exit_ns"]))
+            self.out.stops_ns.append(
+                (state["start_ns"], state["first_yield_ns"], state["last_exit_ns"])
+            )
 
     def run(
         self, *, preempt_at: Sequence[int] = (), abort_at: Sequence[int] = (),

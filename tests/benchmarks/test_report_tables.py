@@ -136,10 +136,12 @@ def test_the_stop_table_gives_each_kernels_latency_and_verdict(tmp_path: Path):
             f"{row['gpu_stop_us_p50']:.0f} / {p99:.0f} / {row['gpu_stop_us_max']:.0f}"
         )
         assert cells[3] == f"{row['drain_us_p99']:.0f}"
-        assert cells[4] == ("met" if p99 <= 100 else f"missed ({p99:.0f} µs)")
+        # Slices launched while the flag was up are counted apart (older runs: "-").
+        assert cells[4] == str(row.get("began_flagged", "-"))
+        assert cells[5] == ("met" if p99 <= 100 else f"missed ({p99:.0f} µs)")
         if p99 > 100:
             missed.append(f"`{row['kernel']}` {p99:.0f} µs")
-    assert "met" in [row[4] for row in rows] and missed
+    assert "met" in [row[5] for row in rows] and missed
     assert footer.startswith("Command: `python -m benchmarks.preemptible --out DIR`")
     assert footer.endswith("missed p99: " + ", ".join(missed) + ".")
     # The existing table on the same file is still there, before this one.
@@ -150,6 +152,16 @@ def test_a_run_without_gpu_stop_figures_writes_no_stop_table(tmp_path: Path):
     text = report(tmp_path, "2026-12-01-h200")
     assert "**Long kernels made preemptible" in text
     assert "How fast a long kernel stops" not in text
+
+
+def test_the_stop_table_counts_slices_that_began_with_the_flag_up(tmp_path: Path):
+    text = report(tmp_path, "2026-12-03-h200-cost-stop-tail")
+    document = json.loads(
+        (RESULTS / "2026-12-03-h200-cost-stop-tail" / "preemptible.json").read_text()
+    )
+    rows, _ = table(text, "How fast a long kernel stops")
+    assert [row[4] for row in rows] == [str(row["began_flagged"]) for row in document["rows"]]
+    assert any(row["began_flagged"] for row in document["rows"])
 
 
 def tail_expectations(folder: Path) -> dict[str, list[tuple[float, float] | None]]:
