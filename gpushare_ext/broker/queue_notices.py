@@ -104,7 +104,8 @@ class QueueNotices:
         position = ahead + 1
         waiting_for = holders.waiting_for
         holder_priority = holders.holder_priority
-        transition(lease, now, reason=reason)
+        if lease.reason != reason:  # every waiter, at every event: only what changes
+            transition(lease, now, reason=reason)
         signature = (position, waiting_for, holder_priority, reason)
         if signature == lease.last_queue_notice:
             return []
