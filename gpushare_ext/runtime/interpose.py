@@ -72,6 +72,9 @@ class Stats(ctypes.Structure):
         ("with_attributes", ctypes.c_uint64),
         ("graphs", ctypes.c_uint64),
         ("unrivalled", ctypes.c_uint64),
+        ("hold_queued_us_first", ctypes.c_uint64),
+        ("hold_queued_us_max", ctypes.c_uint64),
+        ("hold_queued_launches_max", ctypes.c_uint64),
     ]
 
     def as_dict(self) -> dict[str, int]:

@@ -297,6 +297,40 @@ def test_while_a_rival_exists_the_tighter_bound_holds(
         block.close()
 
 
+def test_a_hold_notes_the_work_the_shim_believes_is_queued(fake_gpu, tmp_path):
+    """A pause's lock waits for the queued work: the shim says how much it thought there
+    was when a hold began, so a slow stop can be told apart from a queue left to grow."""
+    library = interpose.native_library()
+    library.gps_set_target(3000, 0)
+    fake_gpu.gpu_ms_between_events = 0.1
+    _busy_stretch(library, fake_gpu)  # learns 25 µs per launch; some events still ahead
+    stats = interpose.stats()
+    assert stats["hold_queued_us_first"] == 0  # no hold yet
+    every = stats["record_every"]
+    outstanding = len(fake_gpu.outstanding)
+    assert outstanding >= 1
+
+    block = ControlBlock.create(tmp_path / "session.cb")
+    block.publish(gate_closed=False, state=LeaseState.PAUSED, level=3)
+    interpose.point_at(block.address())
+    try:
+        thread, result = _enter_in_thread(library.gps_launch_enter)
+        time.sleep(0.2)
+        block.publish(gate_closed=False, state=LeaseState.RUNNING)
+        thread.join(timeout=2)
+        assert result == [1]
+    finally:
+        interpose.point_at(None)
+        block.close()
+    stats = interpose.stats()
+    launches = stats["hold_queued_launches_max"]
+    # Events the GPU passed count until the shim has seen them pass: at least those still
+    # ahead, at most a full window, plus the launches since the last event.
+    assert outstanding * every <= launches < (stats["window"] + 1) * every
+    assert stats["hold_queued_us_first"] == stats["hold_queued_us_max"]
+    assert stats["hold_queued_us_max"] == pytest.approx(launches * 25, abs=1)
+
+
 def test_time_the_gpu_sat_idle_between_checkpoints_is_not_taken_for_launch_time(fake_gpu):
     library = interpose.native_library()
     library.gps_set_target(3000, 0)

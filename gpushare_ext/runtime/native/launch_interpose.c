@@ -166,6 +166,13 @@ typedef struct {
     uint64_t graphs;          /* cuGraphLaunch: a graph's kernels are not the shim's to see */
     uint64_t unrivalled;      /* launches of long kernels run as they are: nobody could
                                * have asked this session to stop (the broker's word) */
+    /* What the shim believed was queued on the GPU when a hold began (the launches since
+     * the oldest event still outstanding, at the GPU time a launch was learnt to take):
+     * a pause's lock waits for that work, so a long first stop is told apart from a
+     * queue the bound let grow. */
+    uint64_t hold_queued_us_first;    /* at the first hold of this process (0: none yet) */
+    uint64_t hold_queued_us_max;      /* the most at any hold */
+    uint64_t hold_queued_launches_max;
 } gps_stats;
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -241,12 +248,44 @@ static void on_sigint(int sig, siginfo_t *info, void *context) {
 
 /* ---- the two halves of a launch, callable without CUPTI (tests drive them directly) */
 
+/* The work the windows say is queued, read without the lock (a thread may hold it
+ * across a driver call the checkpoint lock blocks): a figure for the stats only. */
+static void note_queue_at_hold(void) {
+    double queued_us = 0;
+    uint64_t launches = 0;
+    for (int i = 0; i < MAX_CONTEXTS; i++) {
+        ContextWindow *w = &g_windows[i];
+        if (!__atomic_load_n(&w->created, __ATOMIC_ACQUIRE)) continue;
+        unsigned count = __atomic_load_n(&w->count, __ATOMIC_RELAXED);
+        unsigned every = __atomic_load_n(&w->every, __ATOMIC_RELAXED);
+        unsigned since = __atomic_load_n(&w->since_record, __ATOMIC_RELAXED);
+        double per_launch_us;
+        __atomic_load(&w->per_launch_us, &per_launch_us, __ATOMIC_RELAXED);
+        uint64_t n = (uint64_t)count * (every ? every : 1) + since;
+        launches += n;
+        queued_us += (double)n * (per_launch_us > 0 ? per_launch_us : 0);
+    }
+    uint64_t us = (uint64_t)queued_us, zero = 0;
+    __atomic_compare_exchange_n(&g_stats.hold_queued_us_first, &zero, us ? us : 1, 0,
+                                __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+    uint64_t seen = __atomic_load_n(&g_stats.hold_queued_us_max, __ATOMIC_RELAXED);
+    while (us > seen && !__atomic_compare_exchange_n(&g_stats.hold_queued_us_max, &seen, us, 1,
+                                                     __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    }
+    seen = __atomic_load_n(&g_stats.hold_queued_launches_max, __ATOMIC_RELAXED);
+    while (launches > seen &&
+           !__atomic_compare_exchange_n(&g_stats.hold_queued_launches_max, &seen, launches, 1,
+                                        __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    }
+}
+
 /* Entry: wait here while the session is paused.  Returns 1 if it waited. */
 int gps_launch_enter(CUstream stream, int ptsz) {
     (void)stream;
     (void)ptsz;
     __atomic_add_fetch(&g_stats.launches, 1, __ATOMIC_RELAXED);
     if (!session_paused() || t_exempt) return 0;
+    note_queue_at_hold();
     /* Python puts its own SIGINT handler back at every cell (ipykernel does): chain ours
      * in front of it again, or Ctrl-C could not end this hold. */
     install_sigint();
