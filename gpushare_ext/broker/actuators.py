@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import multiprocessing
 import os
 import threading
@@ -34,6 +35,8 @@ from gpushare_ext.broker.errors import DaemonError
 from gpushare_ext.control_block import ControlBlock
 from gpushare_ext.lease_state import LeaseState
 from gpushare_ext.protocol import PreemptionLevel, applied_level
+
+log = logging.getLogger("gpushare.broker")
 
 
 class ActuatorError(DaemonError):
@@ -68,6 +71,8 @@ class ProcessControl(Protocol):
     """Levels 1-4 for one kind of host.  All methods may block; call them off the event loop."""
 
     kind: str
+
+    def open_yield_flag(self, device_index: int, handle_hex: str, offset: int) -> None: ...
 
     def write_yield_flag(
         self, device_index: int, handle_hex: str, offset: int, value: int
@@ -118,6 +123,9 @@ class SimulatedProcessControl:
         with self._lock:
             steps = self.applied.setdefault(pid, set())
             (steps.add if on else steps.discard)(what)
+
+    def open_yield_flag(self, device_index: int, handle_hex: str, offset: int) -> None:
+        raise ActuatorError("no GPU: yield flags exist only on a real device", not_supported=True)
 
     def write_yield_flag(self, device_index: int, handle_hex: str, offset: int, value: int) -> None:
         raise ActuatorError("no GPU: yield flags exist only on a real device", not_supported=True)
@@ -195,15 +203,21 @@ def _cuda_worker(device_index: int, conn) -> None:  # pragma: no cover - runs on
                 )
                 conn.send(("ok", int(value)))
                 continue
-            elif op == "flag":
-                from gpushare_ext.kernels.yield_flags import write_yield_flag_from_handle
+            elif op in ("flag", "open"):
+                from gpushare_ext.kernels.yield_flags import (
+                    open_yield_flag_from_handle,
+                    write_yield_flag_from_handle,
+                )
 
-                handle_hex, offset, value = args
+                handle_hex, offset, *value = args
                 if offset:
                     raise RuntimeError(
                         "yield flags are registered at the start of their allocation"
                     )
-                write_yield_flag_from_handle(bytes.fromhex(handle_hex), value, device_index)
+                if op == "open":
+                    open_yield_flag_from_handle(bytes.fromhex(handle_hex), device_index)
+                else:
+                    write_yield_flag_from_handle(bytes.fromhex(handle_hex), value[0], device_index)
             else:
                 raise RuntimeError(f"unknown operation {op}")
             conn.send(("ok", None))
@@ -247,6 +261,9 @@ class CudaProcessControl:
             not_supported = "NOT_SUPPORTED" in value or "NOT_PERMITTED" in value
             raise ActuatorError(value, not_supported=not_supported)
         return value
+
+    def open_yield_flag(self, device_index: int, handle_hex: str, offset: int) -> None:
+        self._call(device_index, "open", handle_hex, offset)
 
     def write_yield_flag(self, device_index: int, handle_hex: str, offset: int, value: int) -> None:
         self._call(device_index, "flag", handle_hex, offset, value)
@@ -314,6 +331,19 @@ class Ladder:
 
     def is_locked(self, pid: int) -> bool:
         return pid in self._locked
+
+    async def open_yield_flag(self, device_index: int, flag: tuple[str, int]) -> bool:
+        """Open a newly registered yield flag ahead of any pause: the first pause of a
+        session otherwise pays for it, and the first in the actuator's life for its CUDA
+        context too (235-300 ms on an H200, which a waiting grant would not wait out).
+        False if it could not be opened (the pause that writes it says why)."""
+        handle, offset = flag
+        try:
+            await self._run(self.control.open_yield_flag, device_index, handle, offset)
+        except ActuatorError as exc:
+            log.debug("yield flag not opened ahead: %s", exc)
+            return False
+        return True
 
     def _serial(self, pid: int) -> asyncio.Lock:
         return self._per_pid.setdefault(pid, asyncio.Lock())

@@ -412,7 +412,12 @@ class Requests:
             raise ProtocolError(
                 ErrorCode.NOT_SUPPORTED, "yield flags need a real GPU; this broker simulates one"
             )
-        ctx.yield_flags[message.lease_id] = (message.ipc_handle_hex, message.offset)
+        flag = (message.ipc_handle_hex, message.offset)
+        ctx.yield_flags[message.lease_id] = flag
+        if lease.slot in ctx.scheduler.slots:
+            # Opened now, off the loop: a pause then only writes it.
+            device_index = ctx.scheduler.slots[lease.slot].device_index
+            ctx.tasks.spawn(ctx.ladder.open_yield_flag(device_index, flag))
         ctx.outbox.put(conn, Ok(reply_to=message.seq, detail="yield flag registered"))
 
     # ---- administration

@@ -129,11 +129,13 @@ _opened: dict[tuple[bytes, int], tuple[int, Any]] = {}
 _opened_lock = threading.Lock()
 
 
-def write_yield_flag_from_handle(handle_bytes: bytes, value: int, device: int = 0) -> None:
-    """Write ``value`` into another process's yield flag (the broker's actuator calls this).
+def open_yield_flag_from_handle(handle_bytes: bytes, device: int = 0) -> tuple[int, Any]:
+    """Open another process's yield flag once per (handle, device) and keep it open: its
+    address here and the high-priority stream writes go on.
 
-    Opens the IPC handle once per (handle, device) and keeps it open; the write is a
-    ``cuStreamWriteValue32`` on a high-priority non-blocking stream, then a sync.
+    The first open of a process also creates its CUDA context (about a quarter of a
+    second on an H200), so the broker's actuator opens a flag when it is registered,
+    not at the first pause that writes it.
     """
     if len(handle_bytes) != 64:
         raise KernelError("bad-ipc-handle", "a CUDA IPC memory handle has 64 bytes", step="launch")
@@ -151,7 +153,13 @@ def write_yield_flag_from_handle(handle_bytes: bytes, value: int, device: int = 
                 "cuIpcOpenMemHandle",
             )
             _opened[key] = (int(ptr), side_stream())
-        ptr, stream = _opened[key]
+        return _opened[key]
+
+
+def write_yield_flag_from_handle(handle_bytes: bytes, value: int, device: int = 0) -> None:
+    """Write ``value`` into another process's yield flag (the broker's actuator calls this):
+    a ``cuStreamWriteValue32`` on a high-priority non-blocking stream, then a sync."""
+    ptr, stream = open_yield_flag_from_handle(handle_bytes, device)
     _write_word(stream, ptr, value)
 
 

@@ -43,6 +43,9 @@ class RecordingControl:
     def restore(self, pid, device):
         self.calls.append(("restore", pid))
 
+    def open_yield_flag(self, device, handle, offset):
+        self.calls.append(("open", handle))
+
     def write_yield_flag(self, device, handle, offset, value):
         self.calls.append(("flag", value))
 
@@ -62,6 +65,20 @@ def test_a_locked_session_with_a_flag_reports_every_rung(tmp_path: Path):
     assert applied.note == "stopped by: launches held, yield flag, process lock"
     assert applied.level == PreemptionLevel.LOCK
     block.close()
+
+
+def test_a_registered_flag_is_opened_ahead_so_a_pause_only_writes_it():
+    control = RecordingControl()
+    ladder = Ladder(control)
+    assert asyncio.run(ladder.open_yield_flag(0, ("ab" * 64, 0)))
+    assert control.calls == [("open", "ab" * 64)]
+
+
+def test_a_flag_that_cannot_be_opened_ahead_is_left_to_the_pause():
+    # A simulated GPU has no flags: the open says no and nothing is raised.
+    assert (
+        asyncio.run(Ladder(SimulatedProcessControl()).open_yield_flag(0, ("ab" * 64, 0))) is False
+    )
 
 
 def test_without_a_control_block_or_flag_only_the_lock_is_named():

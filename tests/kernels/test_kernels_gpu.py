@@ -307,6 +307,23 @@ def test_yield_flag_written_from_another_process_through_ipc():
     flag.close()
 
 
+def test_the_actuator_opens_a_registered_flag_ahead_and_a_pause_then_writes_it():
+    from gpushare_ext.broker.actuators import CudaProcessControl
+    from gpushare_ext.kernels.yield_flags import YieldFlag
+
+    flag = YieldFlag()
+    control = CudaProcessControl([0])
+    try:
+        handle = flag.ipc_handle().hex()
+        control.open_yield_flag(0, handle, 0)  # what registering the flag starts
+        assert flag.read() == 0  # opening writes nothing
+        control.write_yield_flag(0, handle, 0, 3)  # what a pause does
+        assert flag.read() == 3
+    finally:
+        control.close()
+        flag.close()
+
+
 class _Toggler:
     """Raise ``flag`` for ``on_s`` every ``period_s`` while a launch runs."""
 
