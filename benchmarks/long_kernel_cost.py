@@ -15,10 +15,12 @@ Each way runs in a fresh real ipykernel kernel, as a notebook user's would:
 Kernel kinds, each about 30-50 ms per launch on an H200: a CuPy ``ElementwiseKernel``
 (a loop per element), a CuPy ``ReductionKernel`` (a loop per element, then a sum), a
 CuPy ``RawKernel`` with ``atomicAdd`` into a histogram, and a Numba ``@cuda.jit`` loop.
-Per kind and way: the median GPU time of a launch (CUDA events around each launch,
-after the launches the shim times), the first launch's time (the shim's timing, and
-for ``rival`` the analysis and transform of the preemptible version), and whether the
-results are bit-identical to ``plain``.
+Per kind and way: the median GPU time of a launch after the first (CUDA events around
+each launch), the first launch's time (it runs as it is, with the framework's compile,
+and the shim times it), and whether the results are bit-identical to ``plain``.  The
+``rival`` way's second launch is the one the shim analyses and transforms: each run's
+``times_ms`` keeps it first, and the median over enough launches leaves it out (the
+report shows what it added).
 
 ``python -m benchmarks.long_kernel_cost --out DIR [--repeats 3] [--launches 12]``
 """

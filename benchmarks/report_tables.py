@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 from pathlib import Path
 
 from benchmarks.report_format import THIRD_PARTY_LABELS, fmt, portable, where
@@ -77,6 +78,17 @@ def _ratio_cell(row: dict | None, target: float, unrivalled: bool = False) -> tu
     return f"{ratio:.3f}{spread}", "met" if ratio <= target else f"missed ({ratio:.3f} x)"
 
 
+def _transform_ms(doc: dict, kind: str) -> float | None:
+    """What a contended kernel's second launch, the one the shim analyses and transforms,
+    took over its later launches (the median over the runs); None without the launches."""
+    extra = []
+    for run in doc.get("runs", []):
+        times = (run.get(kind) or {}).get("times_ms") or []
+        if run.get("way") == "rival" and len(times) >= 2:
+            extra.append(times[0] - statistics.median(times[1:]))
+    return statistics.median(extra) if extra else None
+
+
 def cost_section(doc: dict) -> list[str]:
     """What a long kernel costs against running it without gpushare, per kernel kind."""
     lines = [
@@ -85,12 +97,14 @@ def cost_section(doc: dict) -> list[str]:
         "`%%gpu` cell no other session could preempt (else a cell without `%%gpu`); "
         "*contended*: the same while a high-priority notebook stays connected, so long "
         "kernels run ready to stop (in parentheses: the lowest and highest repeat's "
-        "median). The rival's first launch includes the analysis and transform.",
+        "median). A first launch runs as it is, with the framework's compile; a contended "
+        "kernel's second launch is analysed and transformed: *transform* is what that "
+        "launch took over the later ones.",
         "",
         "| kernel | framework | plain ms | uncontended x plain | contended x plain "
-        "| first launch ms, plain / contended | bit-identical "
+        "| first launch ms, plain / contended | transform ms | bit-identical "
         f"| uncontended <= {UNCONTENDED_TARGET:.2f} | contended <= {CONTENDED_TARGET:.2f} |",
-        "|---|---|---:|---:|---:|---:|---|---|---|",
+        "|---|---|---:|---:|---:|---:|---:|---|---|---|",
     ]
     unrivalled = _ran_unrivalled(doc)
     missed: list[str] = []
@@ -107,7 +121,8 @@ def cost_section(doc: dict) -> list[str]:
         plain_ms = fmt(plain and plain.get("median_ms"), 1)
         lines.append(
             f"| {kind} | {FRAMEWORKS.get(kind, kind)} | {plain_ms} | {alone_text} | {rival_text} "
-            f"| {first} | {same} | {alone_verdict} | {rival_verdict} |"
+            f"| {first} | {fmt(_transform_ms(doc, kind), 1)} | {same} | {alone_verdict} "
+            f"| {rival_verdict} |"
         )
         for label, verdict_text, target in (
             ("uncontended", alone_verdict, UNCONTENDED_TARGET),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 from pathlib import Path
 
 import pytest
@@ -60,22 +61,22 @@ def test_the_cost_table_shows_failed_numba_and_an_unrivalled_rival_as_such(tmp_p
         cells = by_kind[kind]
         assert cells[2] == f"{ways['plain']['median_ms']:.1f}"
         assert cells[5] == f"{ways['plain']['first_ms']:.1f} / {ways['rival']['first_ms']:.1f}"
-        assert cells[6] == "yes"
+        assert cells[7] == "yes"
         if kind == "numba":  # timed on the wrong stream in this run: ratios of 0.0002
             assert cells[3] == cells[4] == "-"
-            assert cells[7] == cells[8] == "failed"
+            assert cells[8] == cells[9] == "failed"
             assert "0.00" not in " ".join(cells)
             continue
         alone = ways["alone"]
         repeats = alone["repeat_medians_vs_plain"]
         assert cells[3] == (f"{alone['vs_plain']:.3f} ({min(repeats):.3f}-{max(repeats):.3f})")
-        assert cells[7] == (
+        assert cells[8] == (
             "met" if alone["vs_plain"] <= 1.01 else f"missed ({alone['vs_plain']:.3f} x)"
         )
         assert cells[4].startswith(f"{ways['rival']['vs_plain']:.3f}")
         # Every rival run counted 0 preemptible launches: the rival's figures are no
         # contended figures.
-        assert cells[8] == "not contended (ran unrivalled)"
+        assert cells[9] == "not contended (ran unrivalled)"
     assert footer.startswith(
         "Command: `python -m benchmarks.long_kernel_cost --out DIR --ways plain,alone,rival"
     )
@@ -93,15 +94,35 @@ def test_the_cost_table_states_a_missed_target_with_its_figure(tmp_path: Path):
     missed = []
     for kind, ways in cost_rows(document).items():
         cells, ratio = by_kind[kind], ways["rival"]["vs_plain"]
-        assert cells[3] == "-" and cells[7] == "not measured"  # plain and rival only
+        assert cells[3] == "-" and cells[8] == "not measured"  # plain and rival only
         assert cells[4].startswith(f"{ratio:.3f} (")
         if ratio <= 1.10:
-            assert cells[8] == "met"
+            assert cells[9] == "met"
         else:
-            assert cells[8] == f"missed ({ratio:.3f} x)"
+            assert cells[9] == f"missed ({ratio:.3f} x)"
             missed.append(f"{kind} contended {ratio:.3f} x plain (target 1.10)")
     assert missed, "this run missed the contended target for the reduction"
     assert footer.endswith("; missed: " + ", ".join(missed) + ".")
+
+
+def test_the_cost_table_shows_what_the_analysis_and_transform_added_to_a_launch(
+    tmp_path: Path,
+):
+    text = report(tmp_path, "2026-12-03-h200-cost-stop-tail")
+    document = json.loads(
+        (RESULTS / "2026-12-03-h200-cost-stop-tail" / "long_kernel_cost.json").read_text()
+    )
+    rows, _ = table(text, "What a long kernel costs")
+    by_kind = {row[0]: row for row in rows}
+    for kind in by_kind:
+        # The second launch of each contended run, over the median of its later ones.
+        extra = sorted(
+            run[kind]["times_ms"][0] - statistics.median(run[kind]["times_ms"][1:])
+            for run in document["runs"]
+            if run["way"] == "rival"
+        )
+        assert by_kind[kind][6] == f"{statistics.median(extra):.1f}"
+        assert statistics.median(extra) > 0  # the transform is paid once, and shows
 
 
 def test_where_the_cost_goes_shows_the_newest_check_cost_run(tmp_path: Path):
