@@ -325,6 +325,9 @@ class Ladder:
         self._per_pid: dict[int, asyncio.Lock] = {}
         self._locked: set[int] = set()  # what was actually applied, whatever level was asked
         self._checkpointed: set[int] = set()
+        # Flags opened ahead (the actuator keeps them open): a session registers its one
+        # flag again with every lease, and that need not cross to the actuator each time.
+        self._flags_opened: set[tuple[int, str]] = set()
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
@@ -338,11 +341,14 @@ class Ladder:
         context too (235-300 ms on an H200, which a waiting grant would not wait out).
         False if it could not be opened (the pause that writes it says why)."""
         handle, offset = flag
+        if (device_index, handle) in self._flags_opened:
+            return True
         try:
             await self._run(self.control.open_yield_flag, device_index, handle, offset)
         except ActuatorError as exc:
             log.debug("yield flag not opened ahead: %s", exc)
             return False
+        self._flags_opened.add((device_index, handle))
         return True
 
     def _serial(self, pid: int) -> asyncio.Lock:

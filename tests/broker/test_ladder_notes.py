@@ -72,6 +72,9 @@ def test_a_registered_flag_is_opened_ahead_so_a_pause_only_writes_it():
     ladder = Ladder(control)
     assert asyncio.run(ladder.open_yield_flag(0, ("ab" * 64, 0)))
     assert control.calls == [("open", "ab" * 64)]
+    # The session registers the same flag with its next lease: already open.
+    assert asyncio.run(ladder.open_yield_flag(0, ("ab" * 64, 0)))
+    assert control.calls == [("open", "ab" * 64)]
 
 
 def test_a_flag_that_cannot_be_opened_ahead_is_left_to_the_pause():
