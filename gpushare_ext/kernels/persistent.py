@@ -24,7 +24,13 @@ from gpushare_ext.kernels.rewrite import (
 )
 from gpushare_ext.kernels.saved_state import restore_stub, resume_saved, save_stub
 
-__all__ = ["PersistentBlocks", "groups_stop_together", "stop_marks"]
+__all__ = [
+    "PersistentBlocks",
+    "block_stop_marks",
+    "groups_stop_together",
+    "park_marks",
+    "stop_marks",
+]
 
 
 # State-saving variants claim a chunk only once every thread of the block has finished
@@ -34,26 +40,58 @@ _PARKED_BLOCK_STOPS = ("barrier.sync 0;",)
 _STOP_IF_PARKED = (
     "ld.shared.u32 %gs_t, [__gs_stopped];",
     "setp.ne.u32 %gs_pr, %gs_t, 0;",
-    "@%gs_pr bra $__gs_publish;",
+    "@%gs_pr bra $__gs_blockstop;",
 )
 
 
 def _park(plan: SavePlan, grouped: bool) -> list[str]:
-    """The save and reload stubs, and the parking path: a thread that saved its state
-    marks the record and its block, then waits at the next dispatch like the others
-    (it does not exit, so the block's barriers keep counting it)."""
+    """The save and reload stubs, the parking path and the block's stop: a thread that
+    saved its state marks its block (in shared memory), then waits at the next dispatch
+    like the others (it does not exit, so the block's barriers keep counting it); there
+    the leader writes the block's marks in the record, once for the whole block."""
     out: list[str] = []
     for n in sorted(plan.live):
         out += save_stub(plan, n)
     for n in sorted(plan.live):
         out += restore_stub(plan, n)
-    out += [
-        "$__gs_park:",
-        *stop_marks(grouped),
-        "st.shared.u32 [__gs_stopped], %gs_t;",
-        "bra $__gs_next;",
-    ]
+    out += ["$__gs_park:", *park_marks(grouped), "bra $__gs_next;"]
+    out += ["$__gs_blockstop:", *block_stop_marks(), "bra $__gs_publish;"]
     return out
+
+
+def park_marks(grouped: bool = True) -> list[str]:
+    """What a parking thread writes: in its block's shared slots, when it saw the flag
+    and the logical block it stopped in (minimums over the block), and that the block
+    has a parked thread.  Nothing global: :func:`block_stop_marks` writes the record
+    once per block, after the barrier every parked thread waits at.  Why: with a word
+    per warp group, a kernel filling an H200 still queued some eight thousand atomics
+    on the same three words of the record, and the stop's drain stayed near 60 us."""
+    lead = "@%gs_lead " if grouped else ""
+    return [
+        *(_lowest_active_lane() if grouped else ()),
+        f"{lead}mov.u64 %gs_now, %globaltimer;",
+        f"{lead}red.shared.min.u64 [__gs_firstseen], %gs_now;",
+        f"{lead}red.shared.min.u32 [__gs_lowstop], %gs_id;",
+        "mov.u32 %gs_t, 1;",
+        "st.shared.u32 [__gs_stopped], %gs_t;",
+    ]
+
+
+def block_stop_marks() -> list[str]:
+    """The leader, once every thread of its block has parked or finished its chunk
+    (the dispatch's barrier): the block's first sight of the flag, now as its exit,
+    the lowest logical block its threads stopped in, and that the slice was aborted."""
+    L = RecordLayout
+    return [
+        "ld.shared.u64 %gs_now, [__gs_firstseen];",
+        f"red.global.min.u64 [%gs_prog+{L.FIRST_YIELD_NS}], %gs_now;",
+        "mov.u64 %gs_now, %globaltimer;",
+        f"red.global.max.u64 [%gs_prog+{L.LAST_EXIT_NS}], %gs_now;",
+        "ld.shared.u32 %gs_t, [__gs_lowstop];",
+        f"red.global.min.u32 [%gs_prog+{L.LOWEST_ABORTED}], %gs_t;",
+        "mov.u32 %gs_t, 1;",
+        f"st.global.u32 [%gs_prog+{L.ABORTED}], %gs_t;",
+    ]
 
 
 _LOOP_PARAMS = (
@@ -87,6 +125,8 @@ _SAVE_DECLS = (
     ".reg .b32 %gs_g, %gs_tag;",
     ".reg .pred %gs_pr;",
     ".shared .align 4 .b32 __gs_stopped;",  # a thread of the block parked
+    ".shared .align 8 .b64 __gs_firstseen;",  # the block's parked threads: first sight
+    ".shared .align 4 .b32 __gs_lowstop;",  # and the lowest logical block stopped in
 )
 
 
@@ -219,9 +259,10 @@ def groups_stop_together(state: TransformState) -> bool:
 
 
 def stop_marks(grouped: bool = True) -> list[str]:
-    """What a stopping thread (an abort, or a park with its state saved) writes in the
-    record: when (first sight of the flag, last exit), the lowest logical block stopped,
-    and that the slice was aborted.
+    """What an aborting thread writes in the record before it exits: when (first sight
+    of the flag, last exit), the lowest logical block stopped, and that the slice was
+    aborted.  (A parking thread writes its block's shared slots instead:
+    :func:`park_marks`.)
 
     ``grouped``: written by one thread per converged group of a warp, the lowest active
     lane; the group's threads stop together, at the same time and in the same logical
@@ -230,15 +271,8 @@ def stop_marks(grouped: bool = True) -> list[str]:
     against 5 us for one block (benchmarks/results/2026-12-03-h200-cost-and-stops)."""
     L = RecordLayout
     lead = "@%gs_lead " if grouped else ""
-    choose = [
-        "activemask.b32 %gs_am;",
-        "brev.b32 %gs_am, %gs_am;",
-        "clz.b32 %gs_am, %gs_am;",  # the lowest active lane
-        "mov.u32 %gs_ln, %laneid;",
-        "setp.eq.u32 %gs_lead, %gs_am, %gs_ln;",
-    ]
     return [
-        *(choose if grouped else ()),
+        *(_lowest_active_lane() if grouped else ()),
         f"{lead}mov.u64 %gs_now, %globaltimer;",
         f"{lead}red.global.min.u64 [%gs_prog+{L.FIRST_YIELD_NS}], %gs_now;",
         f"{lead}red.global.max.u64 [%gs_prog+{L.LAST_EXIT_NS}], %gs_now;",
@@ -247,6 +281,17 @@ def stop_marks(grouped: bool = True) -> list[str]:
         f"{lead}red.global.min.u32 [%gs_prog+{L.LOWEST_ABORTED}], %gs_id;",
         "mov.u32 %gs_t, 1;",
         f"{lead}st.global.u32 [%gs_prog+{L.ABORTED}], %gs_t;",
+    ]
+
+
+def _lowest_active_lane() -> list[str]:
+    """``%gs_lead``: this thread is the lowest active lane of its converged group."""
+    return [
+        "activemask.b32 %gs_am;",
+        "brev.b32 %gs_am, %gs_am;",
+        "clz.b32 %gs_am, %gs_am;",
+        "mov.u32 %gs_ln, %laneid;",
+        "setp.eq.u32 %gs_lead, %gs_am, %gs_ln;",
     ]
 
 

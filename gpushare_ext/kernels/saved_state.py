@@ -237,9 +237,14 @@ def resume_saved(plan: SavePlan) -> list[str]:
     out = [
         "// gpushare: a thread stopped by an earlier slice goes on where it was",
         *_thread_cells(),
-        # The block's "a thread parked" mark, cleared before anyone can set it.
+        # The block's "a thread parked" mark and its parked threads' minimums (first
+        # sight of the flag, logical block), reset before anyone can park.
         "mov.u32 %gs_t, 0;",
         "@%gs_leader st.shared.u32 [__gs_stopped], %gs_t;",
+        "mov.u64 %gs_sp, 0xFFFFFFFFFFFFFFFF;",
+        "@%gs_leader st.shared.u64 [__gs_firstseen], %gs_sp;",
+        "mov.u32 %gs_t, 0xFFFFFFFF;",
+        "@%gs_leader st.shared.u32 [__gs_lowstop], %gs_t;",
         "barrier.sync 0;",
         "ld.global.u32 %gs_tag, [%gs_sv];",
         "setp.eq.u32 %gs_pr, %gs_tag, 0;",

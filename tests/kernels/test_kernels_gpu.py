@@ -351,6 +351,14 @@ class _Toggler:
         self.flag.clear()
 
 
+def _assert_stop_marks_in_order(rep) -> None:
+    """Every stopped slice's marks (written once per parked block): it began, then a
+    thread saw the flag, then the last block left, all within the launch's time."""
+    assert len(rep.stops_ns) >= rep.saves, rep
+    for start, first, last in rep.stops_ns:
+        assert 0 < start <= first <= last < start + 60_000_000_000, (start, first, last)
+
+
 def test_saved_aborts_keep_the_work_of_logical_blocks_longer_than_every_gap():
     """long_loop_inplace (not idempotent) on two persistent blocks that each run one
     logical block of far more than the 4 ms between preemptions: with saved state the
@@ -378,6 +386,7 @@ def test_saved_aborts_keep_the_work_of_logical_blocks_longer_than_every_gap():
     print(f"saved aborts: {rep}")
     assert toggler.raised >= 3, rep
     assert rep.saves >= 2 and rep.aborts == 0 and not rep.restored, rep
+    _assert_stop_marks_in_order(rep)
     _compare(cp, case, "saved aborts", (got,), (want,), rep)
     flag.close()
 
@@ -415,6 +424,7 @@ def test_saved_aborts_run_every_atomic_exactly_once():
                        yield_flag=flag)  # fmt: skip
     print(f"atomics under saved aborts: {rep}")
     assert rep.saves >= 1, rep
+    _assert_stop_marks_in_order(rep)
     assert cp.asnumpy(got).tolist() == cp.asnumpy(want).tolist(), rep
     flag.close()
 
