@@ -5,7 +5,7 @@ transform adds: the persistent grid that claims logical blocks (``yield``), the 
 flag read at loop back-edges with tight loops unrolled so that the read is rare
 (``abort``), and the live registers a stopping thread saves (``abort+save``, what the
 launch shim uses).  This times each, and the back-edge check at other read intervals and
-unroll depths, on two kernels of about 30 ms: a grid-stride loop per element (as a CuPy
+unroll depths (``back_edges.CHECK_INSTRUCTIONS``, ``UNROLL``), on two kernels of about 30 ms: a grid-stride loop per element (as a CuPy
 ``ElementwiseKernel`` runs) and the same loop feeding ``atomicAdd`` into a histogram.
 Nobody raises the flag: this is the price of being ready.
 
@@ -43,16 +43,17 @@ extern "C" __global__ void gps_cc_histogram(const float* x, unsigned* bins, int 
 }
 """
 
-# (name, abort checks, save state, unroll copies, read the flag once in this many rounds)
+# (name, abort checks, save state, unroll copies, a flag read once per this many
+# instructions of a loop)
 VARIANTS = (
-    ("yield", False, True, 16, 256),
-    ("abort", True, False, 16, 256),
-    ("abort+save", True, True, 16, 256),
-    ("abort+save every 64", True, True, 16, 64),
-    ("abort+save every 1024", True, True, 16, 1024),
-    ("abort+save unroll 8", True, True, 8, 256),
-    ("abort+save unroll 32", True, True, 32, 256),
-    ("abort+save unroll 1", True, True, 1, 256),
+    ("yield", False, True, 16, 1024),
+    ("abort", True, False, 16, 1024),
+    ("abort+save", True, True, 16, 1024),
+    ("abort+save read /256 instr", True, True, 16, 256),
+    ("abort+save read /4096 instr", True, True, 16, 4096),
+    ("abort+save unroll 8", True, True, 8, 1024),
+    ("abort+save unroll 32", True, True, 32, 1024),
+    ("abort+save unroll 1", True, True, 1, 1024),
 )
 
 
@@ -70,13 +71,13 @@ def _median_ms(launch: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _fresh_kernel(name: str, unroll: int, every: int, save: bool):
+def _fresh_kernel(name: str, unroll: int, check_instructions: int, save: bool):
     """The kernel compiled again, its abort-mode variant built with these settings."""
     from gpushare_ext.kernels import back_edges, kernel
     from gpushare_ext.kernels.rewrite import TransformOptions
     from gpushare_ext.kernels.transform import make_preemptible
 
-    back_edges.UNROLL, back_edges.THREAD_CHECK_EVERY = unroll, every
+    back_edges.UNROLL, back_edges.CHECK_INSTRUCTIONS = unroll, check_instructions
     k = kernel(SOURCE, name)
     if not save:  # the launcher asks for the saving variant: hand it the other one
         built = make_preemptible(
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     from gpushare_ext.kernels import back_edges
     from gpushare_ext.kernels.launch import launch_kernel
 
-    defaults = back_edges.UNROLL, back_edges.THREAD_CHECK_EVERY
+    defaults = back_edges.UNROLL, back_edges.CHECK_INSTRUCTIONS
     n, iterations = 1 << 22, 200_000
     x = cupy.arange(n, dtype=cupy.float32) / 7
     y = cupy.empty_like(x)
@@ -116,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
             args.repeats,
         )
         reference = (y.copy(), bins.copy())
-        for label, aborts, save, unroll, every in VARIANTS:
-            k = _fresh_kernel(name, unroll, every, save)
+        for label, aborts, save, unroll, check_instructions in VARIANTS:
+            k = _fresh_kernel(name, unroll, check_instructions, save)
             bins.fill(0)
             ms = _median_ms(
                 lambda k=k, a=call, c=aborts: launch_kernel(k, grid, block, a, abort_checks=c),
@@ -128,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                 {"kernel": name, "variant": label, "plain_ms": plain_ms, "ms": ms,
                  "x_plain": ms / plain_ms, "same_as_plain": same}
             )  # fmt: skip
-            print(f"{name:<18}{label:<24}{plain_ms:9.2f}{ms:9.2f}{ms / plain_ms:8.3f}", flush=True)
-    back_edges.UNROLL, back_edges.THREAD_CHECK_EVERY = defaults
+            print(f"{name:<18}{label:<28}{plain_ms:9.2f}{ms:9.2f}{ms / plain_ms:8.3f}", flush=True)
+    back_edges.UNROLL, back_edges.CHECK_INSTRUCTIONS = defaults
     if args.out:
         from benchmarks.environment import describe
 

@@ -224,10 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launches", type=int, default=4, help="preempted launches per kernel")
     parser.add_argument("--only", help="one kernel by name (e.g. gps_numba_relax)")
     parser.add_argument(
-        "--check-every",
+        "--check-instructions",
         type=int,
-        help="threads read the flag once in this many loop passes (a power of two; "
-        "default: the transform's own, back_edges.THREAD_CHECK_EVERY)",
+        help="threads read the flag about once per this many instructions of a loop "
+        "(default: the transform's own, back_edges.CHECK_INSTRUCTIONS)",
     )
     args = parser.parse_args(argv)
     import faulthandler
@@ -237,8 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     from gpushare_ext.kernels import back_edges, launch, yield_flags
     from gpushare_ext.runtime import interpose, preemptible
 
-    if args.check_every:  # before any kernel is transformed
-        back_edges.THREAD_CHECK_EVERY = args.check_every
+    if args.check_instructions:  # before any kernel is transformed
+        back_edges.CHECK_INSTRUCTIONS = args.check_instructions
     registry = preemptible.install()
     if registry is None:
         raise SystemExit("start this with the launch shim in LD_PRELOAD (see the docstring)")
@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     document = {
         "benchmark": "preemptible",
-        "thread_check_every": back_edges.THREAD_CHECK_EVERY,
+        "check_instructions": back_edges.CHECK_INSTRUCTIONS,
         "gpu_clock_offset_ns": offset_ns,
         "gpu_clock_offset_error_ns": offset_error_ns,  # every gpu_stop_us is +- this
         "rows": rows,

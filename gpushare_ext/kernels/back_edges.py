@@ -19,12 +19,13 @@ from gpushare_ext.kernels.rewrite import Item, Pass, TransformState
 from gpushare_ext.kernels.saved_state import plan_save
 
 __all__ = [
-    "THREAD_CHECK_EVERY",
+    "CHECK_INSTRUCTIONS",
     "UNROLL",
     "UNROLL_MAX_BODY",
     "BackEdgeChecks",
     "UnrollTightLoops",
     "abort_check",
+    "thread_check_every",
 ]
 
 #: Copies of a tight loop's body per round in abort mode (see :class:`UnrollTightLoops`)
@@ -196,12 +197,15 @@ class BackEdgeChecks(Pass):
         }  # fmt: skip
         checks: dict[int, str] = {}  # instruction index to insert before -> "uniform"/"thread"
         headers: dict[int, int] = {}  # the same index -> the loop header block
+        sizes: dict[int, int] = {}  # the same index -> instructions in one pass of its loop
         for latch, header in cfg.back_edges:
             body = cfg.loop_bodies[(latch, header)]
             kind = "uniform" if body & barrier_blocks else "thread"
             _, e = cfg.blocks[latch]
             at = e - 1 if instrs[e - 1].base in ("bra", "brx") else e
             headers.setdefault(at, header)
+            size = sum(cfg.blocks[b][1] - cfg.blocks[b][0] for b in body)
+            sizes[at] = min(size, sizes.get(at, size))
             if checks.get(at) != "uniform":
                 checks[at] = kind
         order = sorted(checks)
@@ -219,7 +223,7 @@ class BackEdgeChecks(Pass):
         def check(at: int) -> list[Item]:
             n = number[at]
             park = plan.park_if.get(n, "") if plan is not None else None
-            every = max(1, THREAD_CHECK_EVERY // state.unrolled.get(at, 1))
+            every = thread_check_every(sizes[at] * state.unrolled.get(at, 1))
             return [Item.raw(s) for s in abort_check(checks[at], n, park, every)]
 
         out: list[Item] = []
@@ -232,19 +236,34 @@ class BackEdgeChecks(Pass):
             if at >= len(instrs):
                 out += check(at)
         state.body = out
-        state.notes.append(f"{len(checks)} back-edge flag checks")
+        passes = sorted({thread_check_every(sizes[at] * state.unrolled.get(at, 1)) for at in order})
+        state.notes.append(
+            f"{len(checks)} back-edge flag checks (a thread reads the flag once in "
+            f"{'/'.join(map(str, passes))} passes)"
+        )
 
 
-#: A per-thread back-edge check reads the flag once in this many iterations: a volatile
-#: load on every iteration of a tight loop makes it memory-latency bound (measured: a
-#: CuPy ElementwiseKernel's FMA loop ran about ten times slower), and a few hundred
-#: iterations are still well under a microsecond.  A power of two.
-THREAD_CHECK_EVERY = 256
+#: A per-thread back-edge check reads the flag about once per this many instructions of
+#: its loop (a warp's, as written in the PTX).  Counted in instructions, not passes:
+#: a thread's next read is what a stop waits for, and a pass is anything from a few
+#: instructions to hundreds (Numba's FMA loop, unrolled, is about 270 a round: once in
+#: 256 of its iterations left a stop's drain at 63 us on the H200, where CuPy's loops,
+#: some 1,300 instructions between reads, drained in 13-21 us).  Fewer would cost: a
+#: volatile load on every pass of a tight loop made a CuPy ElementwiseKernel about ten
+#: times slower, and a read once per ~340 instructions cost 1-3 % more than per ~1,300.
+CHECK_INSTRUCTIONS = 1024
 
 
-def abort_check(
-    kind: str, n: int, park_if: str | None = None, every: int = THREAD_CHECK_EVERY
-) -> list[str]:
+def thread_check_every(loop_instructions: int) -> int:
+    """Passes between two reads of the flag for a loop of ``loop_instructions`` per
+    pass: the smallest power of two whose passes hold :data:`CHECK_INSTRUCTIONS`."""
+    every = 1
+    while every * max(1, loop_instructions) < CHECK_INSTRUCTIONS:
+        every *= 2
+    return every
+
+
+def abort_check(kind: str, n: int, park_if: str | None, every: int) -> list[str]:
     """Check ``n``, reading the flag once in ``every`` passes (a power of two).
     ``park_if`` (saving variants): the back edge's own condition (a predicate, ``!`` a
     negated one, ``""`` always); the thread parks only when it is about to go round

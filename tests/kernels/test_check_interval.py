@@ -1,0 +1,61 @@
+"""How often a thread reads the yield flag at a loop's back edge: about once per
+``CHECK_INSTRUCTIONS`` instructions of the loop, whatever a pass holds (a stop waits for
+each thread's next read).  CPU: the rule, and the PTX of real CuPy and Numba loops."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpushare_ext.kernels import back_edges, kernel
+
+FIXTURES = Path(__file__).parent / "fixtures" / "cupy"
+
+
+@given(st.integers(min_value=0, max_value=100_000))
+def test_the_passes_between_reads_are_the_fewest_power_of_two_that_hold_the_budget(size):
+    every = back_edges.thread_check_every(size)
+    assert every >= 1 and every & (every - 1) == 0
+    assert every * max(1, size) >= back_edges.CHECK_INSTRUCTIONS
+    assert every == 1 or (every // 2) * max(1, size) < back_edges.CHECK_INSTRUCTIONS
+
+
+def _read_masks(ptx: str) -> set[int]:
+    """The pass counts of the per-thread checks of a variant (its ``and`` masks + 1)."""
+    return {int(m) + 1 for m in re.findall(r"and\.b32 %gs_bm, %gs_bc, (\d+);", ptx)}
+
+
+def _abort_variant(ptx: str):
+    name = re.search(r"\.entry\s+(\S+)\s*\(", ptx).group(1)
+    return kernel(ptx, name).preemptible(abort_checks=True)
+
+
+def test_a_cupy_fma_loop_and_a_numba_one_read_the_flag_after_similar_work():
+    """CuPy's loop (NVVM's four iterations per pass, 16 copies a round) reads the flag
+    once in 16 rounds; Numba's (a pass four times as long) once in 4: about a thousand
+    instructions apart in both, where once in 256 iterations left Numba's four times
+    further apart."""
+    from numba import cuda, float32
+
+    def relax(x, out, iterations):
+        i = cuda.grid(1)
+        if i < x.size:
+            v = x[i]
+            for _ in range(iterations):
+                v = v * float32(0.999) + float32(0.5)
+            out[i] = v
+
+    numba_ptx, _ = cuda.compile_ptx(relax, "float32[::1], float32[::1], int32", cc=(9, 0))
+    cupy = _abort_variant((FIXTURES / "loopy.ptx").read_text())
+    numba = _abort_variant(numba_ptx)
+    assert 16 in _read_masks(cupy.ptx)
+    assert 4 in _read_masks(numba.ptx) and 16 not in _read_masks(numba.ptx)
+
+
+def test_the_budget_is_what_the_transform_uses(monkeypatch):
+    ptx = (FIXTURES / "loopy.ptx").read_text()
+    monkeypatch.setattr(back_edges, "CHECK_INSTRUCTIONS", 4 * back_edges.CHECK_INSTRUCTIONS)
+    assert 64 in _read_masks(_abort_variant(ptx).ptx)
