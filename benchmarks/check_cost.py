@@ -44,16 +44,18 @@ extern "C" __global__ void gps_cc_histogram(const float* x, unsigned* bins, int 
 """
 
 # (name, abort checks, save state, unroll copies, a flag read once per this many
-# instructions of a loop)
+# instructions of a loop, a check tests the previous check's read)
 VARIANTS = (
-    ("yield", False, True, 16, 1024),
-    ("abort", True, False, 16, 1024),
-    ("abort+save", True, True, 16, 1024),
-    ("abort+save read /256 instr", True, True, 16, 256),
-    ("abort+save read /4096 instr", True, True, 16, 4096),
-    ("abort+save unroll 8", True, True, 8, 1024),
-    ("abort+save unroll 32", True, True, 32, 1024),
-    ("abort+save unroll 1", True, True, 1, 1024),
+    ("yield", False, True, 16, 1024, False),
+    ("abort", True, False, 16, 1024, False),
+    ("abort prefetched", True, False, 16, 1024, True),
+    ("abort+save", True, True, 16, 1024, False),
+    ("abort+save prefetched", True, True, 16, 1024, True),
+    ("abort+save read /256 instr", True, True, 16, 256, False),
+    ("abort+save read /4096 instr", True, True, 16, 4096, False),
+    ("abort+save unroll 8", True, True, 8, 1024, False),
+    ("abort+save unroll 32", True, True, 32, 1024, False),
+    ("abort+save unroll 1", True, True, 1, 1024, False),
 )
 
 
@@ -71,13 +73,14 @@ def _median_ms(launch: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _fresh_kernel(name: str, unroll: int, check_instructions: int, save: bool):
+def _fresh_kernel(name: str, unroll: int, check_instructions: int, prefetch: bool, save: bool):
     """The kernel compiled again, its abort-mode variant built with these settings."""
     from gpushare_ext.kernels import back_edges, kernel
     from gpushare_ext.kernels.rewrite import TransformOptions
     from gpushare_ext.kernels.transform import make_preemptible
 
     back_edges.UNROLL, back_edges.CHECK_INSTRUCTIONS = unroll, check_instructions
+    back_edges.PREFETCH_FLAG_READ = prefetch
     k = kernel(SOURCE, name)
     if not save:  # the launcher asks for the saving variant: hand it the other one
         built = make_preemptible(
@@ -99,38 +102,56 @@ def main(argv: list[str] | None = None) -> int:
     from gpushare_ext.kernels import back_edges
     from gpushare_ext.kernels.launch import launch_kernel
 
-    defaults = back_edges.UNROLL, back_edges.CHECK_INSTRUCTIONS
+    defaults = back_edges.UNROLL, back_edges.CHECK_INSTRUCTIONS, back_edges.PREFETCH_FLAG_READ
     n, iterations = 1 << 22, 200_000
     x = cupy.arange(n, dtype=cupy.float32) / 7
     y = cupy.empty_like(x)
     bins = cupy.zeros(256, dtype=cupy.uint32)
-    grid, block = (n // 256, 1, 1), (256, 1, 1)
+    full = (n // 256, 1, 1), (256, 1, 1)
+    one_block = (1, 1, 1), (512, 1, 1)  # one SM, 16 warps: nothing hides a check's cost
+    # label -> (kernel, grid, block, arguments)
     calls = {
-        "gps_cc_loop": (x, y, numpy.int64(n), numpy.int32(iterations)),
-        "gps_cc_histogram": (x, bins, numpy.int32(n), numpy.int32(iterations // 2)),
+        "gps_cc_loop": ("gps_cc_loop", *full, (x, y, numpy.int64(n), numpy.int32(iterations))),
+        "gps_cc_histogram": (
+            "gps_cc_histogram",
+            *full,
+            (x, bins, numpy.int32(n), numpy.int32(iterations // 2)),
+        ),
+        "gps_cc_loop one block": (
+            "gps_cc_loop",
+            *one_block,
+            (x, y, numpy.int64(512 * 64), numpy.int32(iterations)),
+        ),
     }
     rows = []
-    for name, call in calls.items():
+    for label_of_call, (name, grid, block, call) in calls.items():
         original = _fresh_kernel(name, *defaults, save=True)
         plain_ms = _median_ms(
-            lambda k=original, a=call: launch_kernel(k, grid, block, a, preemptible=False),
+            lambda k=original, a=call, g=grid, b=block: launch_kernel(
+                k, g, b, a, preemptible=False
+            ),
             args.repeats,
         )
         reference = (y.copy(), bins.copy())
-        for label, aborts, save, unroll, check_instructions in VARIANTS:
-            k = _fresh_kernel(name, unroll, check_instructions, save)
+        for label, aborts, save, unroll, check_instructions, prefetch in VARIANTS:
+            k = _fresh_kernel(name, unroll, check_instructions, prefetch, save)
             bins.fill(0)
             ms = _median_ms(
-                lambda k=k, a=call, c=aborts: launch_kernel(k, grid, block, a, abort_checks=c),
+                lambda k=k, a=call, c=aborts, g=grid, b=block: launch_kernel(
+                    k, g, b, a, abort_checks=c
+                ),
                 args.repeats,
             )
             same = bool((y == reference[0]).all()) if name == "gps_cc_loop" else None
             rows.append(
-                {"kernel": name, "variant": label, "plain_ms": plain_ms, "ms": ms,
+                {"kernel": label_of_call, "variant": label, "plain_ms": plain_ms, "ms": ms,
                  "x_plain": ms / plain_ms, "same_as_plain": same}
             )  # fmt: skip
-            print(f"{name:<18}{label:<28}{plain_ms:9.2f}{ms:9.2f}{ms / plain_ms:8.3f}", flush=True)
-    back_edges.UNROLL, back_edges.CHECK_INSTRUCTIONS = defaults
+            print(
+                f"{label_of_call:<24}{label:<28}{plain_ms:9.2f}{ms:9.2f}{ms / plain_ms:8.3f}",
+                flush=True,
+            )
+    back_edges.UNROLL, back_edges.CHECK_INSTRUCTIONS, back_edges.PREFETCH_FLAG_READ = defaults
     if args.out:
         from benchmarks.environment import describe
 

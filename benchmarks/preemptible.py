@@ -133,6 +133,10 @@ class Preempter:
         self.flag, self.on_ms, self.period_ms = flag, on_ms, period_ms
         self.raised: list[float] = []
         self.raised_ns: list[int] = []  # the same moments on the host's wall clock
+        # Per raise, on the wall clock: the write queued (the call returned) and known to
+        # be in device memory (its stream synchronised): what the host's side costs.
+        self.queued_ns: list[int] = []
+        self.written_ns: list[int] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -141,7 +145,10 @@ class Preempter:
             time.sleep(self.period_ms / 1e3)
             self.raised.append(time.perf_counter())
             self.raised_ns.append(time.time_ns())
-            self.flag.set(1)
+            self.flag.set(1, wait=False)
+            self.queued_ns.append(time.time_ns())
+            self.flag.wait_written()
+            self.written_ns.append(time.time_ns())
             time.sleep(self.on_ms / 1e3)
             self.flag.set(0)
 
@@ -178,25 +185,56 @@ def _gpu_clock_offset(cupy) -> tuple[int, int]:
     return best
 
 
-def _gpu_stops(
-    reports: list, raised_ns: list[int], offset_ns: int
-) -> tuple[list[float], list[float], list[float]]:
-    """Per stop, in µs: the raise (host clock) to the last block's exit, and the drain;
-    and apart, slices that began after the flag rose (from their start to their exit):
-    the GPU held none of that kernel's work at the raise."""
-    to_free, drains, began_flagged = [], [], []
+class ClockOffset:
+    """``%globaltimer`` minus the host's wall clock, measured before and after a kernel's
+    run and taken in between as a straight line: the two clocks drift apart by some
+    microseconds a second, as much as a stop takes."""
+
+    def __init__(self, before: tuple[int, int, int], after: tuple[int, int, int]) -> None:
+        (self.t0, self.o0, e0), (self.t1, self.o1, e1) = before, after
+        self.error_ns = max(e0, e1)
+
+    def at(self, host_ns: int) -> int:
+        if self.t1 == self.t0:
+            return self.o0
+        return self.o0 + (self.o1 - self.o0) * (host_ns - self.t0) // (self.t1 - self.t0)
+
+    @property
+    def drift_us_per_s(self) -> float:
+        seconds = (self.t1 - self.t0) / 1e9
+        return (self.o1 - self.o0) / 1e3 / seconds if seconds > 0 else 0.0
+
+
+def _stamped_offset(cupy) -> tuple[int, int, int]:
+    offset, error = _gpu_clock_offset(cupy)
+    return time.time_ns(), offset, error
+
+
+def _gpu_stops(reports: list, preempter: Preempter, offset: ClockOffset) -> dict[str, list[float]]:
+    """Per stop, in µs: the raise (host clock) to the last block's exit (``free``), to
+    the first sight of the flag on the GPU (``sight``), the drain, and the host's side of
+    the raise (``queued``, ``written``); and apart, slices that began after the flag rose
+    (from their start to their exit): the GPU held none of that kernel's work then."""
+    out: dict[str, list[float]] = {
+        k: [] for k in ("free", "sight", "drains", "queued", "written", "began_flagged")
+    }
+    raises = list(zip(preempter.raised_ns, preempter.queued_ns, preempter.written_ns, strict=False))
     for report in reports:
         for start, first, last in report.stops_ns:
-            seen = first - offset_ns  # on the host's clock
-            raised = max((r for r in raised_ns if r <= seen), default=None)
-            drains.append((last - first) / 1e3)
+            shift = offset.at(first - offset.o0)
+            seen = first - shift  # on the host's clock
+            out["drains"].append((last - first) / 1e3)
+            raised = max((r for r in raises if r[0] <= seen), default=None)
             if raised is None:
                 continue
-            if start - offset_ns > raised:
-                began_flagged.append((last - start) / 1e3)
-            else:
-                to_free.append((last - offset_ns - raised) / 1e3)
-    return to_free, drains, began_flagged
+            if start - shift > raised[0]:
+                out["began_flagged"].append((last - start) / 1e3)
+                continue
+            out["free"].append((last - shift - raised[0]) / 1e3)
+            out["sight"].append((seen - raised[0]) / 1e3)
+            out["queued"].append((raised[1] - raised[0]) / 1e3)
+            out["written"].append((raised[2] - raised[0]) / 1e3)
+    return out
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -258,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     # held and running stands in for the broker's.
     lease = _running_lease_block()
     interpose.point_at(lease.address())
-    offset_ns, offset_error_ns = _gpu_clock_offset(cupy)
+    offset_error_ns = 0
     rows = []
     for name, run in _kernels(cupy).items():
         if args.only and name != args.only:
@@ -276,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                   registry.saves)  # fmt: skip
         identical = True
         stops.clear()
+        before_offset = _stamped_offset(cupy)
         t0 = time.perf_counter()
         reports = []
         with Preempter(flag) as preempter:
@@ -288,7 +327,10 @@ def main(argv: list[str] | None = None) -> int:
                     and all(t.kernel.last_launch is not r for r in reports)
                 ]  # fmt: skip
         preempted_s = time.perf_counter() - t0
-        gpu_stops, drains, began_flagged = _gpu_stops(reports, preempter.raised_ns, offset_ns)
+        offset = ClockOffset(before_offset, _stamped_offset(cupy))
+        offset_error_ns = max(offset_error_ns, offset.error_ns)
+        found = _gpu_stops(reports, preempter, offset)
+        gpu_stops, drains, began_flagged = found["free"], found["drains"], found["began_flagged"]
         latencies = []
         for stopped in stops:
             raised = max((r for r in preempter.raised if r <= stopped), default=None)
@@ -322,6 +364,14 @@ def main(argv: list[str] | None = None) -> int:
                 "gpu_stop_us_max": max(gpu_stops, default=None),
                 "drain_us_p50": _percentile(drains, 50),
                 "drain_us_p99": _percentile(drains, 99),
+                # The raise's parts: the first sight of the flag on the GPU, and the
+                # host's own side (the write queued; then known to be in memory).
+                "sight_us_p50": _percentile(found["sight"], 50),
+                "sight_us_p99": _percentile(found["sight"], 99),
+                "queued_us_p50": _percentile(found["queued"], 50),
+                "written_us_p50": _percentile(found["written"], 50),
+                "written_us_p99": _percentile(found["written"], 99),
+                "clock_drift_us_per_s": offset.drift_us_per_s,
                 "began_flagged": len(began_flagged),
                 "began_flagged_us_max": max(began_flagged, default=None),
             }
@@ -329,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     document = {
         "benchmark": "preemptible",
         "check_instructions": back_edges.CHECK_INSTRUCTIONS,
-        "gpu_clock_offset_ns": offset_ns,
+        # Measured before and after each kernel's run, interpolated in between.
         "gpu_clock_offset_error_ns": offset_error_ns,  # every gpu_stop_us is +- this
         "rows": rows,
         "said": registry.said,
@@ -347,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         (Path(args.out) / "preemptible.json").write_text(text)
     print(
         f"{'kernel':<16}{'ms':>8}{'tr. ms':>8}{'same':>6}{'runs':>6}{'yield':>7}{'abort':>7}{'saved':>7}"
-        f"{'stop ms':>9}{'kept':>7}{'gpu stop us p50/p99/max':>25}{'drain us p99':>13}",
+        f"{'stop ms':>9}{'kept':>7}{'gpu stop us p50/p99/max':>25}{'drain us p99':>13}"
+        f"{'sight us p50/p99':>18}{'written us p50/p99':>20}{'queued':>8}{'drift us/s':>11}",
         file=sys.stderr,
     )
 
@@ -364,7 +415,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{'yes' if row['bit_identical'] else 'NO':>6}"
             f"{row['preemptible_launches']:6d}{row['yields']:7d}{row['aborts']:7d}{row['saves']:7d}"
             f"{'-' if stop is None else f'{stop:9.2f}':>9}"
-            f"{'-' if kept is None else f'{kept:7.0%}':>7}{gpu:>25}{us(row['drain_us_p99']):>13}",
+            f"{'-' if kept is None else f'{kept:7.0%}':>7}{gpu:>25}{us(row['drain_us_p99']):>13}"
+            f"{us(row['sight_us_p50']) + '/' + us(row['sight_us_p99']):>18}"
+            f"{us(row['written_us_p50']) + '/' + us(row['written_us_p99']):>20}"
+            f"{us(row['queued_us_p50']):>8}{row['clock_drift_us_per_s']:11.1f}",
             file=sys.stderr,
         )
     print(f"GPU clock offset known to +-{offset_error_ns / 1e3:.1f} us", file=sys.stderr)

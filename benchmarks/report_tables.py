@@ -28,6 +28,7 @@ FRAMEWORKS = {
 CHECK_COST_KERNELS = {
     "gps_cc_loop": "grid-stride FMA loop",
     "gps_cc_histogram": "loop feeding atomicAdd",
+    "gps_cc_loop one block": "the FMA loop in one block of 512 threads",
 }
 UNCONTENDED_TARGET = 1.01
 CONTENDED_TARGET = 1.10

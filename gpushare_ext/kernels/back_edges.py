@@ -263,20 +263,27 @@ def thread_check_every(loop_instructions: int) -> int:
     return every
 
 
+#: Whether a per-thread check tests the value its previous check loaded (and loads the
+#: next): the load's latency then never stalls the thread, and a stop waits for a
+#: thread's second check after the raise instead of its first.
+PREFETCH_FLAG_READ = False
+
+
 def abort_check(kind: str, n: int, park_if: str | None, every: int) -> list[str]:
     """Check ``n``, reading the flag once in ``every`` passes (a power of two).
     ``park_if`` (saving variants): the back edge's own condition (a predicate, ``!`` a
     negated one, ``""`` always); the thread parks only when it is about to go round
     again, so that it goes on at the loop header."""
     if kind == "thread":
+        read = ["ld.volatile.global.u32 %gs_flagv, [%gs_flag];"]
+        test = ["setp.ne.u32 %gs_pa, %gs_flagv, 0;"]
         out = [
             f"// gpushare: back-edge yield check (per thread, every {every})",
             "add.u32 %gs_bc, %gs_bc, 1;",
             f"and.b32 %gs_bm, %gs_bc, {every - 1};",
             "setp.ne.u32 %gs_pb, %gs_bm, 0;",
             f"@%gs_pb bra $__gs_nocheck{n};",
-            "ld.volatile.global.u32 %gs_flagv, [%gs_flag];",
-            "setp.ne.u32 %gs_pa, %gs_flagv, 0;",
+            *(test + read if PREFETCH_FLAG_READ else read + test),
         ]
         if park_if is None:
             out.append("@%gs_pa bra $__gs_abort;")

@@ -56,18 +56,26 @@ def resume_without_owner(flag: YieldFlag, interrupted: Callable[[], bool] = _nev
         flag.set(0)
 
 
-def _write_word(stream: Any, address: int, value: int) -> None:
+def _write_word(stream: Any, address: Any, value: int, wait: bool = True) -> None:
+    """``address``: an int or a ready ``CUdeviceptr`` (made once by a flag that is
+    written often: a raise's own host time is part of every stop)."""
     drv = cuda_driver()
-    err = drv.cuStreamWriteValue32(
-        stream,
-        drv.CUdeviceptr(address),
-        value,
-        drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT,
-    )
+    ptr = address if isinstance(address, drv.CUdeviceptr) else drv.CUdeviceptr(address)
+    err = drv.cuStreamWriteValue32(stream, ptr, value, _WRITE_DEFAULT or _write_default(drv))
     err = err[0] if isinstance(err, tuple) else err
     if err != drv.CUresult.CUDA_SUCCESS:  # stream memory operations unsupported: a memset
-        check(drv.cuMemsetD32Async(drv.CUdeviceptr(address), value, 1, stream), "cuMemsetD32Async")
-    check(drv.cuStreamSynchronize(stream), "cuStreamSynchronize")
+        check(drv.cuMemsetD32Async(ptr, value, 1, stream), "cuMemsetD32Async")
+    if wait:
+        check(drv.cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+
+_WRITE_DEFAULT: Any = None
+
+
+def _write_default(drv: Any) -> Any:
+    global _WRITE_DEFAULT
+    _WRITE_DEFAULT = drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
+    return _WRITE_DEFAULT
 
 
 class YieldFlag:
@@ -87,11 +95,17 @@ class YieldFlag:
             check(drv.cuMemsetD32(ptr, 0, 1), "cuMemsetD32")
             device_ptr = int(ptr)
         self.device_ptr = int(device_ptr)
+        self._ptr = drv.CUdeviceptr(self.device_ptr)
         # Made here, in the thread that owns the context: set() may come from any thread.
         self._stream = side_stream()
 
-    def set(self, value: int = 1) -> None:
-        _write_word(self._stream, self.device_ptr, value)
+    def set(self, value: int = 1, *, wait: bool = True) -> None:
+        """Write ``value``; with ``wait``, return once it is in device memory.  Without,
+        the write is queued (high priority) and :meth:`wait_written` waits for it."""
+        _write_word(self._stream, self._ptr, value, wait)
+
+    def wait_written(self) -> None:
+        check(cuda_driver().cuStreamSynchronize(self._stream), "cuStreamSynchronize")
 
     def clear(self) -> None:
         self.set(0)
@@ -125,7 +139,7 @@ class YieldFlag:
             self._stream = None
 
 
-_opened: dict[tuple[bytes, int], tuple[int, Any]] = {}
+_opened: dict[tuple[bytes, int], tuple[Any, Any]] = {}  # (CUdeviceptr, stream)
 _opened_lock = threading.Lock()
 
 
@@ -152,14 +166,16 @@ def open_yield_flag_from_handle(handle_bytes: bytes, device: int = 0) -> tuple[i
                 ),
                 "cuIpcOpenMemHandle",
             )
-            _opened[key] = (int(ptr), side_stream())
-        return _opened[key]
+            _opened[key] = (ptr, side_stream())
+        address, stream = _opened[key]
+        return int(address), stream
 
 
 def write_yield_flag_from_handle(handle_bytes: bytes, value: int, device: int = 0) -> None:
     """Write ``value`` into another process's yield flag (the broker's actuator calls this):
     a ``cuStreamWriteValue32`` on a high-priority non-blocking stream, then a sync."""
-    ptr, stream = open_yield_flag_from_handle(handle_bytes, device)
+    open_yield_flag_from_handle(handle_bytes, device)
+    ptr, stream = _opened[(bytes(handle_bytes), device)]
     _write_word(stream, ptr, value)
 
 
