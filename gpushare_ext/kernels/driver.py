@@ -115,6 +115,10 @@ class ModuleCache:
         self._mods: dict[tuple[int, str], Any] = {}
         self._fns: dict[tuple[int, str, str], Any] = {}
         self._occupancy: dict[tuple[int, int, int], int] = {}
+        # Host time spent in cuModuleLoadData (the driver's JIT of each transformed PTX,
+        # which its own disk cache keeps across processes), and the modules loaded.
+        self.load_ns = 0
+        self.loaded = 0
 
     def function(self, ptx: str, name: str, ctx: Any = None) -> Any:
         drv = cuda_driver()
@@ -129,7 +133,10 @@ class ModuleCache:
             mod = self._mods.get(key)
             if mod is None:
                 image = _fit_version(ptx).encode() + b"\0"
+                began = time.perf_counter_ns()
                 result = drv.cuModuleLoadData(image)
+                self.load_ns += time.perf_counter_ns() - began
+                self.loaded += 1
                 if result[0] != drv.CUresult.CUDA_SUCCESS:
                     _, err = drv.cuGetErrorName(result[0])
                     raise KernelError(

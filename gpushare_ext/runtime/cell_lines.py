@@ -317,6 +317,7 @@ def kernel_words(before: dict[str, int], after: dict[str, int]) -> str:
             f"{got['preemptible']} launches ready to stop" + (f" ({stops} stops)" if stops else "")
         )
         parts.extend(_cost_words(got))
+    parts.extend(_preparation_words(got))
     if got.get("unrivalled"):
         parts.append(f"{got['unrivalled']} run as they are while no one could preempt this cell")
     if got.get("unmodified"):
@@ -368,6 +369,7 @@ def long_kernels_summary(counted: dict[str, int]) -> str:
     parts = [f"{launched} long kernel launches preemptible"]
     if launched:
         parts.extend(_cost_words(counted))
+    parts.extend(_preparation_words(counted))
     yields, saves, aborts = (counted.get(k, 0) for k in ("yields", "saves", "aborts"))
     if yields or aborts or saves:
         stops = [f"{yields} yields"]
@@ -381,6 +383,17 @@ def long_kernels_summary(counted: dict[str, int]) -> str:
     if unrivalled:  # the shim's count: no cost while nobody could preempt this session
         parts.append(f"{unrivalled} run as they are while no session could preempt this one")
     return ", ".join(parts)
+
+
+def _preparation_words(counted: dict[str, int]) -> list[str]:
+    """What making kernels preemptible took on the host (once per kernel and process:
+    the analysis, the transform and loading the result)."""
+    made = counted.get("made_preemptible", 0)
+    if made <= 0:
+        return []
+    ms = counted.get("preparation_ns", 0) / 1e6
+    kernels = "1 kernel" if made == 1 else f"{made} kernels"
+    return [f"{kernels} made preemptible in {ms:.0f} ms"]
 
 
 def _cost_words(counted: dict[str, int]) -> list[str]:

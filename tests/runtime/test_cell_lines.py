@@ -80,3 +80,16 @@ def test_the_pause_notice_says_what_the_long_kernels_cost_once_one_was_timed():
     assert long_kernels_summary(untimed) == (
         "4 long kernel launches preemptible, 2 yields, 12 stops that kept their work"
     )
+
+
+def test_a_receipt_says_how_long_making_the_cells_kernels_preemptible_took():
+    before = {"preemptible": 0, "made_preemptible": 1, "preparation_ns": 9_000_000}
+    after = {"preemptible": 2, "made_preemptible": 3, "preparation_ns": 70_400_000}
+    assert kernel_words(before, after) == (
+        "2 launches ready to stop, 2 kernels made preemptible in 61 ms"
+    )
+    one = {**after, "made_preemptible": 2, "preparation_ns": 40_000_000}
+    assert kernel_words(before, one).endswith("1 kernel made preemptible in 31 ms")
+    assert long_kernels_summary(after) == (
+        "2 long kernel launches preemptible, 3 kernels made preemptible in 70 ms"
+    )

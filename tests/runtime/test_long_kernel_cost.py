@@ -54,8 +54,39 @@ def test_each_launch_adds_its_gpu_time_beside_its_original(launches: Launches):
     assert counted["preemptible_ns"] == 5_150_000
     assert counted["original_ns"] == 5_000_000
     assert preemptible.summary() == (
-        "2 long kernel launches preemptible, their GPU time 1.03 x their unmodified runs, 2 yields"
+        "2 long kernel launches preemptible, their GPU time 1.03 x their unmodified runs, "
+        "1 kernel made preemptible in 0 ms, 2 yields"
     )
+
+
+def test_making_a_kernel_preemptible_is_timed_once_and_counted():
+    """A real CuPy kernel's PTX through the real analysis and transform (no GPU: the
+    transformed module is loaded at its first launch, which adds the driver's time)."""
+    from pathlib import Path
+
+    ptx = (Path(__file__).parents[1] / "kernels" / "fixtures" / "cupy" / "loopy.ptx").read_bytes()
+    name = next(
+        line.split()[2].split("(")[0] for line in ptx.decode().splitlines()
+        if line.startswith(".visible .entry")
+    )  # fmt: skip
+    twin = preemptible.Twin(name=name, module=1, ptx=ptx)
+    twin.analyse()
+    assert twin.kernel is not None, twin.reason
+    first = twin.analysis_ns
+    assert first > 0
+    twin.analyse()  # once: nothing more
+    assert twin.analysis_ns == first
+    registry = preemptible.Registry()
+    registry.twins[7] = twin
+    registry.twins[8] = preemptible.Twin(name="short", module=1, ptx=b"x")  # never analysed
+    original = preemptible._registry
+    preemptible._registry = registry
+    try:
+        counted = preemptible.counts()
+    finally:
+        preemptible._registry = original
+    assert counted["made_preemptible"] == 1
+    assert counted["preparation_ns"] >= first
 
 
 def test_launches_without_a_whole_measure_on_both_sides_are_not_counted(launches: Launches):
