@@ -44,18 +44,17 @@ extern "C" __global__ void gps_cc_histogram(const float* x, unsigned* bins, int 
 """
 
 # (name, abort checks, save state, unroll copies, a flag read once per this many
-# instructions of a loop, a check tests the previous check's read)
+# instructions of a loop)
 VARIANTS = (
-    ("yield", False, True, 16, 1024, False),
-    ("abort", True, False, 16, 1024, False),
-    ("abort prefetched", True, False, 16, 1024, True),
-    ("abort+save", True, True, 16, 1024, False),
-    ("abort+save prefetched", True, True, 16, 1024, True),
-    ("abort+save read /256 instr", True, True, 16, 256, False),
-    ("abort+save read /4096 instr", True, True, 16, 4096, False),
-    ("abort+save unroll 8", True, True, 8, 1024, False),
-    ("abort+save unroll 32", True, True, 32, 1024, False),
-    ("abort+save unroll 1", True, True, 1, 1024, False),
+    ("yield", False, True, 32, 1024),
+    ("abort", True, False, 32, 1024),
+    ("abort+save", True, True, 32, 1024),
+    ("abort+save read /256 instr", True, True, 32, 256),
+    ("abort+save read /4096 instr", True, True, 32, 4096),
+    ("abort+save unroll 16", True, True, 16, 1024),
+    ("abort+save unroll 8", True, True, 8, 1024),
+    ("abort+save unroll 64", True, True, 64, 1024),
+    ("abort+save unroll 1", True, True, 1, 1024),
 )
 
 
@@ -73,14 +72,13 @@ def _median_ms(launch: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _fresh_kernel(name: str, unroll: int, check_instructions: int, prefetch: bool, save: bool):
+def _fresh_kernel(name: str, unroll: int, check_instructions: int, save: bool):
     """The kernel compiled again, its abort-mode variant built with these settings."""
     from gpushare_ext.kernels import back_edges, kernel
     from gpushare_ext.kernels.rewrite import TransformOptions
     from gpushare_ext.kernels.transform import make_preemptible
 
     back_edges.UNROLL, back_edges.CHECK_INSTRUCTIONS = unroll, check_instructions
-    back_edges.PREFETCH_FLAG_READ = prefetch
     k = kernel(SOURCE, name)
     if not save:  # the launcher asks for the saving variant: hand it the other one
         built = make_preemptible(
@@ -102,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     from gpushare_ext.kernels import back_edges
     from gpushare_ext.kernels.launch import launch_kernel
 
-    defaults = back_edges.UNROLL, back_edges.CHECK_INSTRUCTIONS, back_edges.PREFETCH_FLAG_READ
+    defaults = back_edges.UNROLL, back_edges.CHECK_INSTRUCTIONS
     n, iterations = 1 << 22, 200_000
     x = cupy.arange(n, dtype=cupy.float32) / 7
     y = cupy.empty_like(x)
@@ -133,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             args.repeats,
         )
         reference = (y.copy(), bins.copy())
-        for label, aborts, save, unroll, check_instructions, prefetch in VARIANTS:
-            k = _fresh_kernel(name, unroll, check_instructions, prefetch, save)
+        for label, aborts, save, unroll, check_instructions in VARIANTS:
+            k = _fresh_kernel(name, unroll, check_instructions, save)
             bins.fill(0)
             ms = _median_ms(
                 lambda k=k, a=call, c=aborts, g=grid, b=block: launch_kernel(
@@ -151,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{label_of_call:<24}{label:<28}{plain_ms:9.2f}{ms:9.2f}{ms / plain_ms:8.3f}",
                 flush=True,
             )
-    back_edges.UNROLL, back_edges.CHECK_INSTRUCTIONS, back_edges.PREFETCH_FLAG_READ = defaults
+    back_edges.UNROLL, back_edges.CHECK_INSTRUCTIONS = defaults
     if args.out:
         from benchmarks.environment import describe
 

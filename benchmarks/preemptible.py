@@ -22,7 +22,11 @@ polling.  On the GPU's own clock (``gpu_stop_us``): from the host's raise (its w
 clock, put on the GPU's ``%globaltimer`` by a calibration kernel) to the last block's
 exit, which the transformed kernel stamps; and the drain alone (``drain_us``), from the
 first block that saw the flag to the last exit, both GPU stamps.  The flag is written
-as the broker writes it (``cuStreamWriteValue32`` on a side stream).
+as the broker writes it (``cuStreamWriteValue32`` on a side stream), by default from
+another process through the flag's IPC handle (``benchmarks/flag_raiser.py``), as the
+broker's actuator writes it; each stop is also split into the raise's host side (the
+write queued, then known to be written), the GPU's first sight of the flag and the
+drain, with the GPU clock's offset measured before and after each kernel's run.
 
 ``python -m benchmarks.preemptible [--out DIR]`` prints one JSON line (the GPU test reads
 it) and writes ``preemptible.json`` under ``--out``.
@@ -34,6 +38,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -127,7 +132,8 @@ def _kernels(cupy):
 
 class Preempter:
     """Raise the session's yield flag for ``on_ms`` every ``period_ms`` (a broker stand-in
-    that writes the same device word the broker writes through its CUDA IPC handle)."""
+    that writes the same device word the broker writes through its CUDA IPC handle),
+    from a thread of this process (``--raise-in-process``)."""
 
     def __init__(self, flag, on_ms: float = 2.0, period_ms: float = 10.0) -> None:
         self.flag, self.on_ms, self.period_ms = flag, on_ms, period_ms
@@ -159,6 +165,50 @@ class Preempter:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        self.flag.set(0)
+
+
+class RemotePreempter:
+    """The same from another process through the flag's IPC handle, as the broker's
+    actuator writes it (``benchmarks/flag_raiser.py``): the raise's own host time is
+    then that process's, never waiting for this one's Python thread."""
+
+    def __init__(self, flag, on_ms: float = 2.0, period_ms: float = 10.0) -> None:
+        self.flag, self.on_ms, self.period_ms = flag, on_ms, period_ms
+        self.raised: list[float] = []
+        self.raised_ns: list[int] = []
+        self.queued_ns: list[int] = []
+        self.written_ns: list[int] = []
+        self._child: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        """Start the raiser and wait until it has opened the flag (its context's creation
+        is not part of any stop)."""
+        command = [sys.executable, "-m", "benchmarks.flag_raiser", self.flag.ipc_handle().hex(),
+                   str(self.on_ms), str(self.period_ms)]  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # not a notebook
+        self._child = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            cwd=Path(__file__).resolve().parents[1], env=env,
+        )  # fmt: skip
+        assert self._child.stdout is not None
+        line = self._child.stdout.readline().strip()
+        if line != "ready":
+            self._child.kill()
+            raise SystemExit(f"the flag raiser did not start: {line or 'no word'}")
+
+    def __enter__(self) -> RemotePreempter:
+        if self._child is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        child, self._child = self._child, None
+        assert child is not None and child.stdin is not None
+        out, _ = child.communicate("stop\n", timeout=30)
+        times = json.loads(out.strip().splitlines()[-1])
+        self.raised, self.raised_ns = times["raised"], times["raised_ns"]
+        self.queued_ns, self.written_ns = times["queued_ns"], times["written_ns"]
         self.flag.set(0)
 
 
@@ -262,6 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launches", type=int, default=4, help="preempted launches per kernel")
     parser.add_argument("--only", help="one kernel by name (e.g. gps_numba_relax)")
     parser.add_argument(
+        "--raise-in-process",
+        action="store_true",
+        help="raise the flag from a thread of this process (default: from another "
+        "process through the flag's IPC handle, as the broker's actuator does)",
+    )
+    parser.add_argument(
         "--check-instructions",
         type=int,
         help="threads read the flag about once per this many instructions of a loop "
@@ -314,10 +370,13 @@ def main(argv: list[str] | None = None) -> int:
                   registry.saves)  # fmt: skip
         identical = True
         stops.clear()
+        preempter = Preempter(flag) if args.raise_in_process else RemotePreempter(flag)
+        if isinstance(preempter, RemotePreempter):
+            preempter.start()  # its CUDA context is made before the clock starts
         before_offset = _stamped_offset(cupy)
         t0 = time.perf_counter()
         reports = []
-        with Preempter(flag) as preempter:
+        with preempter:
             for _ in range(args.launches):
                 identical &= bool((run().get() == reference).all())
                 reports += [
@@ -379,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     document = {
         "benchmark": "preemptible",
         "check_instructions": back_edges.CHECK_INSTRUCTIONS,
+        "raised_from": "this process" if args.raise_in_process else "another process",
         # Measured before and after each kernel's run, interpolated in between.
         "gpu_clock_offset_error_ns": offset_error_ns,  # every gpu_stop_us is +- this
         "rows": rows,

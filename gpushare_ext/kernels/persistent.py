@@ -160,7 +160,6 @@ def _prologue(state: TransformState, plan: SavePlan | None) -> list[str]:
         "ld.param.u32 %gs_chunk, [__gs_chunk];",
         "max.u32 %gs_chunk, %gs_chunk, 1;",
         "mov.u32 %gs_bc, 0;",  # iterations since the last per-thread flag check
-        "mov.u32 %gs_flagv, 0;",  # the flag's last value read (a prefetched check's)
         "mul.lo.u32 %gs_nxy, %gs_nx, %gs_ny;",
         "mov.u32 %gs_t, %tid.x;",
         "mov.u32 %gs_t2, %tid.y;",
