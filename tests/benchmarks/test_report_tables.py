@@ -185,6 +185,33 @@ def test_the_stop_table_counts_slices_that_began_with_the_flag_up(tmp_path: Path
     assert any(row["began_flagged"] for row in document["rows"])
 
 
+def test_the_stop_table_shows_the_sight_and_the_repeats_p99_in_its_verdict(tmp_path: Path):
+    """Two runs of the split stop figures: the first run's row, its sight columns, the
+    second run's p99 beside it, and a verdict over both."""
+    source = RESULTS / "2026-12-03-h200-stop-split"
+    if not source.is_dir():
+        pytest.skip("2026-12-03-h200-stop-split is not in this checkout")
+    folder = tmp_path / "split"
+    folder.mkdir()
+    first = json.loads((source / "preemptible-run1.json").read_text())
+    second = json.loads((source / "preemptible-run2.json").read_text())
+    (folder / "preemptible.json").write_text(json.dumps(first))
+    (folder / "preemptible-run2.json").write_text(json.dumps(second))
+    assert build_report([folder]) == 0
+    rows, footer = table((folder / "report.md").read_text(), "How fast a long kernel stops")
+    again = {row["kernel"]: row["gpu_stop_us_p99"] for row in second["rows"]}
+    missed = []
+    for cells, row in zip(rows, first["rows"], strict=True):
+        assert cells[4] == f"{row['sight_us_p50']:.0f} / {row['sight_us_p99']:.0f}"
+        assert cells[5] == f"{again[row['kernel']]:.0f}"
+        worst = max(row["gpu_stop_us_p99"], again[row["kernel"]])
+        assert cells[7] == ("met" if worst <= 100 else f"missed ({worst:.0f} µs)")
+        if worst > 100:
+            missed.append(f"`{row['kernel']}` {worst:.0f} µs")
+    assert missed, "run 1 has p99 over 100 µs for some kernel"
+    assert footer.endswith("missed p99: " + ", ".join(missed) + ".")
+
+
 def tail_expectations(folder: Path) -> dict[str, list[tuple[float, float] | None]]:
     """Per neighbour, each run's gpushare p99 and kept (None where it was not run)."""
     runs = [
