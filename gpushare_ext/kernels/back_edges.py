@@ -197,6 +197,34 @@ def _counted_rounds(
     return out
 
 
+def _back_edge_checks(
+    state: TransformState,
+) -> tuple[dict[int, str], dict[int, int], dict[int, int]]:
+    """Per instruction index a check goes before: its kind ("uniform" where the loop has
+    barriers, else "thread"), its loop's header block, and the instructions in one pass
+    of its loop (the smallest of the loops that share the latch)."""
+    cfg = state.report.cfg
+    instrs = state.entry.instructions
+    barrier_blocks = {
+        b for b, (s, e) in enumerate(cfg.blocks)
+        if any(x.base in ("bar", "barrier") for x in instrs[s:e])
+    }  # fmt: skip
+    checks: dict[int, str] = {}
+    headers: dict[int, int] = {}
+    sizes: dict[int, int] = {}
+    for latch, header in cfg.back_edges:
+        body = cfg.loop_bodies[(latch, header)]
+        kind = "uniform" if body & barrier_blocks else "thread"
+        _, e = cfg.blocks[latch]
+        at = e - 1 if instrs[e - 1].base in ("bra", "brx") else e
+        headers.setdefault(at, header)
+        size = sum(cfg.blocks[b][1] - cfg.blocks[b][0] for b in body)
+        sizes[at] = min(size, sizes.get(at, size))
+        if checks.get(at) != "uniform":
+            checks[at] = kind
+    return checks, headers, sizes
+
+
 class BackEdgeChecks(Pass):
     """Abort mode: check the yield flag at each loop back-edge. With ``save_state`` and a
     kernel that allows it (:func:`plan_save`), a stopping thread saves its live
@@ -206,26 +234,8 @@ class BackEdgeChecks(Pass):
     effect = "rewrite"
 
     def run(self, state: TransformState) -> None:
-        report = state.report
-        cfg = report.cfg
         instrs = state.entry.instructions
-        barrier_blocks = {
-            b for b, (s, e) in enumerate(cfg.blocks)
-            if any(x.base in ("bar", "barrier") for x in instrs[s:e])
-        }  # fmt: skip
-        checks: dict[int, str] = {}  # instruction index to insert before -> "uniform"/"thread"
-        headers: dict[int, int] = {}  # the same index -> the loop header block
-        sizes: dict[int, int] = {}  # the same index -> instructions in one pass of its loop
-        for latch, header in cfg.back_edges:
-            body = cfg.loop_bodies[(latch, header)]
-            kind = "uniform" if body & barrier_blocks else "thread"
-            _, e = cfg.blocks[latch]
-            at = e - 1 if instrs[e - 1].base in ("bra", "brx") else e
-            headers.setdefault(at, header)
-            size = sum(cfg.blocks[b][1] - cfg.blocks[b][0] for b in body)
-            sizes[at] = min(size, sizes.get(at, size))
-            if checks.get(at) != "uniform":
-                checks[at] = kind
+        checks, headers, sizes = _back_edge_checks(state)
         order = sorted(checks)
         if state.options.save_state and checks:
             plan = plan_save(state, {at: checks[at] for at in order}, headers)
