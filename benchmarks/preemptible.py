@@ -385,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
                     if name in t.name and t.kernel is not None and t.kernel.last_launch
                     and all(t.kernel.last_launch is not r for r in reports)
                 ]  # fmt: skip
-        preempted_s = time.perf_counter() - t0
+            # Here, not after the raiser has stopped: its exit is no launch's time.
+            preempted_s = time.perf_counter() - t0
         offset = ClockOffset(before_offset, _stamped_offset(cupy))
         offset_error_ns = max(offset_error_ns, offset.error_ns)
         found = _gpu_stops(reports, preempter, offset)
@@ -400,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
             default=0.0,
         )
         # The GPU time the flag left free, against the kernel time the launches needed.
-        free_s = preempted_s - len(preempter.raised) * preempter.on_ms / 1e3
+        raised_meanwhile = sum(1 for r in preempter.raised if r < t0 + preempted_s)
+        free_s = preempted_s - raised_meanwhile * preempter.on_ms / 1e3
         kept = args.launches * longest_us / 1e6 / free_s if free_s > 0 else None
         rows.append(
             {
