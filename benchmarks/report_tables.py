@@ -90,8 +90,10 @@ def _transform_ms(doc: dict, kind: str) -> float | None:
     return statistics.median(extra) if extra else None
 
 
-def cost_section(doc: dict) -> list[str]:
-    """What a long kernel costs against running it without gpushare, per kernel kind."""
+def cost_section(doc: dict, earlier: dict | None = None) -> list[str]:
+    """What a long kernel costs against running it without gpushare, per kernel kind.
+    ``earlier``: a run whose uncontended figures stand in where ``doc`` measured none
+    (a run of the contended way alone), marked as such."""
     lines = [
         f"**What a long kernel costs** ({where(doc)}): GPU time of a launch in a real "
         "notebook kernel over the same launch without gpushare. *Uncontended*: a "
@@ -110,11 +112,19 @@ def cost_section(doc: dict) -> list[str]:
     unrivalled = _ran_unrivalled(doc)
     missed: list[str] = []
     failed: list[str] = []
+    earlier_rows = _cost_rows(earlier) if earlier else {}
+    borrowed = False
     for kind, ways in _cost_rows(doc).items():
         plain = ways.get("plain")
         alone = ways.get("alone") or ways.get("unmarked")
         rival = ways.get("rival")
         alone_text, alone_verdict = _ratio_cell(alone, UNCONTENDED_TARGET)
+        before = earlier_rows.get(kind, {})
+        if alone is None and (before.get("alone") or before.get("unmarked")):
+            alone_text, alone_verdict = _ratio_cell(
+                before.get("alone") or before.get("unmarked"), UNCONTENDED_TARGET
+            )
+            alone_text, borrowed = f"{alone_text} *", True
         rival_text, rival_verdict = _ratio_cell(rival, CONTENDED_TARGET, unrivalled)
         first = " / ".join(fmt(w.get("first_ms"), 1) if w else "-" for w in (plain, rival))
         measured = [w for w in ways.values() if w is not None]
@@ -137,7 +147,27 @@ def cost_section(doc: dict) -> list[str]:
     notes = {"missed": missed, "measurement failed": failed}
     if unrivalled:
         notes["not contended"] = ["the contended runs counted no preemptible launch"]
+    if borrowed and earlier is not None:
+        notes["*"] = [f"uncontended figures from an earlier run ({where(earlier)}, "
+                      f"`{portable(earlier.get('command', ''))}`), which this one did not repeat"]  # fmt: skip
     return [*lines, "", *_footer([doc.get("command", "")], notes)]
+
+
+def earlier_uncontended_cost(folders: list[Path]) -> dict | None:
+    """The first ``long_kernel_cost.json`` after the first one that measured the
+    uncontended way, when the first did not."""
+    found = [doc for folder in folders if (doc := _json(folder / "long_kernel_cost.json"))]
+    if not found or any(r.get("way") in ("alone", "unmarked") for r in found[0].get("table", [])):
+        return None
+    return next(
+        (doc for doc in found[1:]
+         if any(r.get("way") in ("alone", "unmarked") for r in doc.get("table", []))),
+        None,
+    )  # fmt: skip
+
+
+def _json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def check_cost_section(name: str, doc: dict) -> list[str]:
@@ -348,7 +378,7 @@ def long_kernel_tables(folders: list[Path], documents: dict[str, dict]) -> list[
     ``preemptible``), the earlier folders' first."""
     sections = []
     if "long_kernel_cost" in documents:
-        sections += cost_section(documents["long_kernel_cost"])
+        sections += cost_section(documents["long_kernel_cost"], earlier_uncontended_cost(folders))
     if check_cost := newest_check_cost(folders):
         sections += check_cost_section(*check_cost)
     if "preemptible" in documents:

@@ -185,6 +185,26 @@ def test_the_stop_table_counts_slices_that_began_with_the_flag_up(tmp_path: Path
     assert any(row["began_flagged"] for row in document["rows"])
 
 
+def test_a_cost_run_without_the_uncontended_way_shows_the_earlier_runs_marked(tmp_path: Path):
+    text = report(tmp_path, "2026-12-03-h200-unroll32", "2026-12-03-h200-cost-stop-tail")
+    earlier = json.loads(
+        (RESULTS / "2026-12-03-h200-cost-stop-tail" / "long_kernel_cost.json").read_text()
+    )
+    current = json.loads(
+        (RESULTS / "2026-12-03-h200-unroll32" / "long_kernel_cost.json").read_text()
+    )
+    assert not any(row["way"] == "alone" for row in current["table"])
+    rows, footer = table(text, "What a long kernel costs")
+    alone = {row["kind"]: row for row in earlier["table"] if row["way"] == "alone"}
+    rival = {row["kind"]: row for row in current["table"] if row["way"] == "rival"}
+    for cells in rows:
+        assert cells[3].startswith(f"{alone[cells[0]]['vs_plain']:.3f}") and cells[3].endswith("*")
+        assert cells[4].startswith(f"{rival[cells[0]]['vs_plain']:.3f}")
+    assert "*: uncontended figures from an earlier run" in footer
+    alone_only = report(tmp_path / "b", "2026-12-03-h200-cost-stop-tail")
+    assert "from an earlier run" not in alone_only
+
+
 def test_the_stop_table_shows_the_sight_and_the_repeats_p99_in_its_verdict(tmp_path: Path):
     """Two runs of the split stop figures: the first run's row, its sight columns, the
     second run's p99 beside it, and a verdict over both."""
