@@ -423,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
                 "gpu_stop_us_p50": _percentile(gpu_stops, 50),
                 "gpu_stop_us_p99": _percentile(gpu_stops, 99),
                 "gpu_stop_us_max": max(gpu_stops, default=None),
+                # Every stop, so that runs can be pooled (a run's p99 of a dozen stops
+                # is its largest).
+                "gpu_stops_us": [round(x, 1) for x in gpu_stops],
                 "drain_us_p50": _percentile(drains, 50),
                 "drain_us_p99": _percentile(drains, 99),
                 # The raise's parts: the first sight of the flag on the GPU, and the
