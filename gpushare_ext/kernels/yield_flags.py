@@ -61,7 +61,8 @@ def _write_word(stream: Any, address: Any, value: int, wait: bool = True) -> Non
     written often: a raise's own host time is part of every stop)."""
     drv = cuda_driver()
     ptr = address if isinstance(address, drv.CUdeviceptr) else drv.CUdeviceptr(address)
-    err = drv.cuStreamWriteValue32(stream, ptr, value, _WRITE_DEFAULT or _write_default(drv))
+    flags = _WRITE_DEFAULT if _WRITE_DEFAULT is not None else _write_default(drv)
+    err = drv.cuStreamWriteValue32(stream, ptr, value, flags)
     err = err[0] if isinstance(err, tuple) else err
     if err != drv.CUresult.CUDA_SUCCESS:  # stream memory operations unsupported: a memset
         check(drv.cuMemsetD32Async(ptr, value, 1, stream), "cuMemsetD32Async")
@@ -69,7 +70,7 @@ def _write_word(stream: Any, address: Any, value: int, wait: bool = True) -> Non
         check(drv.cuStreamSynchronize(stream), "cuStreamSynchronize")
 
 
-_WRITE_DEFAULT: Any = None
+_WRITE_DEFAULT: Any = None  # the flags enum member, looked up once (its value is 0)
 
 
 def _write_default(drv: Any) -> Any:
