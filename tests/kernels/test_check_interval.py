@@ -39,17 +39,10 @@ def test_a_cupy_fma_loop_and_a_numba_one_read_the_flag_after_similar_work():
     some 1,100-1,800 instructions apart in both, where a fixed count of iterations left
     Numba's four times further apart."""
     assert back_edges.UNROLL == 32 and back_edges.CHECK_INSTRUCTIONS == 1024
-    from numba import cuda, float32
+    from numba import cuda
+    from numba_corpus import nb_relax
 
-    def relax(x, out, iterations):
-        i = cuda.grid(1)
-        if i < x.size:
-            v = x[i]
-            for _ in range(iterations):
-                v = v * float32(0.999) + float32(0.5)
-            out[i] = v
-
-    numba_ptx, _ = cuda.compile_ptx(relax, "float32[::1], float32[::1], int32", cc=(9, 0))
+    numba_ptx, _ = cuda.compile_ptx(nb_relax, "float32[::1], float32[::1], int32", cc=(9, 0))
     cupy = _abort_variant((FIXTURES / "loopy.ptx").read_text())
     numba = _abort_variant(numba_ptx)
     assert 8 in _read_masks(cupy.ptx)
