@@ -9,13 +9,13 @@ unmet target stays in the table.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
 
 from benchmarks.report_format import REPEATED_TAIL_LOWS, THIRD_PARTY_LABELS
 from benchmarks.report_format import fmt as _fmt
+from benchmarks.report_format import load_result as _load
 from benchmarks.report_format import portable as _portable
 from benchmarks.report_format import verdict as _verdict
 from benchmarks.report_format import where as _where
@@ -23,11 +23,6 @@ from benchmarks.report_tables import long_kernel_tables
 
 MARK_START = "<!-- bench:start -->"
 MARK_END = "<!-- bench:end -->"
-
-
-def _load(folder: Path, name: str) -> dict | None:
-    path = folder / name
-    return json.loads(path.read_text()) if path.exists() else None
 
 
 def _plots(folder: Path, documents: dict[str, dict]) -> list[str]:

@@ -7,8 +7,10 @@ function turns one value into text.
 
 from __future__ import annotations
 
+import json
 import math
 import re
+from pathlib import Path
 
 THIRD_PARTY_LABELS = {
     "cupy_linalg": "cupy.linalg solve + QR, 4096^2",
@@ -51,3 +53,9 @@ def portable(command: str) -> str:
         r"\S*python3?\s+\S*benchmarks/(\w+)\.py\b", r"python -m benchmarks.\1", command
     )
     return re.sub(r"--out \S+", "--out DIR", command)
+
+
+def load_result(folder: Path, name: str) -> dict | None:
+    """A result file of ``folder`` as JSON, or None where the run made none."""
+    path = folder / name
+    return json.loads(path.read_text()) if path.is_file() else None

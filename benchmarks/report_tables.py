@@ -17,7 +17,7 @@ import re
 import statistics
 from pathlib import Path
 
-from benchmarks.report_format import THIRD_PARTY_LABELS, fmt, portable, where
+from benchmarks.report_format import THIRD_PARTY_LABELS, fmt, load_result, portable, where
 
 FRAMEWORKS = {
     "elementwise": "CuPy ElementwiseKernel",
@@ -156,7 +156,7 @@ def cost_section(doc: dict, earlier: dict | None = None) -> list[str]:
 def earlier_uncontended_cost(folders: list[Path]) -> dict | None:
     """The first ``long_kernel_cost.json`` after the first one that measured the
     uncontended way, when the first did not."""
-    found = [doc for folder in folders if (doc := _json(folder / "long_kernel_cost.json"))]
+    found = [doc for folder in folders if (doc := load_result(folder, "long_kernel_cost.json"))]
     if not found or any(r.get("way") in ("alone", "unmarked") for r in found[0].get("table", [])):
         return None
     return next(
@@ -164,10 +164,6 @@ def earlier_uncontended_cost(folders: list[Path]) -> dict | None:
          if any(r.get("way") in ("alone", "unmarked") for r in doc.get("table", []))),
         None,
     )  # fmt: skip
-
-
-def _json(path: Path) -> dict | None:
-    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def check_cost_section(name: str, doc: dict) -> list[str]:
