@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from gpushare_ext import __version__
 from gpushare_ext.errors import GpushareError
+from gpushare_ext.plain_text import plain_text
 
 if TYPE_CHECKING:  # the commands import what they run when they run, to start quickly
     from gpushare_ext.broker.config import BrokerConfig
@@ -265,8 +266,14 @@ def run_command(argv: list[str] | None = None) -> int:
     return 2
 
 
+#: The most characters of one error line (a path or a policy key may make it long).
+_FAILURE_LIMIT = 2000
+
+
 def _fail(message: str, code: int = 1) -> int:
-    print(f"gpushare: {message}", file=sys.stderr)
+    # Refusals quote what files, brokers and other users wrote (a policy's keys, a
+    # path): one line of plain text, whatever is in it, never an escape sequence.
+    print(f"gpushare: {plain_text(message, limit=_FAILURE_LIMIT)}", file=sys.stderr)
     return code
 
 

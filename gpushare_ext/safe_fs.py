@@ -13,7 +13,10 @@ takes a path on trust:
   one that is already there is never ``chmod``-ed: if it is not owned right or is open
   to others, the caller gets a :class:`UnsafePathError` whose one-line message names
   the path, its owner and what to do;
-* files are opened with ``O_NOFOLLOW`` and checked through their descriptor.
+* files are opened with ``O_NOFOLLOW`` and checked through their descriptor;
+* a file that a privileged process takes orders from (the broker's config) is read by
+  :func:`read_trusted_file` only if the walk to it is trusted as above and the file
+  itself is a regular file of a trusted owner, closed to others' writes and size-capped.
 
 Both sides use it: the broker before it creates its socket, sessions directory and
 journal; the notebook runtime and the CLI before they connect to a broker.  This
@@ -33,6 +36,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from gpushare_ext.errors import GpushareError
+from gpushare_ext.plain_text import SENTENCE_LIMIT, plain_text
 
 _MAX_SYMLINKS = 40
 
@@ -336,3 +340,111 @@ def open_private_file(path: str | Path, flags: int = os.O_RDWR, mode: int = 0o60
         os.close(fd)
         raise
     return fd
+
+
+def _shown_path(path: str) -> str:
+    # A path a user may have named (a link's target) is shown as text, never as control
+    # codes; the limit is generous: a path is the admin's to read in full.
+    return plain_text(path, limit=4 * SENTENCE_LIMIT)
+
+
+def read_trusted_file(
+    path: str | Path, *, trusted: Iterable[int], max_bytes: int, what: str = "file"
+) -> bytes:
+    """The bytes of a file that only trusted users can have written, read at most ``max_bytes``.
+
+    For a file that a privileged process takes orders from (the broker's config): the
+    file and every directory on the way to it must belong to root or a ``trusted`` uid
+    and be closed to writes by group and others (a sticky directory such as ``/tmp`` may
+    be passed through), a symbolic link on the way or at the end is followed only if a
+    trusted user owns it (and its target passes the same walk), and the file must be a
+    regular file of at most ``max_bytes``.  A FIFO or device is refused without waiting
+    on it.  Raises :class:`UnsafePathError` whose one line starts with ``what`` and the
+    path, then says why.
+    """
+    trusted_uids = frozenset(trusted) | {0}
+    given = os.fspath(path)
+    shown = f"{what} {_shown_path(given)}"
+    text = os.path.abspath(given)
+    try:
+        candidate = _final_trusted_name(text, trusted_uids)
+        # O_NONBLOCK: opening a FIFO for reading would wait for a writer for good.
+        fd = os.open(
+            candidate, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+        )
+    except PathMissing as exc:
+        where = f": {exc}" if str(exc) else ""  # the directory missing on the way
+        raise PathMissing(f"{shown} does not exist{where}") from None
+    except UnsafePathError as exc:
+        raise UnsafePathError(f"{shown} refused: {exc}") from None
+    except OSError as exc:
+        raise UnsafePathError(f"{shown}: {exc.strerror or exc}") from None
+    try:
+        info = os.fstat(fd)  # the bytes read are those of the file checked
+        reason = _untrusted_file_reason(info, trusted_uids, max_bytes)
+        if reason:
+            raise UnsafePathError(f"{shown} refused: {reason}")
+        data = b""
+        while len(data) <= max_bytes:
+            chunk = os.read(fd, max_bytes + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
+    except OSError as exc:
+        raise UnsafePathError(f"{shown}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        raise UnsafePathError(f"{shown} refused: it grew past {max_bytes} bytes while read")
+    return data
+
+
+def _final_trusted_name(text: str, trusted_uids: frozenset[int]) -> str:
+    """The path of the file itself, its directory walked and checked, every trusted link
+    at its end followed the same way; raises :class:`UnsafePathError`."""
+    for _ in range(_MAX_SYMLINKS):
+        parent, name = os.path.split(text)
+        if not name or name in (".", ".."):
+            raise UnsafePathError("it is a directory, not a regular file")
+        directory = trusted_directory(parent, trusted=trusted_uids, allow_sticky=True)
+        candidate = os.path.join(directory, name)
+        try:
+            info = os.lstat(candidate)
+        except FileNotFoundError:
+            raise PathMissing("") from None
+        if not stat.S_ISLNK(info.st_mode):
+            return candidate
+        if info.st_uid not in trusted_uids:
+            raise UnsafePathError(
+                f"{_shown_path(candidate)} is a symbolic link owned by "
+                f"{describe_owner(info.st_uid)}: refusing to follow it"
+            )
+        target = os.readlink(candidate)
+        text = os.path.normpath(os.path.join(directory, target))
+    raise UnsafePathError("it has too many levels of symbolic links")
+
+
+def _untrusted_file_reason(
+    info: os.stat_result, trusted_uids: frozenset[int], max_bytes: int
+) -> str:
+    """Why the opened file cannot be trusted, or "" when it can."""
+    mode = info.st_mode
+    if not stat.S_ISREG(mode):
+        if stat.S_ISFIFO(mode):
+            kind = "a FIFO"
+        elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+            kind = "a device"
+        elif stat.S_ISDIR(mode):
+            kind = "a directory"
+        else:
+            kind = "no regular file"
+        return f"it is {kind}; only a regular file is read"
+    if info.st_uid not in trusted_uids:
+        return (
+            f"it belongs to {describe_owner(info.st_uid)}, not to {describe_trusted(trusted_uids)}"
+        )
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"it can be written by other users (mode {stat.S_IMODE(mode):04o}); chmod go-w it"
+    if info.st_size > max_bytes:
+        return f"it is {info.st_size} bytes, over the {max_bytes} bytes allowed"
+    return ""

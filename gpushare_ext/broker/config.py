@@ -4,23 +4,21 @@ The same file holds the scheduling policy (see :mod:`gpushare_ext.broker.policy`
 this module reads the operational keys (socket, journal, inventory, limits, metrics)
 through :mod:`gpushare_ext.broker.schema`, which says what each key accepts, and tells
 which changed keys a running broker cannot apply without a restart.  Every error is a
-one-line :class:`PolicyError`.  This module must not act on a setting (open the socket,
+one-line :class:`PolicyError`; the file itself is read only if no other user can have
+written it.  This module must not act on a setting (open the socket,
 read the token file): the server does that.
 """
 
 from __future__ import annotations
 
-import sys
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from gpushare_ext.broker import schema
+from gpushare_ext.broker.config_text import parse_document
 from gpushare_ext.broker.policy import Policy, PolicyError, policy_from_document
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from gpushare_ext.safe_fs import UnsafePathError, read_trusted_file
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,27 +47,14 @@ class BrokerConfig:
 _OWN_KEYS = frozenset(f.name for f in fields(BrokerConfig)) - {"policy", "given"}
 
 
-def _text_of(data: str | bytes, source: str) -> str:
-    if isinstance(data, bytes):
-        try:
-            data = data.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise PolicyError(
-                f"{source} is not a text file (byte {exc.start} is not UTF-8)"
-            ) from None
-    # tomllib would name the NUL as an invalid character; a file with one is not a
-    # config file that got a typo but something else put in its place.
-    if "\0" in data:
-        raise PolicyError(f"{source} is not a text file (it holds NUL bytes)")
-    return data
+#: The largest config file the broker reads: a policy for thousands of users fits many
+#: times over; a path to something endless (``/dev/zero``) is refused, not read.
+CONFIG_MAX_BYTES = 1 << 20
 
 
 def parse_config(text: str | bytes, source: str = "config") -> BrokerConfig:
     """The config in ``text``; PolicyError, one line naming the key, for anything wrong."""
-    try:
-        document = tomllib.loads(_text_of(text, source))
-    except tomllib.TOMLDecodeError as exc:
-        raise PolicyError(f"{source} is not valid TOML: {' '.join(str(exc).split())}") from None
+    document = parse_document(text, source)
     broker_table = schema.sections(document, source).broker
     broker = schema.read_broker(broker_table, source)
     policy = policy_from_document(document, source)
@@ -78,14 +63,21 @@ def parse_config(text: str | bytes, source: str = "config") -> BrokerConfig:
 
 
 def load_config(path: str | Path | None) -> BrokerConfig:
-    """The config in the file at ``path`` (the built-in defaults for None)."""
+    """The config in the file at ``path`` (the built-in defaults for None).
+
+    The broker takes orders from this file (who is admin, what each user may use), so
+    it is read only if nobody but root and the broker's own user can have written it
+    (:func:`~gpushare_ext.safe_fs.read_trusted_file`): the file, the directories on its
+    way and any link to it; a regular file of at most :data:`CONFIG_MAX_BYTES`.
+    """
     if path is None:
         return BrokerConfig()
-    path = Path(path)
     try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise PolicyError(f"cannot read {path}: {exc.strerror or exc}") from None
+        data = read_trusted_file(
+            path, trusted={os.geteuid()}, max_bytes=CONFIG_MAX_BYTES, what="config"
+        )
+    except UnsafePathError as exc:
+        raise PolicyError(str(exc)) from None
     return parse_config(data, str(path))
 
 

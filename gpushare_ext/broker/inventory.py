@@ -38,6 +38,7 @@ from gpushare_ext.devices import (
     MigProfile,
     ProcessUsage,
 )
+from gpushare_ext.safe_fs import UnsafePathError, read_trusted_file
 
 # Official names of the GPU-instance profiles of the Hopper parts we know, keyed by
 # (profile id, memory MiB).  Anything else is named from its slice count and memory.
@@ -74,6 +75,10 @@ _PLACEMENT_RULES: dict[int, tuple[int, tuple[int, ...]]] = {
     3: (4, (0,)),  # 4g
     4: (8, (0,)),  # 7g
 }
+
+
+#: The largest inventory file read (the shipped fixtures are a few KiB).
+_INVENTORY_MAX_BYTES = 16 << 20
 
 
 class InventoryError(DaemonError):
@@ -296,9 +301,17 @@ class SimulatedInventory:
                 )
             path = candidate
         try:
-            document = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise InventoryError(f"cannot read inventory {path}: {exc}") from exc
+            # A root broker believes what this file says about the host: it is read only
+            # if no other user can have written it.
+            data = read_trusted_file(
+                path, trusted={os.geteuid()}, max_bytes=_INVENTORY_MAX_BYTES, what="inventory"
+            )
+            document = json.loads(data)
+        except UnsafePathError as exc:
+            raise InventoryError(str(exc)) from None
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            reason = "nests too deeply" if isinstance(exc, RecursionError) else str(exc)
+            raise InventoryError(f"cannot read inventory {path}: {reason}") from None
         self._devices = parse_inventory(document, simulated=True)
         self.description = f"simulated inventory from {path.name} (no GPU is used)"
         self._usage: dict[int, tuple[int, int, tuple[ProcessUsage, ...]]] = {}

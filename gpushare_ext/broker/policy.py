@@ -37,20 +37,15 @@ section; later sections override earlier ones field by field.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from gpushare_ext.broker import schema
+from gpushare_ext.broker.config_text import parse_document
 from gpushare_ext.broker.schema import HostShare, PolicyError
 from gpushare_ext.protocol import PRIORITY_CLASSES, PreemptionLevel, SliceWish
 from gpushare_ext.units import GIB, format_size, parse_size, priority_band
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 # PolicyError and the size helpers live in schema.py, which both this module and
 # config.py read values through; they are re-exported here, where callers import them.
@@ -140,11 +135,7 @@ def _apply(
 
 def parse_policy(text: str, source: str = "policy") -> Policy:
     """Policy from TOML text; PolicyError (one line) names the offending key."""
-    try:
-        document = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise PolicyError(f"{source} is not valid TOML: {' '.join(str(exc).split())}") from None
-    return policy_from_document(document, source)
+    return policy_from_document(parse_document(text, source), source)
 
 
 def policy_from_document(document: Mapping[str, object], source: str = "policy") -> Policy:
@@ -158,11 +149,11 @@ def policy_from_document(document: Mapping[str, object], source: str = "policy")
     broker = schema.read_broker(tables.broker, source)
     defaults = _apply(Limits(), tables.defaults, "defaults", source)
     groups = {
-        name: schema.read_limits(section, f"groups.{name}", source)
+        name: schema.read_limits(section, f"groups.{schema.key_text(name)}", source)
         for name, section in tables.groups.items()
     }
     users = {
-        name: schema.read_limits(section, f"users.{name}", source)
+        name: schema.read_limits(section, f"users.{schema.key_text(name)}", source)
         for name, section in tables.users.items()
     }
     policy_keys = {key: broker[key] for key in schema.POLICY_BROKER_KEYS if key in broker}

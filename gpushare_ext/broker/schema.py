@@ -9,6 +9,10 @@ value raises :class:`PolicyError` with one line::
 
     broker.toml: broker.max_requests_per_second = nan: must be a number > 0 and ...
 
+Keys are data from the file: every message shows them through :func:`key_text` (an
+escape or a newline in a key never reaches a terminal raw), and the names of
+``[users.NAME]``, ``[groups.NAME]`` and the admin lists must be account names.
+
 This module must not import ``config.py``, ``policy.py`` or ``server.py`` (they import
 it), read files or sockets, or know what the broker does with a value.  The one look-up
 outside the text is ``socket_group``: a group that does not exist is refused here rather
@@ -23,11 +27,13 @@ import ipaddress
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from gpushare_ext.broker.errors import DaemonError
+from gpushare_ext.plain_text import plain_text
 from gpushare_ext.protocol import SliceWish, priority_value
 from gpushare_ext.units import GIB, KIB, MIB, PIB, parse_duration, parse_size
 
@@ -204,14 +210,35 @@ class IPAddress:
         return value
 
 
+# An account name as Unix user databases give them: POSIX's portable set, plus "@" and
+# "\\" for directory-service names (alice@example.org, DOMAIN\\alice) and a final "$"
+# (Samba machine accounts).  Anything else (a space, a control character, a "/") names
+# no account, so a policy that holds one is refused rather than shown to anybody.
+_ACCOUNT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@\\-]*\$?")
+ACCOUNT_NAME_LIMIT = 256
+ACCOUNT_NAME_TEXT = (
+    f"a user or group name: letters, digits, '_', '.', '@', '\\', '-' (not first), an "
+    f"optional final '$', at most {ACCOUNT_NAME_LIMIT} characters"
+)
+
+
+def is_account_name(name: object) -> bool:
+    """Whether ``name`` can be a Unix user or group name (see ``_ACCOUNT_NAME``)."""
+    return (
+        isinstance(name, str)
+        and len(name) <= ACCOUNT_NAME_LIMIT
+        and _ACCOUNT_NAME.fullmatch(name) is not None
+    )
+
+
 @dataclass(frozen=True)
 class Names:
     @property
     def text(self) -> str:
-        return 'a list of non-empty names, e.g. ["gpuadmin"]'
+        return f'a list of user or group names, e.g. ["gpuadmin"] ({ACCOUNT_NAME_TEXT})'
 
     def convert(self, value: object) -> tuple[str, ...]:
-        if not isinstance(value, list) or not all(isinstance(n, str) and n for n in value):
+        if not isinstance(value, list) or not all(is_account_name(n) for n in value):
             raise ValueError(value)
         return tuple(value)
 
@@ -612,6 +639,19 @@ def _toml_repr(value: object) -> str:
     return " ".join(str(value).split())  # ints, and anything else on one line
 
 
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def key_text(key: str) -> str:
+    """One key of a dotted path as TOML writes it, shown as plain text: a bare key as it
+    is, any other quoted, with every character that would not show as itself (an escape,
+    a newline) replaced by its stand-in.  A key comes from the file: it is data."""
+    if _BARE_KEY.fullmatch(key):
+        return key
+    quoted = key.replace("\\", "\\\\").replace('"', '\\"')
+    return '"' + plain_text(quoted, limit=_SHOWN_CHARS) + '"'
+
+
 def refusal(source: str, key: str, value: object, allowed: str) -> PolicyError:
     return PolicyError(f"{source}: {key} = {shown(value)}: {allowed}", key=key)
 
@@ -634,7 +674,9 @@ def read_table(
         setting = settings.get(key)
         if setting is None:
             known = ", ".join(sorted(settings))
-            raise refusal(source, f"{where}.{key}", value, f"unknown setting; known: {known}")
+            raise refusal(
+                source, f"{where}.{key_text(key)}", value, f"unknown setting; known: {known}"
+            )
         values[key] = check_value(setting, value, where, source)
     return values
 
@@ -653,7 +695,8 @@ def sections(document: Mapping[str, object], source: str) -> Sections:
     """The document's sections; PolicyError for an unknown section or one that is no table."""
     for name, value in document.items():
         if name not in SECTIONS:
-            raise refusal(source, name, value, f"unknown section; known: {', '.join(SECTIONS)}")
+            known = ", ".join(SECTIONS)
+            raise refusal(source, key_text(name), value, f"unknown section; known: {known}")
     tables: dict[str, dict] = {}
     for name in SECTIONS:
         table = document.get(name, {})
@@ -663,8 +706,11 @@ def sections(document: Mapping[str, object], source: str) -> Sections:
         tables[name] = table
     for name in ("groups", "users"):
         for who, section in tables[name].items():
+            where = f"{name}.{key_text(who)}"
+            if not is_account_name(who):
+                raise refusal(source, where, section, f"NAME must be {ACCOUNT_NAME_TEXT}")
             if not isinstance(section, dict):
-                raise refusal(source, f"{name}.{who}", section, f"must be a table ([{name}.NAME])")
+                raise refusal(source, where, section, f"must be a table ([{name}.NAME])")
     return Sections(
         broker=tables["broker"],
         defaults=tables["defaults"],

@@ -208,10 +208,12 @@ def test_a_toml_syntax_error_is_one_line(text):
 def test_an_unreadable_file_names_the_path_and_the_reason(tmp_path):
     with pytest.raises(PolicyError) as missing:
         load_config(tmp_path / "nope.toml")
-    assert str(missing.value) == f"cannot read {tmp_path / 'nope.toml'}: No such file or directory"
+    assert str(missing.value) == f"config {tmp_path / 'nope.toml'} does not exist"
     with pytest.raises(PolicyError) as directory:
         load_config(tmp_path)
-    assert str(directory.value) == f"cannot read {tmp_path}: Is a directory"
+    assert str(directory.value) == (
+        f"config {tmp_path} refused: it is a directory; only a regular file is read"
+    )
 
 
 def test_a_binary_file_on_disk_is_named(tmp_path):
