@@ -12,6 +12,7 @@ about policy (what sizes are allowed is the broker's business).
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 __all__ = [
     "GIB",
@@ -41,8 +42,18 @@ _UNITS = {"": 1, "B": 1} | {
 }
 
 
+def _as_typed(text: str, limit: int = 40) -> str:
+    """``text`` quoted for an error message, cut short if it is long (a message is one
+    line, whatever was typed)."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
 def parse_size(text: str | int) -> int:
-    """Bytes in ``text`` ("8GiB", "512MB", "1.5G", 1024); ValueError with a readable reason."""
+    """Bytes in ``text`` ("8GiB", "512MB", "1.5G", 1024); ValueError with a readable reason.
+
+    Exact for any number of digits (no float in between, which would overflow or round):
+    whether a size is too large is for the caller to say, who knows its limit.
+    """
     if isinstance(text, bool):
         raise ValueError("a size must be a number of bytes or text like 8GiB")
     if isinstance(text, int):
@@ -51,18 +62,20 @@ def parse_size(text: str | int) -> int:
         return text
     match = _SIZE.match(str(text))
     if not match:
-        raise ValueError(f"{text!r} is not a size (examples: 8GiB, 512MiB, 2GB)")
+        raise ValueError(f"{_as_typed(str(text))} is not a size (examples: 8GiB, 512MiB, 2GB)")
     number, unit = match.groups()
     multiplier = _UNITS.get((unit or "").upper())
     if multiplier is None:
-        raise ValueError(f"{text!r} has an unknown unit {unit!r}")
-    return int(float(number) * multiplier)
+        raise ValueError(f"{_as_typed(str(text))} has an unknown unit {unit!r}")
+    if len(number) > 4000:  # Python refuses to read integers past 4300 digits
+        raise ValueError(f"{_as_typed(str(text))} has too many digits for a size")
+    return int(Fraction(number) * multiplier)
 
 
 def format_size(num_bytes: int) -> str:
     value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if value < 1024 or unit == "PiB":
             return f"{value:.0f} {unit}" if unit == "B" or value >= 100 else f"{value:.1f} {unit}"
         value /= 1024
     return f"{num_bytes} B"  # pragma: no cover

@@ -167,17 +167,28 @@ class QueueNotices:
         return known
 
     def _hold_estimate(self, holders: Holders, now: float) -> float | None:
-        """Seconds until the first holder is likely done, from its user's habits."""
+        """Seconds until one of the waiter's slots is likely free, from its holders'
+        users' habits: a slot is free once every lease running there is likely done.
+
+        Not the least time left among the holders: a short lease beside a long one
+        made that "any moment now" while the long one had 41 s to go.  A slot with a
+        holder whose user has no habits yet gives no estimate (it could be any time).
+        """
         if holders.estimated_in == self._passes:
             return holders.estimate
-        remaining = []
+        free_in = []
         for key in holders.keys:
+            left: list[float] = []
             for uid, grants in self._book.index.slots[key].granted.items():
                 typical = self._book.hold_ema.get(uid)
-                if typical is not None:
-                    # typical - (now - granted) only grows with granted, rounding included:
-                    # a user's longest-held lease is the one with the least time left.
-                    remaining.append(max(0.0, typical - (now - min(grants.values()))))
-        holders.estimate = round(min(remaining), 1) if remaining else None
+                if typical is None:
+                    break  # a user with no habits yet: this slot could be free any time
+                # typical - (now - granted) only grows with granted, rounding included:
+                # a user's latest lease on the slot is the one with the most time left.
+                left.append(max(0.0, typical - (now - max(grants.values()))))
+            else:
+                if left:
+                    free_in.append(max(left))
+        holders.estimate = round(min(free_in), 1) if free_in else None
         holders.estimated_in = self._passes
         return holders.estimate

@@ -11,8 +11,13 @@ from collections.abc import Callable
 from typing import Any
 
 from gpushare_ext.errors import GpushareError
-from gpushare_ext.protocol import MAX_RANKS, SliceWish, priority_value
-from gpushare_ext.units import parse_duration, parse_size
+from gpushare_ext.protocol import MAX_RANKS, Bytes, ShortText, SliceWish, priority_value
+from gpushare_ext.units import format_size, parse_duration, parse_size
+
+# The wire's own limits, read from the protocol's types: a value past them is refused
+# here, naming the argument, and never reaches the broker as a malformed message.
+MAX_MEMORY_BYTES: int = Bytes.__metadata__[0].le
+MAX_DEVICE_CHARS: int = ShortText.__metadata__[0].max_length
 
 KEYS = {
     "priority": "low | normal | high | 0-299",
@@ -79,11 +84,23 @@ def _memory(value: str) -> int:
     size = parse_size(value)
     if size <= 0:
         raise ValueError("must be more than 0")
+    if size > MAX_MEMORY_BYTES:
+        raise ValueError(
+            f"{_shortened(value)} is more than {format_size(MAX_MEMORY_BYTES)}, the most a "
+            "request may ask for"
+        )
     return size
+
+
+def _shortened(value: str, limit: int = 40) -> str:
+    """A value as typed, cut short for a one-line message."""
+    return value if len(value) <= limit else value[:limit] + "..."
 
 
 def _device(value: str) -> str:
     text = value.strip()
+    if len(text) > MAX_DEVICE_CHARS:
+        raise ValueError(f"{_shortened(text)!r} is longer than any device name or UUID")
     if not (
         text == "auto" or (text.isascii() and text.isdecimal()) or text.startswith(("GPU-", "MIG-"))
     ):

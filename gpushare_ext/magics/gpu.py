@@ -3,13 +3,24 @@
 The lease lifecycle lives in :mod:`gpushare_ext.runtime.session`; this module turns
 magic lines into :class:`LeaseOptions`, runs the cell body in the user's namespace
 under the lease, and shows errors as one line.
+
+An error in the cell's own code reads as it would without ``%%gpu``: ``Cell In[7],
+line 3`` (the cell's number, and its lines counted from the ``%%gpu`` line), with no
+frame of IPython's ``run_cell_magic`` or of this module.  gpushare's own errors, and an
+interrupt before the cell's code started, are one line.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import CodeType, FrameType, TracebackType
+from typing import Any
 
+from IPython import get_ipython
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 
@@ -33,6 +44,90 @@ def _key_table(keys: dict[str, str]) -> str:
 _KEY_HELP = _key_table(KEYS)
 # %gpuconfig sets defaults; ranks is a cell's own choice (it refuses it as a default).
 _CONFIG_KEY_HELP = _key_table({k: v for k, v in KEYS.items() if k != "ranks"})
+
+
+@dataclass(frozen=True)
+class CellBody:
+    """A ``%%gpu`` cell's code, compiled under the cell's own name (``Cell In[N]``) with
+    its lines numbered as the user sees them: the ``%%gpu`` line is line 1."""
+
+    statements: CodeType
+    last_expression: CodeType | None  # shown as the cell's result, as IPython does
+
+
+def cell_number(shell: Any, frame: FrameType | None) -> int:
+    """The ``In[N]`` of the cell running this magic: that of the nearest caller whose
+    code IPython compiled as a cell (IPython's own counter has moved on by then in some
+    versions, and not in others)."""
+    numbers = getattr(shell.compile, "_filename_map", {})
+    while frame is not None:
+        number = numbers.get(frame.f_code.co_filename)
+        if number is not None:
+            return number
+        frame = frame.f_back
+    return shell.execution_count
+
+
+def compile_body(shell: Any, magic_line: str, cell: str, number: int) -> CellBody:
+    """The cell's code compiled as ``In[number]``; a SyntaxError names that cell and
+    the line as the user sees it."""
+    source = shell.transform_cell(cell)
+    first_line = f"%%gpu {magic_line}".rstrip()
+    # IPython keeps the source under this name, so a traceback shows the cell's lines.
+    filename = shell.compile.cache(
+        f"{first_line}\n{source}", number, raw_code=f"{first_line}\n{cell}"
+    )
+    # A blank first line stands for the %%gpu line: every line keeps its number.
+    tree = ast.parse("\n" + source, filename=filename)
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    return CellBody(
+        statements=compile(tree, filename, "exec"),
+        last_expression=compile(last, filename, "eval") if last is not None else None,
+    )
+
+
+# As IPython reads a cell magic's first line: its name, then after one space its line.
+_GPU_CELL = re.compile(r"%%gpu(?: (?P<line>.*))?\n?$")
+
+
+def syntax_errors_as_the_cells(lines: list[str]) -> list[str]:
+    """An input transformer (IPython's cleanup stage, installed at load): a ``%%gpu``
+    cell whose code does not compile raises its SyntaxError here, before the cell runs
+    and before a lease is asked for, so IPython shows it as for any cell (``Cell In[N],
+    line L`` and the caret) and not from inside the magic, with its frames.  Every
+    other cell passes unchanged."""
+    match = _GPU_CELL.match(lines[0]) if lines else None
+    shell = get_ipython() if match is not None else None
+    if match is None or shell is None:
+        return lines
+    # At this stage IPython's counter is still the number this cell will show.
+    magic_line = (match["line"] or "").rstrip()
+    compile_body(shell, magic_line, "".join(lines[1:]), shell.execution_count)
+    return lines
+
+
+# Not while IPython asks whether typed lines are complete: only when a cell runs.
+syntax_errors_as_the_cells.has_side_effects = True  # type: ignore[attr-defined]
+
+
+def shown_as(error: BaseException, render: Callable[[], list[str]]) -> BaseException:
+    """``error``, shown by IPython as ``render()`` says (its ``_render_traceback_``
+    hook) instead of a traceback through this module; its type stays what it is."""
+    error._render_traceback_ = render  # type: ignore[attr-defined]
+    return error
+
+
+def _from_the_cell(shell: Any, error: BaseException, cell_frames: TracebackType) -> None:
+    """Make IPython show ``error`` from the cell's own frames on, as a plain cell would."""
+
+    def render() -> list[str]:
+        return shell.InteractiveTB.structured_traceback(
+            type(error), error, cell_frames, tb_offset=0
+        )
+
+    shown_as(error, render)
 
 
 @magics_class
@@ -81,11 +176,12 @@ class GpuMagics(Magics):
         ranks = options.pop("ranks", 1)
         if ranks > 1:
             return self._run_ranks(session, cell, ranks, output, label, options)
+        body = self._compile(line, cell)
         raised_by_cell: list[BaseException] = []
         try:
             with session.lease(output=output, label=label, **options):
                 try:
-                    return self._run_body(cell)
+                    return self._run_body(body)
                 except BaseException as exc:  # the cell's own errors are the user's to see
                     raised_by_cell.append(exc)
                     raise
@@ -96,9 +192,11 @@ class GpuMagics(Magics):
         except KeyboardInterrupt:
             if raised_by_cell:
                 raise
-            # Interrupted while queued (the cell's line says the request was withdrawn):
-            # a bare KeyboardInterrupt, not a trace through the queue's waits.
-            raise KeyboardInterrupt from None
+            # Interrupted before the cell's code ran (queued, or waiting for the broker:
+            # the cell's line above says which): one line, no trace through the waits.
+            words = f"KeyboardInterrupt: {cell_lines.INTERRUPTED_BEFORE_RUN}"
+            interrupted = KeyboardInterrupt(cell_lines.INTERRUPTED_BEFORE_RUN)
+            raise shown_as(interrupted, lambda: [words]) from None
 
     gpu.__doc__ = (gpu.__doc__ or "").replace("{keys}", _KEY_HELP)
 
@@ -123,21 +221,26 @@ class GpuMagics(Magics):
         except GpushareError as exc:
             raise UsageError(exc.in_cell()) from None
 
-    def _run_body(self, cell: str):
+    def _compile(self, line: str, cell: str) -> CellBody:
+        """The cell's code, compiled before a lease is asked for.  (A syntax error in a
+        cell typed as such never gets here: :func:`syntax_errors_as_the_cells` raised it
+        before the cell ran.)"""
         __tracebackhide__ = True
         shell = self.shell
-        source = shell.transform_cell(cell)
-        tree = ast.parse(source)
-        last = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(tree.body.pop().value)
-        namespace = shell.user_ns
-        # Under a name whose source IPython keeps (as for any cell), so a traceback from
-        # the cell shows its lines, not "Could not get source".
-        filename = shell.compile.cache(source)
-        exec(compile(tree, filename, "exec"), namespace)
-        if last is not None:
-            return eval(compile(last, filename, "eval"), namespace)
+        return compile_body(shell, line, cell, cell_number(shell, sys._getframe(1)))
+
+    def _run_body(self, body: CellBody) -> Any:
+        __tracebackhide__ = True
+        namespace = self.shell.user_ns
+        try:
+            exec(body.statements, namespace)
+            if body.last_expression is not None:
+                return eval(body.last_expression, namespace)
+        except BaseException as exc:
+            here = exc.__traceback__
+            if here is not None and here.tb_next is not None:
+                _from_the_cell(self.shell, exc, here.tb_next)  # the cell's own frames on
+            raise
         return None
 
     def _gpu_line(self, line: str):

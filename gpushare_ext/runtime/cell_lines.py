@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpushare_ext.plain_text import SENTENCE_LIMIT, plain_text
 from gpushare_ext.protocol import (
     LEVEL_NAMES,
     Preempt,
@@ -26,9 +27,7 @@ from gpushare_ext.protocol import (
 )
 from gpushare_ext.units import format_size
 
-SHOWN_PAUSES = 3  # a count past these
-QUEUED_WORTH_SAYING_S = 0.05  # below this the grant came with the answer
-OVERDUE_AFTER_S = 5.0  # past the estimate this long, the queue line says so instead
+SHOWN_PAUSES = 3  # named in a receipt of more than four pauses; the rest are counted
 PAUSED = "gpushare: paused for a higher-priority session"
 
 
@@ -44,16 +43,19 @@ def estimate_text(
     queued: Queued | None, *, since_notice_s: float, waited_s: float, timeout_s: float | None
 ) -> str:
     """The broker's estimate counted down since it came (``since_notice_s`` ago), and
-    said against the cell's timeout when the wait would outlast it ("" without one)."""
-    if queued is None or not queued.estimate_s:
+    said against the cell's timeout when the wait would outlast it ("" without one).
+
+    The estimate is the holder's usual hold time, not a promise: once it is used up the
+    line says so ("the holder's usual time is up", then how long ago it ran out) and
+    never "any moment now", which a holder with 41 s of work left does not keep."""
+    if queued is None or queued.estimate_s is None:
         return ""
-    left = max(0.0, queued.estimate_s - since_notice_s)
-    overdue = since_notice_s - queued.estimate_s
-    if overdue >= OVERDUE_AFTER_S:
-        # "Any moment now" for ever would be a promise the holder is not keeping.
-        return f", the holder's usual time ran out {overdue:.0f} s ago"
+    left = queued.estimate_s - since_notice_s
     if left < 1.0:
-        return ", any moment now"
+        overdue = -left
+        if overdue < 1.0:
+            return ", the holder's usual time is up"
+        return f", the holder's usual time ran out {overdue:.0f} s ago"
     if timeout_s is not None and left > timeout_s - waited_s:
         return (
             f", about {left:.0f} s left, more than the {max(0.0, timeout_s - waited_s):.0f} s "
@@ -186,7 +188,29 @@ def broker_gone_words(where: object, waited_s: float, still_queued: bool) -> str
 
 
 def reconnecting_line(waited_s: float) -> str:
-    return f"gpushare: the broker went away; reconnecting -- {waited_s:.0f} s"
+    return (
+        f"gpushare: the broker went away; reconnecting -- {waited_s:.0f} s "
+        "(interrupt the kernel to stop waiting)"
+    )
+
+
+def reconnect_abandoned_line(waited_s: float, why: str) -> str:
+    """The reconnecting line's last word when the cell stopped waiting (``why``:
+    interrupted, timed out): it must not keep saying "reconnecting"."""
+    return f"gpushare: the broker went away; stopped reconnecting after {waited_s:.0f} s ({why})"
+
+
+def broker_away_timed_out_words(timeout_s: float, where: object) -> str:
+    """The error of a cell whose timeout ran out while its broker was away."""
+    return (
+        f"gpushare: no GPU within {timeout_s:g} s: the broker on {where} went away and was "
+        "not back in time; the request was not made and the cell did not run"
+    )
+
+
+#: What an interrupt before the cell's code started says (its lines above say where it
+#: stood: the queue, or the broker's absence).
+INTERRUPTED_BEFORE_RUN = "the cell did not run"
 
 
 RECONNECTED = "gpushare: reconnected to the broker"
@@ -274,33 +298,65 @@ class PauseRecord:
 
     for_user: str  # as the broker names them to this user (others anonymised)
     level: PreemptionLevel  # the rung that held it
-    seconds: float | None = None  # how long, once resumed (None: still paused at the end)
+    seconds: float | None = None  # how long, once resumed (None: not resumed, by the end)
 
 
-def _pause_words(pause: PauseRecord) -> str:
-    length = "until the end" if pause.seconds is None else f"{pause.seconds:.1f} s"
-    return f"{length} for {pause.for_user} ({pause.level.name.lower()})"
+def _pause_words(pause: PauseRecord, length_s: float | None, until_the_end: bool) -> str:
+    # A user's name is someone else's text: one line, every character as itself.
+    who = f"for {plain_text(pause.for_user)} ({pause.level.name.lower()})"
+    if length_s is None:
+        return f"{who}, length unknown"
+    return f"{length_s:.1f} s {who}" + (", until the end" if until_the_end else "")
 
 
 def receipt_line(
-    *, queued_s: float, ran_s: float, pauses: list[PauseRecord], kernels: str = ""
+    *,
+    queued_s: float,
+    held_s: float,
+    pauses: list[PauseRecord],
+    open_pause_s: float | None = None,
+    kernels: str = "",
+    revoked: str = "",
+    unleased_s: float = 0.0,
 ) -> str:
-    """``gpushare: cell done: queued 2.0 s, ran 12.2 s; paused 2 times, 3.2 s in all
-    (1.2 s for alice (gate), 2.0 s for bob (lock)); long kernels: ...``."""
-    # A cell granted at once says nothing of a queue it never stood in.
-    waited = f"queued {queued_s:.1f} s, " if queued_s >= QUEUED_WORTH_SAYING_S else ""
-    line = f"gpushare: cell done: {waited}ran {ran_s:.1f} s"
+    """``gpushare: cell done: queued 2.0 s, ran 9.0 s, paused 3.2 s (twice: 1.2 s for
+    alice (gate), 2.0 s for bob (lock)); long kernels: ...``.
+
+    ``held_s`` runs from the grant to the end of the cell, pauses included: the line
+    splits it into the time the cell ran and the time it was paused.  ``open_pause_s``
+    is how long the last pause lasted if it was still open at the end (or at the
+    revocation); an earlier one never resumed (the broker went away meanwhile) has no
+    known length.  ``revoked``: why the lease was taken away, ``unleased_s`` before the
+    end.
+    """
+    last_open = bool(pauses) and pauses[-1].seconds is None
+    lengths = [p.seconds for p in pauses]
+    if last_open:
+        lengths[-1] = open_pause_s
+    paused_s = sum(length for length in lengths if length is not None)
+    ran_s = max(0.0, held_s - paused_s)
+    # The time queued is said when it is zero too: "no wait" is an answer as well.
+    line = f"gpushare: cell done: queued {queued_s:.1f} s, ran {ran_s:.1f} s"
     if not pauses:
-        line += "; never paused"
+        line += ", never paused"
     else:
-        total = sum(p.seconds for p in pauses if p.seconds is not None)
-        times = "once" if len(pauses) == 1 else f"{len(pauses)} times"
-        shown = [_pause_words(p) for p in pauses[:SHOWN_PAUSES]]
-        rest = pauses[SHOWN_PAUSES:]
-        if rest:
-            rest_s = sum(p.seconds for p in rest if p.seconds is not None)
-            shown.append(f"{len(rest)} more, {rest_s:.1f} s")
-        line += f"; paused {times}, {total:.1f} s in all ({', '.join(shown)})"
+        # All of them, or three and a count: a count of one would hide one pause only.
+        named = len(pauses) if len(pauses) <= SHOWN_PAUSES + 1 else SHOWN_PAUSES
+        shown = [
+            _pause_words(p, lengths[n], last_open and n == len(pauses) - 1)
+            for n, p in enumerate(pauses[:named])
+        ]
+        if named < len(pauses):
+            rest_s = sum(length for length in lengths[named:] if length is not None)
+            rest = len(pauses) - named
+            shown[-1] = f"{shown[-1]} and {rest} more pauses of {rest_s:.1f} s in all"
+        if len(pauses) == 1:
+            line += f", paused {shown[0]}"
+        else:
+            line += f", paused {paused_s:.1f} s ({times(len(pauses))}: {', '.join(shown)})"
+    if revoked:
+        why = plain_text(revoked, SENTENCE_LIMIT)  # the broker's, which may quote others'
+        line += f"; lease revoked ({why}): the last {unleased_s:.1f} s ran without a lease"
     if kernels:
         line += f"; long kernels: {kernels}"
     return line

@@ -1,10 +1,11 @@
 """This kernel process's one connection to the broker, kept alive across broker restarts.
 
 It finds the broker (starting the embedded per-user broker when none answers), says
-hello with the leases to reclaim, sends a lease request and waits (visibly) while the
-broker is away, and runs the thread that reconnects after the broker went away.  What
-the broker says about leases goes to the session through :class:`ConnectionOwner`; the
-broker's reading thread is the client's (``gpushare_ext.client``).
+hello with the leases to reclaim, sends a lease request and waits (visibly, and no
+longer than the cell's timeout) while the broker is away, and runs the thread that
+reconnects after the broker went away.  What the broker says about leases goes to the
+session through :class:`ConnectionOwner`; the broker's reading thread is the client's
+(``gpushare_ext.client``).
 
 It must not keep or change leases, hold the process, or word a line itself: the session
 does the first two, :mod:`cell_lines` the last.
@@ -33,7 +34,7 @@ from gpushare_ext.protocol import (
 from gpushare_ext.runtime import binding, cell_lines
 from gpushare_ext.runtime.cell_output import CellOutput
 from gpushare_ext.runtime.embedded import broker_answers, ensure_embedded_broker
-from gpushare_ext.runtime.leases import LeaseHandle
+from gpushare_ext.runtime.leases import LeaseHandle, LeaseTimeout
 
 RECONNECT_DEADLINE_S = 120.0
 
@@ -169,13 +170,20 @@ class BrokerConnection:
             self._reconnecting.clear()
 
     def ask_for_lease(
-        self, request: RequestLease, output: CellOutput | None
+        self,
+        request: RequestLease,
+        output: CellOutput | None,
+        *,
+        timeout_s: float | None = None,
     ) -> tuple[Granted | Queued | Refused, int]:
         """Send the request; if the broker is restarting, wait for it (visibly) and ask again.
 
-        Returns the answer and the generation of the connection that gave it.
+        The wait ends at the cell's ``timeout_s`` (a :class:`LeaseTimeout`, as a wait in
+        the queue would), or after :data:`RECONNECT_DEADLINE_S` without one.  Returns the
+        answer and the generation of the connection that gave it.
         """
-        deadline = time.monotonic() + RECONNECT_DEADLINE_S
+        patience = RECONNECT_DEADLINE_S if timeout_s is None else timeout_s
+        deadline = time.monotonic() + min(patience, RECONNECT_DEADLINE_S)
         while True:
             try:
                 with self._lock:
@@ -184,33 +192,71 @@ class BrokerConnection:
                 return client.ask_for_lease(request), generation
             except BrokerUnavailable:
                 # Never connected: there is no broker to wait for, say so at once.
-                left = deadline - time.monotonic()
-                if self.connected_path is None or left <= 0:
+                if self.connected_path is None:
                     raise
-                self._wait_for_connection(output, left)
+                self._wait_for_connection(
+                    output, deadline - time.monotonic(), cell_timeout_s=timeout_s
+                )
 
     def _wait_for_connection(
-        self, output: CellOutput | None, timeout_s: float = RECONNECT_DEADLINE_S
+        self,
+        output: CellOutput | None,
+        timeout_s: float = RECONNECT_DEADLINE_S,
+        *,
+        cell_timeout_s: float | None = None,
     ) -> BrokerClient:
-        """Reconnect now, showing one live line while the broker is away."""
+        """Reconnect now, showing one live line while the broker is away.
+
+        The line never stays "reconnecting" once the cell stops waiting: an interrupt, the
+        cell's timeout (``cell_timeout_s``, raised as :class:`LeaseTimeout`) or the end of
+        ``timeout_s`` turn it into the wait's last word.
+        """
         started = time.monotonic()
         key = f"gpushare-reconnect-{uuid.uuid4().hex[:8]}"
-        while True:
-            try:
-                client = self.connect()
-            except BrokerUnavailable as exc:
-                waited = time.monotonic() - started
-                if waited >= timeout_s:
-                    raise BrokerUnavailable(
-                        f"{exc}; gave up after {waited:.0f} s of reconnecting"
-                    ) from None
-                if output is not None:
-                    output.show(key, cell_lines.reconnecting_line(waited))
-                time.sleep(0.5)
-                continue
-            if output is not None and time.monotonic() - started > 0.5:
-                output.show(key, cell_lines.RECONNECTED)
-            return client
+        shown = ""
+        # The cell's timeout ends the wait when it comes before the longest a wait lasts.
+        cell_limit_s = (
+            cell_timeout_s
+            if cell_timeout_s is not None and cell_timeout_s <= RECONNECT_DEADLINE_S
+            else None
+        )
+
+        def show(text: str) -> None:
+            nonlocal shown
+            if output is not None and text != shown:
+                output.show(key, text)
+                shown = text
+
+        try:
+            while True:
+                try:
+                    client = self.connect()
+                except BrokerUnavailable as exc:
+                    waited = time.monotonic() - started
+                    if waited >= timeout_s:
+                        why = "timed out" if cell_limit_s is not None else "gave up"
+                        if shown:
+                            show(cell_lines.reconnect_abandoned_line(waited, why))
+                        if cell_limit_s is not None:
+                            raise LeaseTimeout(
+                                cell_lines.broker_away_timed_out_words(
+                                    cell_limit_s, self.connected_path or self.socket_path
+                                )
+                            ) from None
+                        raise BrokerUnavailable(
+                            f"{exc}; gave up after {waited:.0f} s of reconnecting"
+                        ) from None
+                    show(cell_lines.reconnecting_line(waited))
+                    # Short sleeps: the cell's timeout is kept to a fraction of a second.
+                    time.sleep(min(0.5, max(0.01, timeout_s - waited)))
+                    continue
+                if shown:
+                    show(cell_lines.RECONNECTED)
+                return client
+        except KeyboardInterrupt:
+            if shown:
+                show(cell_lines.reconnect_abandoned_line(time.monotonic() - started, "interrupted"))
+            raise
 
     def live_client(self) -> BrokerClient | None:
         """The client while it is connected; None while reconnecting or closed."""

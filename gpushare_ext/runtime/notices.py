@@ -4,6 +4,7 @@ A grant, a queue notice, a refusal, a pause and its resume, a revocation, a rele
 each moves the :class:`LeaseHandle` through the state table, keeps what the receipt
 needs, and shows its one line (worded in :mod:`cell_lines`).  Runs on the broker's
 listener thread, and on the cell's thread for notices that came before the handle.
+When the cell ends, :func:`say_receipt` sums up what its lease went through.
 
 It must not talk to the broker or touch the process's holds; what it needs of the
 session comes through :class:`PauseContext`.
@@ -27,8 +28,11 @@ from gpushare_ext.protocol import (
     applied_level,
 )
 from gpushare_ext.runtime import cell_lines, preemptible
-from gpushare_ext.runtime.cell_lines import PauseRecord
+from gpushare_ext.runtime.cell_lines import PauseRecord, kernel_words, receipt_line
 from gpushare_ext.runtime.leases import LeaseHandle, state_after_preempt
+
+# The note a revocation leaves in the lease's events: the receipt reads its time back.
+REVOKED_NOTE = "revoked: "
 
 
 class PauseContext(Protocol):
@@ -80,7 +84,8 @@ def revoke(handle: LeaseHandle, why: str) -> None:
     """The lease is gone for ``why`` (a restart that did not keep it, a broker that did
     not come back): its waiters wake, and its cell says so."""
     handle.revoked = why
-    handle.move(LeaseState.REVOKED)
+    if handle.move(LeaseState.REVOKED):
+        handle.note(REVOKED_NOTE + why)
     handle.changed.set()
     say_revoked(handle, cell_lines.notice(why))
 
@@ -146,10 +151,50 @@ def _resumed(handle: LeaseHandle, message: Resume) -> None:
 def _revoked(handle: LeaseHandle, message: Revoked) -> None:
     handle.revoked = message.reason
     was_paused = handle.state in (LeaseState.PAUSED, LeaseState.EVICTED)
-    handle.move(LeaseState.REVOKED)
+    if handle.move(LeaseState.REVOKED):
+        handle.note(REVOKED_NOTE + message.reason)
     if was_paused:
         # The live pause line would say "paused ..." for ever: it becomes the
         # revocation, so the cell shows one true line, not two.
         handle.show("-pause", cell_lines.revoked_line(message.reason, while_paused=True))
     else:
         say_revoked(handle, cell_lines.revoked_line(message.reason, while_paused=False))
+
+
+# ---- the cell's receipt
+
+
+def say_receipt(handle: LeaseHandle) -> None:
+    """The cell's last line: what its lease went through, shown once the cell's own
+    output and traceback are out (only for a lease that was granted; a request that
+    never was ends with its own error).  A revoked lease gets one too: the cell ran on
+    without it, and the receipt says for how long."""
+    if handle.output is None or handle.granted_at is None:
+        return
+    now = time.time()
+    held_s = time.monotonic() - handle.granted_at
+    revoked_at = _revoked_at(handle) if handle.state == LeaseState.REVOKED else None
+    # A pause still open ended at the revocation, or lasts to the end of the cell.
+    open_pause_s = None
+    if handle.paused_since is not None:
+        open_pause_s = max(0.0, (revoked_at or now) - handle.paused_since)
+    handle.output.show_last(
+        handle.display_key + "-receipt",
+        receipt_line(
+            queued_s=handle.granted_at - handle.asked_at,
+            held_s=held_s,
+            pauses=handle.pause_log,
+            open_pause_s=open_pause_s,
+            kernels=kernel_words(handle.kernels_at_grant, preemptible.counts()),
+            revoked=handle.revoked if handle.state == LeaseState.REVOKED else "",
+            unleased_s=max(0.0, now - revoked_at) if revoked_at is not None else 0.0,
+        ),
+    )
+
+
+def _revoked_at(handle: LeaseHandle) -> float | None:
+    """When (``time.time()``) the lease was revoked, from the note its revocation left."""
+    for when, what in reversed(handle.events):
+        if what.startswith(REVOKED_NOTE):
+            return when
+    return None

@@ -47,8 +47,7 @@ from gpushare_ext.protocol import (
     priority_value,
     split_member_id,
 )
-from gpushare_ext.runtime import binding, cell_lines, interpose, memory, preemptible
-from gpushare_ext.runtime.cell_lines import kernel_words, receipt_line
+from gpushare_ext.runtime import binding, cell_lines, interpose, memory
 from gpushare_ext.runtime.cell_output import CellOutput
 from gpushare_ext.runtime.connection import RECONNECT_DEADLINE_S, BrokerConnection
 from gpushare_ext.runtime.gate import DeviceGate
@@ -67,6 +66,7 @@ from gpushare_ext.runtime.notices import (
     record_queued,
     revoke,
     say_grant_notice,
+    say_receipt,
 )
 from gpushare_ext.runtime.parked import ParkedMemory, why_not_parkable
 from gpushare_ext.runtime.paused import PauseWatch
@@ -281,7 +281,9 @@ class GpuSession:
         """The handle of the broker's answer, with the notices that came before it."""
         requested_at = time.monotonic()
         while True:
-            reply, generation = self.connection.ask_for_lease(request, output)
+            reply, generation = self.connection.ask_for_lease(
+                request, output, timeout_s=options.timeout_s
+            )
             if isinstance(reply, Refused):
                 raise LeaseRefused(cell_lines.refused_words(reply.message))
             handle = LeaseHandle(lease_id=reply.lease_id, options=options, output=output)
@@ -318,7 +320,7 @@ class GpuSession:
                 current.release(handle.lease_id)
 
     def _wait_for_grant(self, handle: LeaseHandle) -> None:
-        started = time.monotonic()
+        started = handle.asked_at  # the timeout counts a wait for the broker's return too
         last_shown = -1.0
         timeout = handle.options.timeout_s
         # Granted is when a placement came, whatever followed it: a grant may be paused
@@ -440,26 +442,7 @@ class GpuSession:
                 yield handle
         finally:
             self.release(handle)
-            self._say_receipt(handle)
-
-    @staticmethod
-    def _say_receipt(handle: LeaseHandle) -> None:
-        """The cell's last line: what its lease went through (only for a lease that was
-        granted; a request that never was ends with its own error)."""
-        if handle.output is None or handle.granted_at is None:
-            return
-        if handle.state == LeaseState.REVOKED:
-            return  # the revocation's line is the lease's last word
-        now = time.monotonic()
-        handle.show(
-            "-receipt",
-            receipt_line(
-                queued_s=handle.granted_at - handle.asked_at,
-                ran_s=now - handle.granted_at,
-                pauses=handle.pause_log,
-                kernels=kernel_words(handle.kernels_at_grant, preemptible.counts()),
-            ),
-        )
+            say_receipt(handle)
 
     # ---- a gang
 

@@ -141,18 +141,30 @@ export function formatMiB(mib) {
 }
 
 /**
- * One line for the status bar: "GPU: running, 2 queued" from the viewer's point of view.
+ * One line for the status bar, from the viewer's point of view: "GPU: running, 2
+ * queued" while one of the viewer's leases holds a GPU, "GPU: queued, position 2 of 3"
+ * while the viewer only waits (not "queued, 1 queued", which counted the viewer's own
+ * request as someone else's).
  * @param {Snapshot} snapshot
  * @returns {string}
  */
 export function statusSummary(snapshot) {
   const own = snapshot.leases.filter((l) => l.own);
+  // A gang queues as one request (its ranks share a place), as positions count them.
   const queued = groupLeases(snapshot.leases).filter(
     (l) => l.state === "queued",
   ).length;
   /** @type {LeaseState[]} */
   const order = ["running", "paused", "evicted", "queued"];
   const mine = order.find((state) => own.some((l) => l.state === state));
+  if (mine === "queued") {
+    const places = own
+      .filter((l) => l.state === "queued" && l.position != null)
+      .map((l) => Number(l.position));
+    if (!places.length) return "GPU: queued";
+    const of = queued > 1 ? ` of ${queued}` : "";
+    return `GPU: queued, position ${Math.min(...places)}${of}`;
+  }
   const held = snapshot.leases.some((l) => ACTIVE_STATES.has(l.state));
   const head = mine ? mine : held ? "busy" : "idle";
   return queued ? `GPU: ${head}, ${queued} queued` : `GPU: ${head}`;
@@ -962,8 +974,10 @@ function renderQueue(s, options) {
         : h(
             "span",
             "gpushare-queue-estimate",
+            // The holder's usual hold time, counted down: once it is used up, that is
+            // what it says, never a promise ("any moment now") the holder may not keep.
             l.estimate_s < 1
-              ? " — any moment now"
+              ? " — the holder's usual time is up"
               : ` — about ${formatDuration(l.estimate_s)} left`,
           );
     const why = /** @type {HTMLTableCellElement} */ (

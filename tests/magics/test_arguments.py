@@ -147,3 +147,46 @@ def test_the_key_tables_of_the_magics_help_line_up_and_gpuconfig_offers_no_ranks
         assert {row.split(" ", 1)[0] for row in rows} == keys
         # Every description starts in the same column, right after the padded key.
         assert {len(row) - len(row[13:].lstrip()) for row in rows} == {14}, rows
+
+
+@pytest.mark.parametrize(
+    "value", ["99999999999999999999999GiB", "2PiB", "1025TiB", "9" * 400 + "GiB"]
+)
+def test_a_size_past_what_a_request_may_carry_names_mem_and_the_limit(value):
+    """Not the broker's protocol text (``Expected int <= ... at $.memory_bytes``)."""
+    with pytest.raises(ArgumentError) as caught:
+        parse_lease_arguments(f"mem={value}")
+    message = str(caught.value)
+    assert message.startswith("bad value for mem: "), message
+    assert "is more than 1.0 PiB, the most a request may ask for" in message, message
+    assert "$." not in message and "\n" not in message and len(message) < 200, message
+
+
+def test_the_largest_size_a_request_may_carry_is_the_wire_s_own_limit():
+    from gpushare_ext.magics.arguments import MAX_MEMORY_BYTES
+    from gpushare_ext.protocol import ProtocolError, RequestLease, decode_client_message
+    from gpushare_ext.protocol import encode_frame as framed
+
+    assert parse_lease_arguments("mem=1PiB") == {"memory_bytes": MAX_MEMORY_BYTES}
+    # What is accepted here the broker's schema accepts, and one byte more it does not.
+    for size, accepted in ((MAX_MEMORY_BYTES, True), (MAX_MEMORY_BYTES + 1, False)):
+        body = framed(RequestLease(memory_bytes=size))[4:]
+        try:
+            decoded = decode_client_message(body)
+        except ProtocolError:
+            decoded = None
+        assert (decoded is not None) == accepted, size
+
+
+def test_digits_past_reason_are_refused_in_a_short_line():
+    with pytest.raises(ArgumentError) as caught:
+        parse_lease_arguments("mem=" + "9" * 5000)
+    message = str(caught.value)
+    assert message.startswith("bad value for mem: ") and len(message) < 200, message
+
+
+def test_a_device_name_longer_than_the_wire_carries_is_refused_naming_device():
+    with pytest.raises(ArgumentError) as caught:
+        parse_lease_arguments("device=GPU-" + "f" * 300)
+    message = str(caught.value)
+    assert message.startswith("bad value for device: ") and len(message) < 200, message

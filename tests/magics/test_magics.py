@@ -105,6 +105,9 @@ def test_unload_ext_removes_the_magics_and_releases_leases(on_broker, kernels):
     assert "not found" in gone.final_text(), gone.describe()
     gone = kernel.run("%%gpu\nside_effect = 1")
     assert "not found" in gone.final_text(), gone.describe()
+    # Nor does a %%gpu cell's code get looked at before it runs (a syntax error in it).
+    gone = kernel.run("%%gpu\nside_effect = (")
+    assert "not found" in gone.final_text() and gone.error is None, gone.describe()
     kernel.run("%load_ext gpushare_ext").ok()  # and it comes back
     assert "priority=normal" in kernel.run("%gpuconfig").ok().final_text()
 

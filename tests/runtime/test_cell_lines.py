@@ -11,36 +11,76 @@ from gpushare_ext.runtime.cell_lines import (
 )
 
 
-def test_a_cell_granted_at_once_and_never_paused_says_so():
-    assert receipt_line(queued_s=0.04, ran_s=3.16, pauses=[]) == (
-        "gpushare: cell done: ran 3.2 s; never paused"
+def test_a_cell_never_paused_says_its_queue_time_even_when_it_is_zero():
+    assert receipt_line(queued_s=0.04, held_s=3.16, pauses=[]) == (
+        "gpushare: cell done: queued 0.0 s, ran 3.2 s, never paused"
     )
-    assert receipt_line(queued_s=1.26, ran_s=3.16, pauses=[]) == (
-        "gpushare: cell done: queued 1.3 s, ran 3.2 s; never paused"
+    assert receipt_line(queued_s=1.26, held_s=3.16, pauses=[]) == (
+        "gpushare: cell done: queued 1.3 s, ran 3.2 s, never paused"
     )
 
 
-def test_each_pause_says_for_whom_at_which_rung_and_how_long():
+def test_the_time_running_and_the_time_paused_are_told_apart():
     pauses = [
         PauseRecord("alice", PreemptionLevel.GATE, 1.24),
         PauseRecord("bob", PreemptionLevel.LOCK, 2.0),
     ]
-    assert receipt_line(queued_s=2.0, ran_s=12.2, pauses=pauses) == (
-        "gpushare: cell done: queued 2.0 s, ran 12.2 s; paused 2 times, 3.2 s in all "
-        "(1.2 s for alice (gate), 2.0 s for bob (lock))"
+    # 12.2 s from the grant to the end, 3.2 s of it paused: it ran 9.0 s.
+    assert receipt_line(queued_s=2.0, held_s=12.2, pauses=pauses) == (
+        "gpushare: cell done: queued 2.0 s, ran 9.0 s, paused 3.2 s (twice: "
+        "1.2 s for alice (gate), 2.0 s for bob (lock))"
+    )
+    one = [PauseRecord("alice", PreemptionLevel.GATE, 1.5)]
+    assert receipt_line(queued_s=0.0, held_s=4.0, pauses=one) == (
+        "gpushare: cell done: queued 0.0 s, ran 2.5 s, paused 1.5 s for alice (gate)"
     )
 
 
-def test_past_three_pauses_the_rest_are_counted():
-    pauses = [PauseRecord(f"u{n}", PreemptionLevel.YIELD, 1.0) for n in range(5)]
-    pauses.append(PauseRecord("u5", PreemptionLevel.EVICT))  # still paused at the end
-    line = receipt_line(queued_s=0.0, ran_s=9.0, pauses=pauses)
-    assert line.startswith("gpushare: cell done: ran 9.0 s; paused 6 times"), line
+def test_a_pause_still_open_at_the_end_counts_as_paused():
+    pauses = [PauseRecord("bob", PreemptionLevel.EVICT)]
+    line = receipt_line(queued_s=0.0, held_s=10.0, pauses=pauses, open_pause_s=4.0)
+    assert line == (
+        "gpushare: cell done: queued 0.0 s, ran 6.0 s, paused 4.0 s for bob (evict), until the end"
+    )
+
+
+def test_a_pause_the_broker_never_ended_has_no_length_and_takes_none_of_the_last_ones():
+    # Paused, the broker restarted (the cell ran on), paused again and resumed after 3.1 s.
+    pauses = [PauseRecord("bob", PreemptionLevel.GATE), PauseRecord("bob", PreemptionLevel.GATE)]
+    pauses[1].seconds = 3.1
+    line = receipt_line(queued_s=0.0, held_s=10.0, pauses=pauses, open_pause_s=3.1)
+    assert line == (
+        "gpushare: cell done: queued 0.0 s, ran 6.9 s, paused 3.1 s (twice: for bob (gate), "
+        "length unknown, 3.1 s for bob (gate))"
+    )
+
+
+def test_four_pauses_are_all_named_and_past_that_the_rest_are_counted_as_pauses():
+    four = [PauseRecord(f"u{n}", PreemptionLevel.YIELD, 1.0) for n in range(4)]
+    line = receipt_line(queued_s=0.0, held_s=9.0, pauses=four)
     assert line.endswith(
-        "paused 6 times, 5.0 s in all (1.0 s for u0 (yield), 1.0 s for u1 (yield), "
-        "1.0 s for u2 (yield), 3 more, 2.0 s)"
+        "ran 5.0 s, paused 4.0 s (4 times: 1.0 s for u0 (yield), 1.0 s for u1 (yield), "
+        "1.0 s for u2 (yield), 1.0 s for u3 (yield))"
+    ), line
+    assert "more" not in line  # never "1 more": that one is named like the others
+    six = [PauseRecord(f"u{n}", PreemptionLevel.YIELD, 1.0) for n in range(5)]
+    six.append(PauseRecord("u5", PreemptionLevel.EVICT))  # still paused at the end
+    line = receipt_line(queued_s=0.0, held_s=9.0, pauses=six, open_pause_s=0.5)
+    assert line.endswith(
+        "ran 3.5 s, paused 5.5 s (6 times: 1.0 s for u0 (yield), 1.0 s for u1 (yield), "
+        "1.0 s for u2 (yield) and 3 more pauses of 2.5 s in all)"
     ), line
     assert "\n" not in line
+
+
+def test_a_revoked_lease_gets_a_receipt_saying_how_long_the_cell_ran_without_it():
+    line = receipt_line(
+        queued_s=0.5, held_s=8.0, pauses=[], revoked="cancelled by an admin", unleased_s=5.2
+    )
+    assert line == (
+        "gpushare: cell done: queued 0.5 s, ran 8.0 s, never paused; lease revoked "
+        "(cancelled by an admin): the last 5.2 s ran without a lease"
+    )
 
 
 def test_what_the_long_kernels_got_over_the_cell():
@@ -50,8 +90,8 @@ def test_what_the_long_kernels_got_over_the_cell():
              "unrivalled": 5}  # fmt: skip
     assert kernel_words(before, after) == ("4 launches ready to stop (4 stops), 1 run unmodified")
     assert kernel_words(after, after) == ""
-    line = receipt_line(queued_s=0, ran_s=1, pauses=[], kernels=kernel_words(before, after))
-    assert line.endswith("; never paused; long kernels: 4 launches ready to stop (4 stops), "
+    line = receipt_line(queued_s=0, held_s=1, pauses=[], kernels=kernel_words(before, after))
+    assert line.endswith(", never paused; long kernels: 4 launches ready to stop (4 stops), "
                          "1 run unmodified")  # fmt: skip
 
 
@@ -93,3 +133,12 @@ def test_a_receipt_says_how_long_making_the_cells_kernels_preemptible_took():
     assert long_kernels_summary(after) == (
         "2 long kernel launches preemptible, 3 kernels made preemptible in 70 ms"
     )
+
+
+def test_names_and_reasons_from_others_stay_one_line_of_plain_text():
+    pauses = [PauseRecord("eve\x1b[2J\nroot", PreemptionLevel.GATE, 1.0)]
+    line = receipt_line(
+        queued_s=0.0, held_s=2.0, pauses=pauses, revoked="cancelled\nby \u202eadmin"
+    )
+    assert "\n" not in line and "\x1b" not in line and "\u202e" not in line, line
+    assert "for eve␛[2J␤root (gate)" in line and "(cancelled␤by <U+202E>admin)" in line, line

@@ -1,5 +1,7 @@
 """The queue line's estimate counts down between the broker's notices, and says so when
-the wait would outlast the cell's timeout (it never promises a grant the timeout denies)."""
+the wait would outlast the cell's timeout (it never promises a grant the timeout denies).
+Once the holder's usual time is used up it says that, never "any moment now": the
+estimate is a habit, not a promise the holder keeps."""
 
 from __future__ import annotations
 
@@ -33,11 +35,23 @@ def test_the_estimate_counts_down_from_the_notice_that_gave_it():
     handle = _waiting(40.0)
     assert estimate_text(handle, waited_s=0.0, now=100.0) == ", about 40 s left"
     assert estimate_text(handle, waited_s=15.0, now=115.0) == ", about 25 s left"
-    assert estimate_text(handle, waited_s=45.0, now=144.5) == ", any moment now"
-    # Past the estimate by more than a few seconds it stops promising.
+    assert estimate_text(handle, waited_s=39.0, now=139.0) == ", about 1 s left"
+    assert estimate_text(handle, waited_s=39.5, now=139.5) == ", the holder's usual time is up"
+    assert estimate_text(handle, waited_s=41.0, now=141.0) == (
+        ", the holder's usual time ran out 1 s ago"
+    )
     assert estimate_text(handle, waited_s=52.0, now=152.0) == (
         ", the holder's usual time ran out 12 s ago"
     )
+
+
+def test_no_moment_of_the_countdown_promises_any_moment_now():
+    handle = _waiting(41.0, timeout_s=60.0)
+    said = [estimate_text(handle, waited_s=t / 10, now=100.0 + t / 10) for t in range(0, 900)]
+    assert not [text for text in said if "moment" in text]
+    # A holder already past its usual time when the notice came (an estimate of 0).
+    overdue = _waiting(0.0)
+    assert estimate_text(overdue, waited_s=0.0, now=100.0) == ", the holder's usual time is up"
 
 
 def test_an_estimate_past_the_timeout_says_so():

@@ -115,7 +115,8 @@ def test_a_low_priority_loop_is_paused_for_a_high_priority_cell_and_resumes_inta
     ).ok()
     low.wait(120)
 
-    assert "queued" not in urgent.shown_text(), "the high-priority cell must not wait"
+    # No queue line (its receipt says "queued 0.0 s": no wait is an answer too).
+    assert not [text for _, text in urgent.shown if text.startswith("queued")], urgent.describe()
     final = low.cell_text()
     assert "gpushare: paused for a higher-priority session" in final, low.describe()
     assert "resumed after" in final, low.describe()

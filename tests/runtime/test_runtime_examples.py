@@ -42,7 +42,9 @@ def test_getting_started_runs_top_to_bottom_against_the_broker(on_broker):
 
     assert "gpushare defaults: priority=normal mem=4.0 GiB" in texts[1]
     assert "1073741824.0" in texts[2]  # ones(1024, 1024) @ itself, summed
-    assert texts[3].strip().endswith("190")  # the loop with safe points ran to the end
+    # The loop with safe points ran to the end; its cell's receipt comes after.
+    *printed, receipt = texts[3].strip().splitlines()
+    assert printed[-1].endswith("190") and receipt.startswith("gpushare: cell done: "), texts[3]
     assert "OccupancyWidget" in texts[4] or "GPU 0" in texts[4]  # %gpu status
     assert "no lease was held" in texts[5]  # every cell released its lease
     assert not on_broker.leases()
@@ -60,7 +62,7 @@ def test_the_contention_examples_print_what_a_reader_wants(on_broker):
     _execute(training)
     _execute(interactive)
 
-    shown = _outputs(training.cells[-1]).strip().splitlines()
+    shown = [line for line in _outputs(training.cells[-1]).splitlines() if line.strip()]
     # The example's own sentence, and the cell's receipt from gpushare.
     receipts = [line for line in shown if line.startswith("gpushare: cell done: ")]
     assert len(receipts) == 1, shown
@@ -68,6 +70,7 @@ def test_the_contention_examples_print_what_a_reader_wants(on_broker):
     assert len(low) == 1 and re.fullmatch(
         r"40 steps in \d+\.\d s; result checksum [0-9a-f]{16}", low[0]
     )
-    high = _outputs(interactive.cells[-1]).strip().splitlines()
+    *high, receipt = [line for line in _outputs(interactive.cells[-1]).splitlines() if line]
     assert re.fullmatch(r"5 products: median \d+\.\d ms, slowest \d+\.\d ms", high[-1]), high
+    assert receipt.startswith("gpushare: cell done: "), receipt  # the cell's last line
     assert not on_broker.leases()
