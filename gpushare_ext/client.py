@@ -23,6 +23,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -452,6 +453,20 @@ class BrokerClient:
         return getattr(reply, "detail", "")
 
 
+#: How long a connect that nobody answers (a socket there, no broker behind it yet) is
+#: tried again: a broker restarting listens again within this; a gone one is said soon.
+_REFUSED_RETRY_S = 1.0
+
+
+def _connected(writer: asyncio.StreamWriter) -> bool:
+    sock = writer.get_extra_info("socket")
+    try:
+        sock.getpeername()
+    except OSError:
+        return False
+    return True
+
+
 class AsyncBrokerClient:
     """The asyncio twin, for the Jupyter server extension (one connection per use)."""
 
@@ -466,16 +481,7 @@ class AsyncBrokerClient:
 
     async def connect(self, timeout: float = 5.0) -> Welcome:
         resolved = trusted_socket_path(self.socket_path)
-        try:
-            self._reader, self._writer = await asyncio.wait_for(
-                asyncio.open_unix_connection(str(resolved)), timeout
-            )
-        except (FileNotFoundError, ConnectionRefusedError) as exc:
-            raise BrokerUnavailable(
-                f"no broker is listening on {self.socket_path} ({exc.strerror})"
-            ) from None
-        except (OSError, asyncio.TimeoutError) as exc:
-            raise BrokerUnavailable(f"cannot connect to {self.socket_path}: {exc}") from None
+        await self._open(resolved, timeout)
         try:
             check_peer(self._writer.get_extra_info("socket"), self.socket_path)
             reply = await asyncio.wait_for(
@@ -500,6 +506,49 @@ class AsyncBrokerClient:
             with contextlib.suppress(Exception):
                 await self._writer.wait_closed()
             self._writer = None
+
+    async def _open(self, resolved: Path, timeout: float) -> None:
+        """Connect, retrying with backoff while the broker's queue of connections is full
+        (a hub's panels all reconnect after a restart) or, briefly, while nobody listens
+        on a socket that is there (the broker restarting); BrokerUnavailable otherwise.
+
+        A full queue does not fail the way it should: a Unix socket's connect answers
+        EAGAIN, which asyncio takes for "in progress" and then reports as connected. So
+        the peer is asked for: a socket that has none was never connected."""
+        deadline = time.monotonic() + timeout
+        refused_until = time.monotonic() + min(timeout, _REFUSED_RETRY_S)
+        backoff = 0.01
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_unix_connection(str(resolved)), max(remaining, 0.001)
+                )
+            except FileNotFoundError as exc:
+                raise BrokerUnavailable(
+                    f"no broker is listening on {self.socket_path} ({exc.strerror})"
+                ) from None
+            except ConnectionRefusedError as exc:
+                if time.monotonic() + backoff >= refused_until:
+                    raise BrokerUnavailable(
+                        f"no broker is listening on {self.socket_path} ({exc.strerror})"
+                    ) from None
+            except BlockingIOError:
+                pass  # the queue is full: try again
+            except (OSError, asyncio.TimeoutError) as exc:
+                raise BrokerUnavailable(f"cannot connect to {self.socket_path}: {exc}") from None
+            else:
+                if _connected(writer):
+                    self._reader, self._writer = reader, writer
+                    return
+                writer.close()
+            if time.monotonic() + backoff >= deadline:
+                raise BrokerUnavailable(
+                    f"cannot connect to {self.socket_path}: the broker accepted no "
+                    f"connection within {timeout:g} s (too many at once)"
+                )
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 0.25)
 
     async def __aenter__(self) -> AsyncBrokerClient:
         await self.connect()

@@ -74,6 +74,12 @@ def clear_socket_path(path: Path) -> None:
         probe.close()
 
 
+#: Connections the kernel queues for the broker before it accepts them: a hub's every
+#: kernel and panel reconnect at once after a restart.  The server passes it again to
+#: asyncio, whose own default (100) would otherwise replace it when it listens anew.
+LISTEN_BACKLOG = 1024
+
+
 def bind_socket(paths: BrokerPaths, socket_group: str | None) -> socket.socket:
     """The listening socket, with its mode set before anyone can connect."""
     clear_socket_path(paths.socket)
@@ -100,7 +106,7 @@ def bind_socket(paths: BrokerPaths, socket_group: str | None) -> socket.socket:
     if gid != -1:
         os.chown(paths.socket, 0, gid)
     # A hub's kernels reconnect all at once after a restart: 100 (the default) is short.
-    listener.listen(1024)
+    listener.listen(LISTEN_BACKLOG)
     listener.setblocking(False)
     return listener
 

@@ -69,6 +69,7 @@ from gpushare_ext.broker.peers import (
     user_and_groups,
 )
 from gpushare_ext.broker.places import (
+    LISTEN_BACKLOG,
     bind_socket,
     prepare_sessions_directory,
     prepare_socket_directory,
@@ -208,7 +209,7 @@ class Broker:
         self.ctx.journal.checkpoint_in_background(asyncio.get_running_loop().call_soon_threadsafe)
         self._reclaim_deadline = time.monotonic() + self.ctx.config.reclaim_grace_s
         self._server = await asyncio.start_unix_server(
-            self._client_connected, sock=listener, limit=1 << 20
+            self._client_connected, sock=listener, limit=1 << 20, backlog=LISTEN_BACKLOG
         )
         if self.ctx.config.metrics_port:
             self._serve_metrics()

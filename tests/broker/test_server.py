@@ -7,6 +7,7 @@ limits and metrics work as an operator would check them.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -23,7 +24,7 @@ import pytest
 from broker_wire import RawClient, start_holder, status_of, visible_state, wait_for
 from support import free_port, is_root, launch_broker, run_as
 
-from gpushare_ext.client import BrokerClient, BrokerError
+from gpushare_ext.client import AsyncBrokerClient, BrokerClient, BrokerError
 from gpushare_ext.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -514,3 +515,32 @@ def test_many_clients_connecting_at_once_are_all_served(broker):
     finally:
         for client in clients:
             client.close()
+
+
+def test_a_thousand_asyncio_clients_connecting_at_once_are_all_served(broker):
+    """The server extension connects this way on every REST request: after a broker
+    restart a hub's panels all do so at once.  The backlog holds 1,024 (asyncio's own
+    default of 100 no longer replaces it) and a connect the kernel answered EAGAIN is
+    tried again rather than taken for connected."""
+    count = 1000
+
+    async def one(start: asyncio.Event) -> str:
+        await start.wait()
+        client = AsyncBrokerClient(broker)
+        try:
+            await client.connect(timeout=30)
+        except BrokerError as exc:
+            return str(exc)
+        finally:
+            await client.close()
+        return ""
+
+    async def burst() -> list[str]:
+        start = asyncio.Event()
+        tasks = [asyncio.ensure_future(one(start)) for _ in range(count)]
+        await asyncio.sleep(0.1)
+        start.set()
+        return await asyncio.gather(*tasks)
+
+    failures = [f for f in asyncio.run(burst()) if f]
+    assert failures == [], f"{len(failures)} of {count} failed, e.g. {failures[:3]}"
