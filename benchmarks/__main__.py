@@ -1,5 +1,5 @@
 """``python -m benchmarks run --suite all --out benchmarks/results/<date>-<device>/`` and
-``python -m benchmarks report DIR [--readme README.md]``.
+``python -m benchmarks report DIR [--doc docs/benchmarks.md]``.
 
 ``run`` executes the suites one after the other as subprocesses (a failing suite is
 recorded and the others go on) and writes each suite's JSON plus its log into DIR:
@@ -13,7 +13,8 @@ recorded and the others go on) and writes each suite's JSON plus its log into DI
 * ``soak``       -- 100 ``kill -9``s of the broker under lease traffic (CPU).
 
 ``report`` turns a results folder into PNG plots and a markdown table (``report.md``)
-and, with ``--readme``, replaces the README's performance section with it.
+and, with ``--doc``, replaces the tables of ``docs/benchmarks.md`` (between its bench
+marks) with it.
 """
 
 from __future__ import annotations
@@ -111,14 +112,19 @@ def main(argv: list[str] | None = None) -> int:
     report_parser.add_argument(
         "folders", nargs="+", help="results folders; plots go into the first"
     )
-    report_parser.add_argument("--readme", help="README to update between the bench markers")
+    report_parser.add_argument(
+        "--doc",
+        metavar="FILE",
+        help="markdown file whose tables (between its bench marks) are replaced, "
+        "e.g. docs/benchmarks.md",
+    )
     args = parser.parse_args(argv)
     if args.command == "run":
         exit_on_signals()  # ended by a signal, it stops the suite it runs (and so its broker)
         return run(args)
     from benchmarks.report import build_report
 
-    return build_report([Path(f) for f in args.folders], Path(args.readme) if args.readme else None)
+    return build_report([Path(f) for f in args.folders], Path(args.doc) if args.doc else None)
 
 
 if __name__ == "__main__":

@@ -421,14 +421,42 @@ def _cmd_broker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _how_to_start_a_broker(socket_path: Path, chosen: bool) -> str:
+    """The fix for ``gpushare status`` finding no broker on ``socket_path``, in a sentence.
+
+    A ``%%gpu`` cell starts an embedded broker only on this user's default socket, and
+    ``gpushare broker`` listens there unless told otherwise, so a socket ``chosen`` by
+    ``--socket`` or ``$GPUSHARE_SOCKET`` gets the broker command with that ``--socket``.
+    """
+    import shlex
+
+    from gpushare_ext.paths import SYSTEM_SOCKET, how_a_broker_starts, user_runtime_dir
+
+    if socket_path == SYSTEM_SOCKET:
+        return how_a_broker_starts(socket_path)
+    if not chosen and socket_path == user_runtime_dir() / "broker.sock":
+        return (
+            "Start one with `gpushare broker`, or run a `%%gpu` cell in a notebook, "
+            "which starts one for you"
+        )
+    return f"Start one there with `gpushare broker --socket {shlex.quote(str(socket_path))}`"
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
-    from gpushare_ext.client import BrokerClient, BrokerError
+    from gpushare_ext.client import BrokerClient, BrokerError, BrokerUnavailable
+    from gpushare_ext.paths import default_socket_path
     from gpushare_ext.protocol import snapshot_to_builtins
     from gpushare_ext.status_view import render_status
 
+    socket_path = Path(args.socket) if args.socket else default_socket_path()
     try:
-        with BrokerClient(args.socket, client="cli") as client:
+        with BrokerClient(socket_path, client="cli") as client:
             snapshot = client.status()
+    except BrokerUnavailable as exc:
+        if not exc.message.startswith("no broker is listening"):  # e.g. a permission denied
+            return _fail(str(exc))
+        chosen = bool(args.socket or os.environ.get("GPUSHARE_SOCKET"))
+        return _fail(f"{exc}. {_how_to_start_a_broker(socket_path, chosen)}.")
     except BrokerError as exc:
         return _fail(str(exc))
     if args.json:
