@@ -237,8 +237,15 @@ def summarise(
                 )
                 * 1e3,
             }
+            row["p999_ms"] = percentile(values, 99.9) * 1e3
+            row["p999_ratio"] = percentile(values, 99.9) / percentile(base, 99.9)
             if per_cell:
                 row["slowest"] = _slowest(values, percentile(base, 50), per_cell)
+                # The session's first cell, apart: it may meet a neighbour's kernel that
+                # was launched before this session existed.
+                first = values[:per_cell]
+                row["first_cell_p50_ratio"] = percentile(first, 50) / percentile(base, 50)
+                row["first_cell_max_ratio"] = max(first) / percentile(base, 50)
             rows.append(row)
         # Kept throughput is judged where the broker pauses the neighbour: without a broker
         # it is never paused, and its share of the held time is not idle time.

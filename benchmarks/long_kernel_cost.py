@@ -6,21 +6,22 @@ Each way runs in a fresh real ipykernel kernel, as a notebook user's would:
 * ``unmarked``   -- started as the gpushare server extension starts kernels (the launch
                     shim in ``LD_PRELOAD``, ``CUPY_COMPILE_WITH_PTX=1``), ``%load_ext
                     gpushare_ext``, cells without ``%%gpu``;
-* ``alone``      -- the same, cells under ``%%gpu priority=low``, no other session: no
-                    one could preempt it, so long kernels run as they are;
+* ``alone``      -- the same, cells under ``%%gpu priority=low``, no other session: long
+                    kernels run preemptibly all the same (one launched as it is could
+                    not be stopped for a session that comes later), so this is the
+                    price of being ready to stop with nobody waiting;
 * ``rival``      -- the same, while another notebook that ran a ``%%gpu priority=high``
-                    cell stays connected (idle): it may ask at any moment, so long
-                    kernels run preemptibly, ready to stop.
+                    cell stays connected (idle): it may ask at any moment.
 
 Kernel kinds, each about 30-50 ms per launch on an H200: a CuPy ``ElementwiseKernel``
 (a loop per element), a CuPy ``ReductionKernel`` (a loop per element, then a sum), a
 CuPy ``RawKernel`` with ``atomicAdd`` into a histogram, and a Numba ``@cuda.jit`` loop.
 Per kind and way: the median GPU time of a launch after the first (CUDA events around
 each launch), the first launch's time (it runs as it is, with the framework's compile,
-and the shim times it), and whether the results are bit-identical to ``plain``.  The
-``rival`` way's second launch is the one the shim analyses and transforms: each run's
-``times_ms`` keeps it first, and the median over enough launches leaves it out (the
-report shows what it added).
+and the shim times it), and whether the results are bit-identical to ``plain``.  In
+the ``alone`` and ``rival`` ways the second launch is the one the shim analyses and
+transforms: each run's ``times_ms`` keeps it first, and the median over enough launches
+leaves it out (the report shows what it added).
 
 ``python -m benchmarks.long_kernel_cost --out DIR [--repeats 3] [--launches 12]``
 """

@@ -323,10 +323,21 @@ def main(argv: list[str] | None = None) -> int:
         help="threads read the flag about once per this many instructions of a loop "
         "(default: the transform's own, back_edges.CHECK_INSTRUCTIONS)",
     )
+    parser.add_argument(
+        "--on-ms", type=float, default=2.0, help="how long each raise lasts (default 2 ms)"
+    )
+    parser.add_argument(
+        "--period-ms", type=float, default=10.0,
+        help="one raise this often (default 10 ms); 1 ms with --on-ms 0.3 and a few hundred "
+        "--launches of one kernel (--only) gives over 10,000 stops for the tail",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if not 0 < args.on_ms < args.period_ms:
+        parser.error("--on-ms must be above 0 and below --period-ms")
     import faulthandler
 
-    faulthandler.dump_traceback_later(240, exit=True)  # a hang shows where, then ends
+    # A hang shows where, then ends the run; long runs (many launches) get longer.
+    faulthandler.dump_traceback_later(max(240, 60 + 2 * args.launches), exit=True)
 
     from gpushare_ext.kernels import back_edges, launch, yield_flags
     from gpushare_ext.runtime import interpose, preemptible
@@ -370,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
                   registry.saves)  # fmt: skip
         identical = True
         stops.clear()
-        preempter = Preempter(flag) if args.raise_in_process else RemotePreempter(flag)
+        kind = Preempter if args.raise_in_process else RemotePreempter
+        preempter = kind(flag, on_ms=args.on_ms, period_ms=args.period_ms)
         if isinstance(preempter, RemotePreempter):
             preempter.start()  # its CUDA context is made before the clock starts
         before_offset = _stamped_offset(cupy)
@@ -422,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
                 "gpu_stops": len(gpu_stops),
                 "gpu_stop_us_p50": _percentile(gpu_stops, 50),
                 "gpu_stop_us_p99": _percentile(gpu_stops, 99),
+                "gpu_stop_us_p999": _percentile(gpu_stops, 99.9),
                 "gpu_stop_us_max": max(gpu_stops, default=None),
                 # Every stop, so that runs can be pooled (a run's p99 of a dozen stops
                 # is its largest).

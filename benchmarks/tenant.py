@@ -15,8 +15,10 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from benchmarks.long_neighbours import LONG_NEIGHBOURS
 from benchmarks.stopping import exit_on_signals
 
 
@@ -72,20 +74,30 @@ def run_low(args: argparse.Namespace) -> dict:
             step = _instrumented_step()
         else:
             raise SystemExit(f"unknown low kind {args.kind}")
-        step()
+        first = step()
+        # A long neighbour's step returns what it wrote, the same every step: its first,
+        # run as it was before any high-priority session existed, is the reference.
+        reference = first.copy() if args.kind in LONG_NEIGHBOURS else None
         cupy.cuda.runtime.deviceSynchronize()
         if ready:
             ready.write_text("ready")
         deadline = time.monotonic() + args.duration
+        checked = mismatches = 0
         while not stop["now"] and time.monotonic() < deadline:
-            step()
+            output = step()
             cupy.cuda.runtime.deviceSynchronize()
             finished.append(time.time())
+            if reference is not None:
+                checked += 1
+                mismatches += not bool(cupy.array_equal(cupy.asarray(output), reference))
     result = {"role": "low", "kind": args.kind, "mode": args.mode, "finished": finished}
+    if reference is not None:
+        result["outputs_checked"], result["outputs_differing"] = checked, mismatches
     if args.mode == "shim":
         from gpushare_ext.runtime import interpose, preemptible
 
         result["preemptible"] = preemptible.summary()
+        result["long_kernels"] = preemptible.counts()
         result["said"] = list(getattr(preemptible.installed(), "said", []))
         result["interposer"] = interpose.stats()
     return result
@@ -228,8 +240,23 @@ def _long_gemms():
     return lambda: a @ b
 
 
+def _short_gemms():
+    """cuBLAS fp32 GEMMs of 4096^2 back to back (about 2.7 ms each on an H200): library
+    kernels of a few milliseconds, held at launch, never stopped on the GPU."""
+    import cupy
+
+    a = cupy.random.standard_normal((4096, 4096), dtype=cupy.float32)
+    b = cupy.random.standard_normal((4096, 4096), dtype=cupy.float32)
+
+    def step():
+        for _ in range(8):
+            a @ b
+
+    return step
+
+
 # Low-priority tenants made of code gpushare did not write (benchmarks/third_party.py).
-THIRD_PARTY = {
+THIRD_PARTY: dict[str, Callable[[], Callable[[], object]]] = {
     "cupy_linalg": _cupy_linalg,
     "cupy_fft": _cupy_fft,
     "cupyx_solver": _cupyx_solver,
@@ -238,6 +265,8 @@ THIRD_PARTY = {
     "torchvision": _torchvision_training,
     "transformer": _transformer_training,
     "long_gemm": _long_gemms,
+    "short_gemm": _short_gemms,
+    **LONG_NEIGHBOURS,
 }
 
 

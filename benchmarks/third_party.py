@@ -4,7 +4,12 @@ The low-priority tenants are third-party code (``benchmarks/tenant.py: THIRD_PAR
 CuPy's own ``cupy.linalg`` (solve, QR) and ``cupy.fft``, a ``cupyx.scipy`` conjugate
 gradient solver, a user ``ElementwiseKernel`` of about 0.4 s per launch, a Numba
 ``@cuda.jit`` kernel, a torchvision ResNet-18 training loop, a PyTorch transformer-encoder
-training loop and long cuBLAS GEMMs (8192^2 fp32).  The high-priority
+training loop, long cuBLAS GEMMs (8192^2 fp32) and short ones back to back (4096^2),
+and the long kernels of every framework's JIT path (``benchmarks/long_neighbours.py``:
+Numba, CuPy's kernel classes, ``cupyx.jit``, PTX loaded through the driver API), each
+about a second a launch; their every output is checked against their first, undisturbed
+one.  Each row also gives the session's first cell apart (its slowest request: the one
+that may meet a neighbour's kernel launched before the session existed).  The high-priority
 tenant runs cells of 20 fp32 4096^2 matmuls with 10 ms think time, each under a
 ``priority=high`` lease: with ``--notebook`` it is a real ipykernel kernel running
 ``%%gpu priority=high`` cells, else a process taking the same lease through
@@ -17,7 +22,7 @@ tenant runs cells of 20 fp32 4096^2 matmuls with 10 ms think time, each under a
                    compiling to PTX so long kernels are made preemptible at load).
 
 ``python -m benchmarks.third_party --out DIR [--quick] [--lows a,b]`` writes
-``third_party.json``; ``python -m benchmarks report`` puts it in the README.
+``third_party.json``; ``python -m benchmarks report`` puts it in ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -48,7 +53,14 @@ def main(argv: list[str] | None = None) -> int:
         "--notebook", action="store_true",
         help="the high tenant is a real ipykernel notebook running %%%%gpu cells",
     )  # fmt: skip
+    parser.add_argument(
+        "--modes", default=",".join(MODES),
+        help=f"modes beside the alone baseline, of {', '.join(MODES)} (default: both)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    modes = [mode for mode in args.modes.split(",") if mode]
+    if not modes or any(mode not in MODES for mode in modes):
+        parser.error(f"--modes {args.modes!r}: choose from {', '.join(MODES)}")
     lows = [kind for kind in args.lows.split(",") if kind]
     unknown = [kind for kind in lows if kind not in THIRD_PARTY]
     if unknown:
@@ -69,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                 results.append({"low_kind": kind, "mode": "alone", "error": str(exc)})
                 print(f"third_party {kind} alone failed: {exc}", file=sys.stderr)
                 continue
-            for mode in MODES:
+            for mode in modes:
                 socket = None if mode == "timeslice" else socket_path
                 try:
                     results.append(run_pair(workdir, kind, mode, socket, **pair))
@@ -87,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
                 if row["low"] == result["low_kind"] and row["mode"] == "shim":
                     row["low_preemptible"] = result["low"].get("preemptible", "")
                     row["low_said"] = result["low"].get("said", [])
+        if "low" in result and "outputs_checked" in result["low"]:
+            for row in rows:  # every step's output against the first, undisturbed one
+                if row["low"] == result["low_kind"] and row["mode"] == result["mode"]:
+                    row["low_outputs_checked"] = result["low"]["outputs_checked"]
+                    row["low_bit_identical"] = result["low"]["outputs_differing"] == 0
     for result in good:  # cell time: a cell's requests back to back, against alone
         if result["mode"] == "alone":
             continue
@@ -114,15 +131,17 @@ def main(argv: list[str] | None = None) -> int:
     # sessions it pauses to stop must not look free.  Its median leaves out the first,
     # which also opens the session.
     print(
-        f"{'low':<18}{'mode':<11}{'p50 x':>7}{'p99 x':>7}{'cell p90 x':>11}"
-        f"{'grant p50 ms':>13}{'kept':>7}"
+        f"{'low':<18}{'mode':<11}{'p50 x':>7}{'p99 x':>7}{'p99.9 x':>8}{'1st max x':>10}"
+        f"{'cell p90 x':>11}{'grant p50 ms':>13}{'kept':>7}{'same':>6}"
     )
     for row in rows:
         kept, cell = row.get("low_retained"), row.get("cell_p90_ratio")
+        same = row.get("low_bit_identical")
         print(
             f"{row['low']:<18}{row['mode']:<11}{row['p50_ratio']:7.2f}{row['p99_ratio']:7.2f}"
+            f"{row['p999_ratio']:8.2f}{row.get('first_cell_max_ratio', float('nan')):10.2f}"
             f"{'' if cell is None else f'{cell:11.2f}'}{row['grant_p50_ms']:13.1f}"
-            f"{'' if kept is None else f'{kept:7.0%}'}"
+            f"{'' if kept is None else f'{kept:7.0%}'}{'' if same is None else f'{same!s:>6}'}"
         )
     return 0
 

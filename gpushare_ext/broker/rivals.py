@@ -1,21 +1,21 @@
 """Which sessions could be asked to stop: the rivals of each session's leases.
 
-A long kernel made preemptible costs its session GPU time on every launch; it buys a
-fast stop only if somebody may ask for one.  A lease has a *rival* while another live
-session (connected, not a placeholder left by a restart) could preempt it: its last
-request (or, before any, the default priority), or one of its requests still queued, is
-in a higher priority band than the lease's, and its process can use the lease's GPU.  A
-session none of whose placed leases has a rival is *unrivalled*: its launch shim runs
-long kernels as they are.
+A lease has a *rival* while another live session (connected, not a placeholder left by
+a restart) could preempt it: its last request (or, before any, the default priority),
+or one of its requests still queued, is in a higher priority band than the lease's, and
+its process can use the lease's GPU.  A session none of whose placed leases has a rival
+is *unrivalled*.  The broker writes that word into the session's control block, and the
+launch shim keeps a tighter bound on the work in flight while it says "rivalled" (about
+1 ms instead of 3 ms, ``GPUSHARE_QUEUE_US_RIVALLED``), so that a pause drains little.
+Long kernels are launched ready to stop either way (docs/interposer.md): one launched
+as it is while nobody waited could not be stopped for a session that comes later.
 
 Why sessions and not only waiting requests: an interactive notebook's high cells come
-and go, and the first request of a cell must not wait for a long kernel that started
-when nobody waited.  A session that may ask at any moment keeps its victims ready; the
-price of a brand-new rival is one original kernel already on the GPU.  A request that
-waits (for a drained GPU, say) preempts when it is placed, whatever its session asked
-since: it keeps its session's band up until it leaves the queue.  Aging is left out: a
-request that ages into a higher band stops its victim after the kernels under way, like
-any launch the shim only holds.
+and go, and the first request of a cell must not wait for work queued when nobody
+waited.  A request that waits (for a drained GPU, say) preempts when it is placed,
+whatever its session asked since: it keeps its session's band up until it leaves the
+queue.  Aging is left out: a request that ages into a higher band stops its victim
+after the launches under way, like any launch the shim only holds.
 
 Pure: no I/O, no clock, no import of the core (the core feeds it what changed).
 """

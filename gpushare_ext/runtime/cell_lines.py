@@ -374,8 +374,6 @@ def kernel_words(before: dict[str, int], after: dict[str, int]) -> str:
         )
         parts.extend(_cost_words(got))
     parts.extend(_preparation_words(got))
-    if got.get("unrivalled"):
-        parts.append(f"{got['unrivalled']} run as they are while no one could preempt this cell")
     if got.get("unmodified"):
         parts.append(f"{got['unmodified']} run unmodified")
     return ", ".join(parts)
@@ -419,8 +417,7 @@ def long_kernels_summary(counted: dict[str, int]) -> str:
     """A few words for the pause notice and status: what the long kernels got so far
     (``counted`` as :func:`preemptible.counts` reads it)."""
     launched, fallbacks = counted.get("preemptible", 0), counted.get("unmodified", 0)
-    unrivalled = counted.get("unrivalled", 0)
-    if not launched and not fallbacks and not unrivalled:
+    if not launched and not fallbacks:
         return "long kernels loaded from PTX are made preemptible"
     parts = [f"{launched} long kernel launches preemptible"]
     if launched:
@@ -436,8 +433,6 @@ def long_kernels_summary(counted: dict[str, int]) -> str:
         parts.append(", ".join(stops))
     if fallbacks:
         parts.append(f"{fallbacks} run unmodified")
-    if unrivalled:  # the shim's count: no cost while nobody could preempt this session
-        parts.append(f"{unrivalled} run as they are while no session could preempt this one")
     return ", ".join(parts)
 
 

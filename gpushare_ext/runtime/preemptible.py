@@ -476,6 +476,11 @@ def uninstall() -> None:
 
 
 _as_is_seen: dict[str, int] = {}
+# The shim's count of launches a Ctrl-C dropped, as far as a cell has said it already.
+_dropped_told = [0]
+#: Launches of a long kernel run as it is that the shim keeps on the GPU per thread
+#: (``LONG_IN_FLIGHT`` in launch_interpose.c): what a Ctrl-C leaves to finish.
+LONG_IN_FLIGHT = 2
 
 
 def say_what_runs_as_is() -> list[str]:
@@ -495,9 +500,23 @@ def say_what_runs_as_is() -> list[str]:
             line = cell_lines.run_as_is_line(kind)
             _registry.said.append(line)
             lines.append(line)
+    dropped = counted.get("dropped", 0) - _dropped_told[0]
+    if dropped > 0:
+        _dropped_told[0] += dropped
+        lines.append(dropped_line(dropped))
     for line in lines:
         _to_stderr(line)
     return lines
+
+
+def dropped_line(dropped: int) -> str:
+    """What a Ctrl-C did to launches of long kernels still waiting on the host."""
+    launches = "launch" if dropped == 1 else "launches"
+    return (
+        f"gpushare: Ctrl-C dropped {dropped} {launches} of long kernels that waited on the "
+        f"host (never run, so the next cell need not wait for them); at most "
+        f"{LONG_IN_FLIGHT} already on the GPU finish first"
+    )
 
 
 def after_cell(result: Any = None) -> None:
@@ -512,17 +531,13 @@ def counts() -> dict[str, int]:
     registry = _registry
     if registry is None:
         return {}
-    try:
-        unrivalled = interpose.stats().get("unrivalled", 0)
-    except interpose.InterposerError:
-        unrivalled = 0
     twins = list(registry.twins.values())  # one C-level copy: no lock, no mid-change view
     made = [t for t in twins if t.analysed and t.kernel is not None]
     analysis_ns = sum(t.analysis_ns for t in twins)
     return {
         "preemptible": registry.launched, "yields": registry.yields,
         "aborts": registry.aborts, "saves": registry.saves,
-        "unmodified": registry.fallbacks, "unrivalled": unrivalled,
+        "unmodified": registry.fallbacks,
         "preemptible_ns": registry.preemptible_ns, "original_ns": registry.original_ns,
         # What making them preemptible cost: the analyses and transforms, and loading
         # the transformed modules (the driver's JIT, cached by it across processes).

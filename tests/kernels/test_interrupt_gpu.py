@@ -203,3 +203,32 @@ def test_ctrl_c_while_paused_in_a_long_kernel_returns_at_once_with_whole_buffers
         timeout=120,
     ).ok()
     assert "next cell True" in after.final_text(), after.describe() + "\n" + gpu_broker.log_tail()
+
+
+def test_ctrl_c_in_an_unmarked_loop_of_long_kernels_leaves_no_queue_behind(gpu_broker, pair):
+    """No lease, so nothing makes the kernels preemptible: each runs as it is, but the
+    shim keeps at most two of them on the GPU.  Ctrl-C drops the launch waiting behind
+    them and says so; the next cell's sync waits for those two, not for a queue of
+    dozens (before: ~50 s for a loop of 1 s kernels)."""
+    low, _ = pair
+    low.run("%load_ext gpushare_ext", timeout=120).ok()
+    low.run(
+        KERNELS_CELL.replace("ITER = 1 << 22, 260_000", "ITER = 1 << 22, 2_600_000"), timeout=300
+    ).ok()  # each launch now about 0.4 s on an H200
+    looping = low.submit(
+        "print('launching', flush=True)\nfor _ in range(200):\n    fill(x, ITER, 1.0, z)\n"
+    )
+    looping.wait_shown("launching")
+    time.sleep(2.0)
+    low.interrupt()
+    looping.wait(timeout=60)
+    assert looping.error is not None and looping.error["ename"] == "KeyboardInterrupt"
+    assert "Ctrl-C dropped 1 launch of long kernels" in looping.shown_text(), looping.describe()
+    synced = low.run(
+        "started = time.perf_counter(); cupy.cuda.runtime.deviceSynchronize()\n"
+        "print(f'synced in {time.perf_counter() - started:.2f} s')",
+        timeout=120,
+    ).ok()
+    took = float(synced.final_text().split("synced in ")[1].split()[0])
+    print(f"the next cell's sync waited {took:.2f} s")
+    assert took < 3.0, synced.describe()  # two launches of ~0.4 s at most, not ~80 s

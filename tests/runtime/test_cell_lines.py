@@ -84,10 +84,8 @@ def test_a_revoked_lease_gets_a_receipt_saying_how_long_the_cell_ran_without_it(
 
 
 def test_what_the_long_kernels_got_over_the_cell():
-    before = {"preemptible": 2, "yields": 1, "aborts": 0, "saves": 0, "unmodified": 0,
-              "unrivalled": 5}  # fmt: skip
-    after = {"preemptible": 6, "yields": 4, "aborts": 1, "saves": 0, "unmodified": 1,
-             "unrivalled": 5}  # fmt: skip
+    before = {"preemptible": 2, "yields": 1, "aborts": 0, "saves": 0, "unmodified": 0}
+    after = {"preemptible": 6, "yields": 4, "aborts": 1, "saves": 0, "unmodified": 1}
     assert kernel_words(before, after) == ("4 launches ready to stop (4 stops), 1 run unmodified")
     assert kernel_words(after, after) == ""
     line = receipt_line(queued_s=0, held_s=1, pauses=[], kernels=kernel_words(before, after))

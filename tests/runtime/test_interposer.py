@@ -667,12 +667,12 @@ block.publish(gate_closed=False, state=LeaseState.RUNNING)
 base = cuda.fake_launches()
 out["results_in_lease"] = run(fn, 2)  # handed to the hook: the original never runs
 out["originals_in_lease"] = cuda.fake_launches() - base
-block.set_unrivalled(True)  # nobody could preempt this session: no cost
+block.set_unrivalled(True)  # nobody could preempt this session now: ready all the same
 base, hooked = cuda.fake_launches(), len(seen["launches"])
 run(fn, 2)
 out["originals_unrivalled"] = cuda.fake_launches() - base
 out["hooked_unrivalled"] = len(seen["launches"]) - hooked
-block.set_unrivalled(False)  # a rival came: ready to stop again
+block.set_unrivalled(False)  # a rival came: nothing changes for a long kernel
 base, hooked = cuda.fake_launches(), len(seen["launches"])
 run(fn)
 out["hooked_rivalled_again"] = len(seen["launches"]) - hooked
@@ -725,11 +725,10 @@ def test_the_shim_hands_long_kernels_loaded_from_ptx_to_the_runtime(fake_driver,
     # does not run; the caller sees success whatever the hook's own return value was.
     assert out["originals_in_lease"] == 0 and out["results_in_lease"] == [0, 0]
     assert out["seen"]["launches"][0] == [8, 1, 1, 128, 1, 1, 42]
-    # While the broker says no session could preempt this one, long kernels run as they
-    # are (counted); once a rival exists, the hook gets them again.
-    assert out["originals_unrivalled"] == 2 and out["hooked_unrivalled"] == 0
+    # A kernel known to be long goes to the hook whether or not a rival exists: one run
+    # as it is while nobody waited could not be stopped when somebody came.
+    assert out["originals_unrivalled"] == 0 and out["hooked_unrivalled"] == 2
     assert out["hooked_rivalled_again"] == 1
-    assert out["stats"]["unrivalled"] == 2
     # Short kernels are left alone after a few timed launches.
     assert out["short_state"] == interpose.TRACK_SHORT
     assert out["originals_of_short"] == 5
@@ -744,7 +743,9 @@ def test_the_shim_hands_long_kernels_loaded_from_ptx_to_the_runtime(fake_driver,
     assert out["after_lease_original"] == 1 and out["after_lease_hooked"] == 0
     assert len(out["seen"]["unloads"]) == 1
     assert out["stats"]["ptx_modules"] == 1
-    assert out["stats"]["preemptible"] == 4
+    assert (
+        out["stats"]["preemptible"] == 6
+    )  # 2 in the lease, 2 unrivalled, 1 rivalled, 1 interrupted
 
 
 NUMBA_SCRIPT = r"""
@@ -904,3 +905,68 @@ def test_a_gangs_rank_holds_its_launches_while_the_notebooks_session_is_paused(
     # At most the launch under way when the gate closed went through, none after.
     assert len([t for t in times if closed_at + 0.05 < t < opened_at]) == 0
     assert any(t < closed_at for t in times) and any(t > opened_at for t in times)
+
+
+# ------------------------------------------------------------------ long kernels run as they are
+
+LONG_QUEUE_SCRIPT = (
+    DRIVER_ENTRIES
+    + r"""
+import json, os, signal, sys, threading, time
+from gpushare_ext.runtime import interpose
+
+LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, p, u, u, u, u, u, u, u, p, p, p)
+cuda.fake_launches.restype = ctypes.c_ulong
+cuda.fake_set_elapsed_ms.argtypes = [ctypes.c_float]
+launch = entry(b"cuLaunchKernel", LAUNCH)
+library = interpose.native_library()
+message = ctypes.create_string_buffer(256)
+assert library.gps_activate_preload(message, 256) == 0, message.value
+long_fn = p(0x4242)
+interpose.track_function(long_fn.value)
+
+def run_one():
+    return launch(long_fn, 8, 1, 1, 128, 1, 1, 0, None, None, None)
+
+cuda.fake_set_elapsed_ms(500.0)  # a launch of half a second: long
+run_one()
+cuda.fake_gpu_catch_up()         # the timed launch is done
+out = {"state": interpose.function_state(long_fn.value)[0]}
+spent = p()  # the stand-in counts the next event made as complete: use that one up
+cuda.cuEventCreate(ctypes.byref(spent), 0)
+base = cuda.fake_launches()
+run_one(); run_one()             # no lease: both go to the GPU at once (two in flight)
+out["first_two_issued"] = cuda.fake_launches() - base
+# A third must wait for the first to finish; a Ctrl-C meanwhile drops it.
+threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+started = time.monotonic()
+try:
+    run_one()  # Python raises the KeyboardInterrupt as soon as the launch has returned
+    time.sleep(1.0)
+    out["interrupted"] = False
+except KeyboardInterrupt:
+    out["interrupted"] = True
+out["waited_s"] = time.monotonic() - started
+out["issued_after_interrupt"] = cuda.fake_launches() - base
+cuda.fake_gpu_catch_up()         # the GPU finishes what it had
+run_one()
+out["issued_after_catch_up"] = cuda.fake_launches() - base
+out["stats"] = interpose.stats()
+print(json.dumps(out))
+"""
+)
+
+
+def test_ctrl_c_drops_a_long_kernel_launch_waiting_behind_two_on_the_gpu(fake_driver, tmp_path):
+    """Outside a lease a long kernel runs as it is, but at most two of its launches are
+    on the GPU: a third waits on the host, and Ctrl-C drops it (never issued, the caller
+    told success so no framework sees a failure), then Python raises KeyboardInterrupt."""
+    out = run_preloaded(LONG_QUEUE_SCRIPT, fake_driver, str(tmp_path))
+
+    assert out["state"] == interpose.TRACK_LONG
+    assert out["first_two_issued"] == 2
+    assert out["interrupted"]
+    assert 0.25 < out["waited_s"] < 1.2  # it waited until the Ctrl-C, then returned
+    assert out["issued_after_interrupt"] == 2  # the third never reached the driver
+    assert out["issued_after_catch_up"] == 3  # the next goes once the GPU caught up
+    assert out["stats"]["dropped"] == 1 and out["stats"]["long_waits"] == 1

@@ -58,6 +58,7 @@ typedef void *CUpti_SubscriberHandle;
 
 #define CUDA_SUCCESS 0
 #define CUDA_ERROR_NOT_READY 600
+#define CU_EVENT_DISABLE_TIMING 2
 #define CU_STREAM_PER_THREAD ((CUstream)0x2)
 
 enum { CUPTI_API_ENTER = 0, CUPTI_API_EXIT = 1 };
@@ -164,8 +165,10 @@ typedef struct {
     uint64_t cooperative;     /* cuLaunchCooperativeKernel: its blocks wait on each other */
     uint64_t with_attributes; /* cuLaunchKernelEx with attributes (clusters, cooperative) */
     uint64_t graphs;          /* cuGraphLaunch: a graph's kernels are not the shim's to see */
-    uint64_t unrivalled;      /* launches of long kernels run as they are: nobody could
-                               * have asked this session to stop (the broker's word) */
+    uint64_t long_waits;      /* launches of a long kernel run as it is that waited for the
+                               * one before the last to finish (at most two on the GPU) */
+    uint64_t dropped;         /* such launches a Ctrl-C dropped while they waited: never
+                               * issued, so the next cell need not wait for them */
     /* What the shim believed was queued on the GPU when a hold began (the launches since
      * the oldest event still outstanding, at the GPU time a launch was learnt to take):
      * a pause's lock waits for that work, so a long first stop is told apart from a
@@ -181,7 +184,7 @@ static int g_driver_ready;
 static volatile uint32_t *volatile g_gate;   /* control block: 0 open, else closed */
 static volatile uint32_t *volatile g_state;  /* control block: session state */
 /* control block: 1 while no session that could preempt this one exists (the broker
- * decides): long kernels then run as they are, at no cost */
+ * decides): the queue bound is then the looser one */
 static volatile uint32_t *volatile g_unrivalled;
 /* No bound until a session asks for one (gps_set_window): launches outside any lease can
  * be paused by nobody, so keeping their queue short would only slow them down. */
@@ -537,6 +540,8 @@ static void launch_ends(void) {
     t_in_launch--;
 }
 static void sample_end(void *f, CUstream stream, int slot);
+static int long_launch_dropped(void *f, CUstream stream);
+static void long_launch_issued(void *f, CUstream stream, CUresult r);
 
 #define LAUNCH_WRAPPER(n)                                                                      \
     static CUresult launch_##n(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,    \
@@ -546,9 +551,11 @@ static void sample_end(void *f, CUstream stream, int slot);
         CUresult r;                                                                            \
         if (redirected(f, dims, sh, st, params, extra, &r)) return r;                          \
         before_launch(st, 0);                                                                  \
+        if (long_launch_dropped(f, st)) return CUDA_SUCCESS;                                   \
         int slot = sample_begin(f, st);                                                        \
         r = real_LaunchFn_##n(f, gx, gy, gz, bx, by, bz, sh, st, params, extra);               \
         if (slot >= 0) sample_end(f, st, r == CUDA_SUCCESS ? slot : -1);                       \
+        long_launch_issued(f, st, r);                                                          \
         after_launch(r, st, 0);                                                                \
         return r;                                                                              \
     }                                                                                          \
@@ -592,9 +599,11 @@ static void sample_end(void *f, CUstream stream, int slot);
             if (redirected(f, dims, c->shared, st, params, extra, &r)) return r;               \
         }                                                                                      \
         before_launch(st, 0);                                                                  \
+        if (long_launch_dropped(f, st)) return CUDA_SUCCESS;                                   \
         int slot = sample_begin(f, st);                                                        \
         r = real_LaunchExFn_##n(c, f, params, extra);                                          \
         if (slot >= 0) sample_end(f, st, r == CUDA_SUCCESS ? slot : -1);                       \
+        long_launch_issued(f, st, r);                                                          \
         after_launch(r, st, 0);                                                                \
         return r;                                                                              \
     }
@@ -1109,6 +1118,84 @@ static void sample_end(void *f, CUstream stream, int token) {
     t_inside = 0;
 }
 
+/* ---- long kernels run as they are: at most two on the GPU, the rest dropped by Ctrl-C
+ *
+ * A long kernel that is not made preemptible (outside a lease, or one the runtime
+ * declines) would otherwise queue without bound: a loop of 1 s launches interrupted by
+ * Ctrl-C left the next cell waiting ~50 s for the launches already queued.  So each
+ * thread keeps at most two of them on the GPU (the one running and the next, so the GPU
+ * never idles between them): a third waits on the host for the first to finish, and a
+ * Ctrl-C during that wait drops it (it is never issued, so no buffer sees half of it)
+ * and lets Python raise KeyboardInterrupt as soon as the launch returns. */
+#define LONG_IN_FLIGHT 2
+static __thread CUevent t_long_done[LONG_IN_FLIGHT]; /* after each of the last launches */
+static __thread int t_long_pending[LONG_IN_FLIGHT];
+static __thread unsigned t_long_next;
+
+static int long_and_plain(void *f, CUstream stream) {
+    if (!g_driver_ready || t_redirecting || t_exempt) return 0;
+    Tracked *t = find_tracked(f);
+    if (t == NULL || __atomic_load_n(&t->state, __ATOMIC_ACQUIRE) != TRACK_LONG) return 0;
+    return !capturing(stream);
+}
+
+/* Before a plain launch of a long kernel: wait, on the host and interruptibly, until at
+ * most one launch of a long kernel of this thread is still on the GPU.  Returns 1 if a
+ * Ctrl-C came meanwhile: the caller drops the launch. */
+static int long_launch_dropped(void *f, CUstream stream) {
+    if (!long_and_plain(f, stream)) return 0;
+    unsigned slot = t_long_next % LONG_IN_FLIGHT; /* the oldest of the last two */
+    if (!t_long_pending[slot]) return 0;
+    t_inside = 1;
+    CUresult r = g_driver.event_query(t_long_done[slot]);
+    t_inside = 0;
+    if (r != CUDA_ERROR_NOT_READY) {
+        t_long_pending[slot] = 0;
+        return 0;
+    }
+    __atomic_add_fetch(&g_stats.long_waits, 1, __ATOMIC_RELAXED);
+    install_sigint(); /* ipykernel puts Python's handler back at every cell */
+    uint64_t interrupts = __atomic_load_n(&g_interrupts, __ATOMIC_RELAXED);
+    void *saved = NULL;
+    if (py_gil_check && py_save_thread && py_gil_check()) saved = py_save_thread();
+    long nap = 20;
+    int dropped = 0;
+    for (;;) {
+        if (__atomic_load_n(&g_interrupts, __ATOMIC_RELAXED) != interrupts) {
+            dropped = 1;
+            break;
+        }
+        t_inside = 1;
+        r = g_driver.event_query(t_long_done[slot]);
+        t_inside = 0;
+        if (r != CUDA_ERROR_NOT_READY) break; /* done, or an error nobody can wait out */
+        nap_us(nap);
+        if (nap < 1000) nap *= 2; /* the next launch is queued: no hurry to the microsecond */
+    }
+    if (saved) py_restore_thread(saved);
+    if (dropped) {
+        __atomic_add_fetch(&g_stats.dropped, 1, __ATOMIC_RELAXED);
+        return 1;
+    }
+    t_long_pending[slot] = 0;
+    return 0;
+}
+
+/* After a plain launch of a long kernel: an event marks its end. */
+static void long_launch_issued(void *f, CUstream stream, CUresult r) {
+    if (r != CUDA_SUCCESS || !long_and_plain(f, stream)) return;
+    unsigned slot = t_long_next % LONG_IN_FLIGHT;
+    t_inside = 1;
+    if (t_long_done[slot] == NULL &&
+        g_driver.event_create(&t_long_done[slot], CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS)
+        t_long_done[slot] = NULL;
+    if (t_long_done[slot] != NULL && g_driver.event_record(t_long_done[slot], stream) == CUDA_SUCCESS) {
+        t_long_pending[slot] = 1;
+        t_long_next++;
+    }
+    t_inside = 0;
+}
+
 /* A plain launch of a function found long: the runtime runs its preemptible twin.
  * Returns 1 with *result set if the hook took the launch. */
 static int redirected(void *f, const unsigned *dims, unsigned shared, CUstream stream,
@@ -1124,15 +1211,10 @@ static int redirected(void *f, const unsigned *dims, unsigned shared, CUstream s
         read_sample(t);
         pthread_mutex_unlock(&g_lock);
     }
+    /* A kernel known to be long is launched ready to stop whether or not a rival exists
+     * now: one launched as it is while nobody waited could not be stopped when somebody
+     * came, and that newcomer's first cell would share the GPU with it to its end. */
     if (__atomic_load_n(&t->state, __ATOMIC_ACQUIRE) != TRACK_LONG) return 0;
-    volatile uint32_t *unrivalled = g_unrivalled;
-    if (unrivalled != NULL && __atomic_load_n(unrivalled, __ATOMIC_ACQUIRE) != 0) {
-        /* Nobody could ask us to stop now: the original costs nothing extra.  If a rival
-         * comes, the broker says so before it pauses us, and the next launch is ready;
-         * a pause waits for at most the launches already on the GPU. */
-        __atomic_add_fetch(&g_stats.unrivalled, 1, __ATOMIC_RELAXED);
-        return 0;
-    }
     if (!g_driver_ready || capturing(stream)) return 0;
     t_redirecting = 1;
     t_answer = LAUNCH_NOT_HANDLED;
