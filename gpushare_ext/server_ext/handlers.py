@@ -5,7 +5,8 @@ Routes (all under the server's base URL, e.g. JupyterHub's ``/user/<name>/``):
 ``GET  gpushare/snapshot``  one :class:`~gpushare_ext.protocol.Snapshot` as JSON
 ``GET  gpushare/stream``    Server-Sent Events: ``event: snapshot`` about once a second,
                             ``event: unavailable`` when the broker goes away (then the
-                            stream ends and the client reconnects)
+                            stream ends and the client reconnects); its broker
+                            connection is renewed every ``IDENTITY_RENEWAL_S``
 ``GET  gpushare/history``   the last hour of every GPU (``?device=N``: of one, at full
                             resolution), a :class:`~gpushare_ext.protocol.GpuHistory`
 ``POST gpushare/admin``     ``{"action": "drain"|"undrain"|"cancel", "device"?, "lease_id"?}``
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from pathlib import Path
@@ -156,15 +158,27 @@ class HistoryHandler(GpushareHandler):
         self.finish_fresh_json(encode_json(history))
 
 
+#: How long the stream keeps one broker connection.  The broker learns who is at the
+#: other end (the user's name and groups: an admin or not, whose names they may see) when
+#: a connection opens, from the host's user database, as it does for every ``gpushare``
+#: command.  A panel stays open for days, so the stream opens a new connection this often:
+#: a user added to an admin group (or taken out of one) sees the panel change within this
+#: time, without a reload, as the command line changes at once.
+IDENTITY_RENEWAL_S = 10.0
+
+
 class StreamHandler(GpushareHandler):
-    """``GET gpushare/stream``: snapshots as Server-Sent Events, from one broker watch.
+    """``GET gpushare/stream``: snapshots as Server-Sent Events, from broker watches.
 
     The first event is sent at once (a status request), the rest as the broker's watch
-    delivers them.  The broker connection lives exactly as long as the HTTP response:
-    closing the browser tab cancels it.
+    delivers them.  Every IDENTITY_RENEWAL_S the watch moves to a new broker connection,
+    so what the broker decides from the user's identity is never older than that.  The
+    broker connection lives no longer than the HTTP response: closing the browser tab
+    cancels it.
     """
 
     _pump: asyncio.Task | None = None
+    _client: AsyncBrokerClient | None = None
 
     @tornado.web.authenticated
     async def get(self) -> None:
@@ -173,34 +187,63 @@ class StreamHandler(GpushareHandler):
         except ValueError:
             self.fail(HTTPStatus.BAD_REQUEST, "invalid", "interval must be a number of seconds")
             return
+        try:
+            first = await self._connect()
+        except BrokerError as exc:
+            self.fail_for(exc)
+            return
+        self.set_header("Content-Type", "text/event-stream")
+        self.set_header("Cache-Control", "no-cache")
+        self.set_header("X-Accel-Buffering", "no")  # no proxy buffering (nginx, hub proxies)
+        self._pump = asyncio.ensure_future(self._follow(first, interval_s))
+        try:
+            await self._pump
+        except (asyncio.CancelledError, StreamClosedError):
+            pass  # the browser went away
+        finally:
+            await self._disconnect()
+        with contextlib.suppress(StreamClosedError):
+            self.finish()
+
+    async def _connect(self) -> Snapshot:
+        """A new broker connection (the broker reads the user's identity now); its status."""
         client = AsyncBrokerClient(self.socket_path, client="server")
         try:
             await asyncio.wait_for(client.connect(), BROKER_TIMEOUT_S)
             first = await asyncio.wait_for(client.status(), BROKER_TIMEOUT_S)
         except (BrokerError, OSError, asyncio.TimeoutError) as exc:
             await client.close()
-            if not isinstance(exc, BrokerError):
-                exc = BrokerUnavailable(str(exc) or type(exc).__name__)
-            self.fail_for(exc)
-            return
-        self.set_header("Content-Type", "text/event-stream")
-        self.set_header("Cache-Control", "no-cache")
-        self.set_header("X-Accel-Buffering", "no")  # no proxy buffering (nginx, hub proxies)
-        self._pump = asyncio.ensure_future(self._follow(client, first, interval_s))
-        try:
-            await self._pump
-        except (asyncio.CancelledError, StreamClosedError):
-            pass  # the browser went away
-        finally:
-            await client.close()
-        with contextlib.suppress(StreamClosedError):
-            self.finish()
+            if isinstance(exc, BrokerError):
+                raise
+            raise BrokerUnavailable(str(exc) or type(exc).__name__) from None
+        self._client = client
+        return first
 
-    async def _follow(self, client: AsyncBrokerClient, first: Snapshot, interval_s: float) -> None:
-        await self._event("snapshot", encode_json(snapshot_to_builtins(first)))
+    async def _disconnect(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.close()
+
+    async def _follow(self, first: Snapshot, interval_s: float) -> None:
+        snapshot = first
         try:
-            async for snapshot in client.watch(interval_s):
+            while True:
                 await self._event("snapshot", encode_json(snapshot_to_builtins(snapshot)))
+                assert self._client is not None
+                renew_at = time.monotonic() + IDENTITY_RENEWAL_S
+                watch = self._client.watch(interval_s)
+                async for snapshot in watch:
+                    await self._event("snapshot", encode_json(snapshot_to_builtins(snapshot)))
+                    if time.monotonic() >= renew_at:
+                        break
+                else:
+                    return  # the broker ended the watch: the stream ends, the panel reconnects
+                await watch.aclose()
+                # The old connection goes first: a user's connections are counted.
+                await self._disconnect()
+                snapshot = await self._connect()
+        except StreamClosedError:
+            raise  # the browser went away: nobody to tell
         except (BrokerError, OSError) as exc:
             message = no_broker_message(self.socket_path, str(exc) or type(exc).__name__)
             body = json.dumps({"error": ErrorCode.UNAVAILABLE.value, "message": message})

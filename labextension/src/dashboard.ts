@@ -1,9 +1,9 @@
 /**
  * The GPU dashboard: a main-area view of every GPU over the last hour, live. Per GPU,
  * utilisation with the queue, memory by user (leased, outside leases, parked) and the
- * lease timeline (charts.ts), from GET {base}/gpushare/history, asked again every
- * POLL_MS while the view is shown (the broker samples every 5 s); a tab in the
- * background asks nothing.
+ * leases by user (charts.ts), one above the other on one time axis, zoomed together by
+ * a drag, from GET {base}/gpushare/history, asked again every POLL_MS while the view is
+ * shown (the broker samples every 5 s); a tab in the background asks nothing.
  *
  * It only shows what the broker sends: other users arrive as "user-xxxx" and labels only
  * for your own leases, as plain text, and they are put into the page as text. It never
@@ -16,12 +16,18 @@ import { Widget } from '@lumino/widgets';
 import { formatMiB, renderMessage } from '../../gpushare_ext/widgets/occupancy.js';
 import { GpushareError } from './api';
 import {
+  clock,
+  CONTROL_PICTURES_FONT,
+  HoverTip,
   IChart,
+  IChartContext,
   ITheme,
   LEVEL_NAMES,
   memoryChart,
   readTheme,
+  TimeWindow,
   timelineChart,
+  UserColors,
   utilizationChart
 } from './charts';
 import { fetchHistory, IDeviceHistory, IGpuHistory } from './history';
@@ -31,57 +37,128 @@ export const POLL_MS = 5000;
 
 type ChartMaker = typeof utilizationChart;
 
-/** One GPU's section: its heading and its three charts. */
+/** The order of a GPU's charts, top to bottom, on one time axis. */
+const CHART_NAMES = ['utilization', 'memory', 'timeline'] as const;
+type ChartName = (typeof CHART_NAMES)[number];
+const CHART_MAKERS: Record<ChartName, ChartMaker> = {
+  utilization: utilizationChart,
+  memory: memoryChart,
+  timeline: timelineChart
+};
+
+let sectionsMade = 0; // each section's charts get a cursor-sync key of their own
+
+/**
+ * One GPU's section: its heading, its three charts on one TimeWindow, and what keeps
+ * them the width of their cards whatever changes it (a theme's fonts, a side panel, the
+ * window): a ResizeObserver on each chart's box.
+ */
 class DeviceSection {
   constructor(
     readonly node: HTMLElement,
-    private readonly theme: ITheme
-  ) {}
+    theme: ITheme,
+    colors: UserColors,
+    tip: HoverTip,
+    now: number,
+    windowS: number
+  ) {
+    this._window = new TimeWindow(now, windowS);
+    this._context = {
+      theme,
+      window: this._window,
+      colors,
+      tip,
+      syncKey: `gpushare-dashboard-${++sectionsMade}`,
+      zoom: (from, to) => {
+        if (this._window.zoomTo(from, to)) this._rescale();
+      },
+      reset: () => {
+        this._window.reset();
+        this._rescale();
+      }
+    };
+    this._resetButton.addEventListener('click', () => this._context.reset());
+    this._resizes = new ResizeObserver(entries => {
+      for (const entry of entries) {
+        const name = (entry.target as HTMLElement).dataset.plotOf as ChartName | undefined;
+        const chart = name ? this._charts.get(name) : undefined;
+        const width = Math.floor(entry.contentRect.width);
+        if (chart && width > 0 && width !== chart.plot.width) {
+          chart.plot.setSize({ width, height: chart.plot.height });
+        }
+      }
+    });
+    this._showWindow();
+  }
 
   show(device: IDeviceHistory, now: number, windowS: number): void {
     this.node.dataset.device = String(device.index);
     this._heading.textContent = `GPU ${device.index} · ${device.name} · ${formatMiB(device.memory_total_mib)}`;
-    this._chart('utilization', utilizationChart, device, now, windowS, '');
+    this._window.follow(now, windowS);
     const memoryKey = device.memory.map(s => `${s.kind}\u0000${s.user}`).join('\u0001');
-    this._chart('memory', memoryChart, device, now, windowS, memoryKey);
-    this._chart('timeline', timelineChart, device, now, windowS, '');
+    for (const name of CHART_NAMES) this._chart(name, device, name === 'memory' ? memoryKey : '');
+    this._showWindow();
   }
 
-  resize(): void {
-    for (const [name, chart] of this._charts) {
-      const width = this._host(name).clientWidth;
-      if (width > 0 && width !== chart.plot.width) {
-        chart.plot.setSize({ width, height: chart.plot.height });
-      }
-    }
+  /** Charts in `theme`'s colours at the next show(), on the same time window. */
+  retheme(theme: ITheme): void {
+    this._context.theme = theme;
+    this._context.tip.hide();
+    for (const chart of this._charts.values()) chart.plot.destroy();
+    this._charts.clear();
+    this._keys.clear();
+    this.node.querySelector('.gpushare-dashboard-key')?.replaceWith(timelineKey(theme));
+  }
+
+  /** Draw again (a font the canvas uses has loaded). */
+  redraw(): void {
+    for (const chart of this._charts.values()) chart.plot.redraw(false, true);
   }
 
   dispose(): void {
+    this._resizes.disconnect();
     for (const chart of this._charts.values()) chart.plot.destroy();
     this._charts.clear();
   }
 
-  private _chart(
-    name: string,
-    make: ChartMaker,
-    device: IDeviceHistory,
-    now: number,
-    windowS: number,
-    key: string
-  ): void {
+  private _chart(name: ChartName, device: IDeviceHistory, key: string): void {
     const chart = this._charts.get(name);
     if (chart && this._keys.get(name) === key) {
-      chart.update(device, now, windowS);
+      chart.update(device);
+      if (!this._window.zoomed) chart.rescale(); // the last hour moved on
       return;
     }
     chart?.plot.destroy();
     const host = this._host(name);
     host.replaceChildren();
-    this._charts.set(name, make(host, this.theme, host.clientWidth || 600, device, now, windowS));
+    const width = Math.floor(host.clientWidth) || 600; // the observer corrects a guess
+    this._charts.set(name, CHART_MAKERS[name](host, this._context, width, device));
     this._keys.set(name, key);
+    // Observed anew, the box is measured again once laid out, whether or not its width
+    // changes later: a chart made while the page was between two layouts (a theme's
+    // styles going in) gets its card's width then.
+    this._resizes.unobserve(host);
+    this._resizes.observe(host);
   }
 
-  private _host(name: string): HTMLElement {
+  private _rescale(): void {
+    this._context.tip.hide();
+    for (const chart of this._charts.values()) chart.rescale();
+    this._showWindow();
+  }
+
+  /** The time shown, and the way back when it is a zoom. */
+  private _showWindow(): void {
+    const [from, to] = this._window.range();
+    const zoomed = this._window.zoomed;
+    this.node.dataset.window = `${from.toFixed(0)}-${to.toFixed(0)}`;
+    this._resetButton.hidden = !zoomed;
+    this._windowText.textContent = zoomed
+      ? `zoomed to ${clock(from, true)} – ${clock(to, true)}`
+      : 'drag across a chart to zoom in';
+  }
+
+  private _host(name: ChartName): HTMLElement {
     return this.node.querySelector(`[data-chart="${name}"] .gpushare-dashboard-plot`)!;
   }
 
@@ -89,8 +166,19 @@ class DeviceSection {
     return this.node.querySelector('.gpushare-dashboard-gpu-title')!;
   }
 
-  private _charts = new Map<string, IChart>();
-  private _keys = new Map<string, string>();
+  private get _resetButton(): HTMLButtonElement {
+    return this.node.querySelector('.gpushare-dashboard-reset')!;
+  }
+
+  private get _windowText(): HTMLElement {
+    return this.node.querySelector('.gpushare-dashboard-window')!;
+  }
+
+  private _window: TimeWindow;
+  private _context: IChartContext;
+  private _resizes: ResizeObserver;
+  private _charts = new Map<ChartName, IChart>();
+  private _keys = new Map<ChartName, string>();
 }
 
 function element(tag: string, className: string, text?: string): HTMLElement {
@@ -100,14 +188,13 @@ function element(tag: string, className: string, text?: string): HTMLElement {
   return node;
 }
 
-function figure(name: string, caption: string, wide = false): HTMLElement {
-  const node = element(
-    'figure',
-    `gpushare-dashboard-chart${wide ? ' gpushare-dashboard-wide' : ''}`
-  );
+function figure(name: ChartName, caption: string): HTMLElement {
+  const node = element('figure', 'gpushare-dashboard-chart');
   node.dataset.chart = name;
   node.append(element('figcaption', 'gpushare-dashboard-caption', caption));
-  node.append(element('div', 'gpushare-dashboard-plot'));
+  const plot = element('div', 'gpushare-dashboard-plot');
+  plot.dataset.plotOf = name;
+  node.append(plot);
   return node;
 }
 
@@ -145,12 +232,22 @@ export class GpuDashboard extends Widget {
     header.append(this._status);
     this._body = element('div', 'gpushare-dashboard-body');
     this.node.append(header, this._body);
+    this._tip = new HoverTip(this.node);
+    // The canvas draws with the control pictures' font only once it has loaded (a label
+    // shown before would keep empty boxes): load it now, and draw again when it is in.
+    void document.fonts
+      ?.load(`12px ${CONTROL_PICTURES_FONT}`, '\u241b\u2407')
+      .then(() => {
+        for (const section of this._sections.values()) section.redraw();
+      })
+      .catch(() => undefined); // a browser that cannot load it draws what it has
   }
 
-  /** The theme changed: the charts are drawn again in its colours. */
+  /** The theme changed: the charts are drawn again in its colours, on the same time. */
   themeChanged(): void {
     this._themeCache = null;
-    this._drop();
+    const theme = this._theme();
+    for (const section of this._sections.values()) section.retheme(theme);
     if (this._last) this._render(this._last);
   }
 
@@ -173,6 +270,7 @@ export class GpuDashboard extends Widget {
   dispose(): void {
     this._stop();
     this._drop();
+    this._tip.dispose();
     super.dispose();
   }
 
@@ -188,17 +286,13 @@ export class GpuDashboard extends Widget {
 
   protected onBeforeHide(msg: Message): void {
     this._stop();
+    this._tip.hide();
     super.onBeforeHide(msg);
   }
 
   protected onBeforeDetach(msg: Message): void {
     this._stop();
     super.onBeforeDetach(msg);
-  }
-
-  protected onResize(msg: Widget.ResizeMessage): void {
-    super.onResize(msg);
-    for (const section of this._sections.values()) section.resize();
   }
 
   /** Asked at once, then every POLL_MS, while the view is shown. */
@@ -223,7 +317,7 @@ export class GpuDashboard extends Widget {
     this._status.classList.remove('gpushare-dashboard-error');
     this._status.textContent =
       `last ${Math.round(history.window_s / 60)} min, now at the right · a sample every ` +
-      `${history.sample_every_s} s · updated ${new Date(history.time * 1000).toLocaleTimeString()}`;
+      `${history.sample_every_s} s · updated ${clock(history.time, true)}`;
     if (!history.devices.length) {
       this._drop();
       renderMessage(this._body, 'The broker manages no GPU.');
@@ -234,7 +328,14 @@ export class GpuDashboard extends Widget {
     for (const device of history.devices) {
       let section = this._sections.get(device.index);
       if (!section) {
-        section = new DeviceSection(this._sectionNode(theme), theme);
+        section = new DeviceSection(
+          this._sectionNode(theme),
+          theme,
+          this._colors,
+          this._tip,
+          history.time,
+          history.window_s
+        );
         this._body.append(section.node);
         this._sections.set(device.index, section);
       }
@@ -244,16 +345,25 @@ export class GpuDashboard extends Widget {
 
   private _sectionNode(theme: ITheme): HTMLElement {
     const node = element('section', 'gpushare-dashboard-gpu');
-    node.append(element('h2', 'gpushare-dashboard-gpu-title'));
-    const grid = element('div', 'gpushare-dashboard-grid');
-    grid.append(
-      figure('utilization', 'Utilization and queued requests'),
-      figure('memory', 'Memory by user: leased (solid), outside leases and parked (dashed)')
+    const heading = element('div', 'gpushare-dashboard-gpu-heading');
+    const reset = element('button', 'jp-Button gpushare-dashboard-button gpushare-dashboard-reset');
+    reset.textContent = 'Reset zoom';
+    reset.title = 'Show the whole hour again (or double-click a chart)';
+    heading.append(
+      element('h2', 'gpushare-dashboard-gpu-title'),
+      element('span', 'gpushare-dashboard-window'),
+      reset
     );
-    const timeline = figure('timeline', 'Leases, with their pauses by ladder level', true);
+    // One column: the three charts share one time axis, a time at the same x in each.
+    const charts = element('div', 'gpushare-dashboard-charts');
+    const timeline = figure('timeline', 'Leases by user, with their pauses by ladder level');
     timeline.append(timelineKey(theme));
-    grid.append(timeline);
-    node.append(grid);
+    charts.append(
+      figure('utilization', 'Utilization and queued requests'),
+      figure('memory', 'Memory by user: leased (solid), outside leases and parked (dashed)'),
+      timeline
+    );
+    node.append(heading, charts);
     return node;
   }
 
@@ -268,4 +378,7 @@ export class GpuDashboard extends Widget {
   private _sections = new Map<number, DeviceSection>();
   private _timer: number | undefined;
   private _themeCache: ITheme | null = null;
+  private _tip: HoverTip;
+  /** One colour per user on every GPU, for as long as the dashboard is open. */
+  private _colors = new UserColors();
 }

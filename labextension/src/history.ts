@@ -1,7 +1,7 @@
 /**
  * The dashboard's data: the last hour of each GPU as GET {base}/gpushare/history answers it
  * (gpushare_ext.protocol.GpuHistory), and the reading of it the charts need (the lease
- * spans packed into lanes, the memory columns stacked).
+ * spans as a band per user, packed into lanes; the memory columns stacked).
  *
  * It only fetches and reshapes: no drawing, no timers. Names and labels arrive anonymised
  * and as plain text from the broker; nothing here turns them into markup.
@@ -50,30 +50,66 @@ export function fetchHistory(settings?: ServerConnection.ISettings): Promise<IGp
   return requestAPI<IGpuHistory>('history', {}, settings);
 }
 
-/** A request's bar on the timeline: its row (a lane shared by requests that never overlap). */
+/** A request's bar on the lease chart: its row, and the lane (of the whole chart) it sits in. */
 export interface ILaneBar {
   row: TimelineRow & { label?: string };
   lane: number;
 }
 
 /**
- * The spans as requests (a gang's ranks are one bar), each in the first lane free at its
- * start, so that an hour of leases takes as many lanes as were ever held at once.
+ * One user's band of the lease chart: their requests in view, each in the first of the
+ * user's lanes free at its start, so that a band is as tall as the most requests the
+ * user held at once, and a lane holds requests that never overlap.
  */
-export function packLanes(spans: IHistorySpan[], now: number): ILaneBar[] {
-  const rows = groupSpans(spans).sort((a, b) => a.start - b.start);
-  const laneEnds: number[] = [];
-  return rows.map(row => {
-    const end = row.end ?? now;
-    let lane = laneEnds.findIndex(laneEnd => laneEnd <= row.start);
-    if (lane < 0) {
-      lane = laneEnds.length;
-      laneEnds.push(end);
-    } else {
-      laneEnds[lane] = end;
-    }
-    return { row, lane };
+export interface IUserBand {
+  user: string;
+  own: boolean;
+  /** The band's first lane, counted over the whole chart from the top. */
+  firstLane: number;
+  lanes: number;
+  bars: ILaneBar[];
+}
+
+/**
+ * The spans of one GPU as bands, one per user, for the time from `from` to `to`: a gang's
+ * ranks are one request (groupSpans), requests wholly outside that time are left out,
+ * and your own band comes first, then the others by name.
+ */
+export function userBands(
+  spans: IHistorySpan[],
+  now: number,
+  from: number,
+  to: number
+): IUserBand[] {
+  const shown = groupSpans(spans)
+    .filter(row => row.start <= to && (row.end ?? now) >= from)
+    .sort((a, b) => a.start - b.start);
+  const byUser = new Map<string, typeof shown>();
+  for (const row of shown) byUser.set(row.user, [...(byUser.get(row.user) ?? []), row]);
+  const users = [...byUser.keys()].sort((a, b) => {
+    const ownA = byUser.get(a)![0].own;
+    const ownB = byUser.get(b)![0].own;
+    return ownA === ownB ? a.localeCompare(b) : ownA ? -1 : 1;
   });
+  const bands: IUserBand[] = [];
+  let firstLane = 0;
+  for (const user of users) {
+    const rows = byUser.get(user)!;
+    const laneEnds: number[] = [];
+    const bars = rows.map(row => {
+      let lane = laneEnds.findIndex(laneEnd => laneEnd <= row.start);
+      if (lane < 0) {
+        lane = laneEnds.length;
+        laneEnds.push(row.end ?? now);
+      } else {
+        laneEnds[lane] = row.end ?? now;
+      }
+      return { row, lane: firstLane + lane };
+    });
+    bands.push({ user, own: rows[0].own, firstLane, lanes: laneEnds.length, bars });
+    firstLane += laneEnds.length;
+  }
+  return bands;
 }
 
 /** The memory columns stacked bottom up (leased, then outside, then parked). */

@@ -3,7 +3,9 @@
  *
  * The panel draws with the notebook widget's own view (gpushare_ext/widgets/occupancy.js),
  * so both show the same picture; admin buttons appear only when the broker says the
- * viewer is an admin, and their actions go to the server extension, never to a kernel.
+ * viewer is an admin (the stream's snapshot, which the server extension renews often
+ * enough that a new admin sees them without a reload), and their actions go to the
+ * server extension, never to a kernel.
  */
 import { Notification } from '@jupyterlab/apputils';
 import { Widget } from '@lumino/widgets';
@@ -63,6 +65,11 @@ export class GpuPanel extends Widget {
     renderSnapshot(this._view, event.snapshot, {
       onAdmin: request => void this._admin(request)
     });
+    // A long label ends in an ellipsis at the panel's edge (occupancy.css): its tooltip
+    // reads it whole (plain text, as an attribute).
+    for (const label of this._view.querySelectorAll<HTMLElement>('.gpushare-own-label')) {
+      label.title = label.textContent ?? '';
+    }
   }
 
   private async _admin(request: AdminRequest): Promise<void> {

@@ -7,7 +7,9 @@ enables it, against a real broker on the simulated H200.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -118,6 +120,44 @@ def test_on_the_system_socket_the_message_sends_the_user_to_the_admin():
 
     message = no_broker_message(SYSTEM_SOCKET, "connection refused")
     assert "The admin starts the system broker" in message and "%%gpu" not in message
+
+
+def open_sockets(pid: int) -> int:
+    """How many sockets the process ``pid`` holds open (its listening one included)."""
+    fds = Path(f"/proc/{pid}/fd")
+    return sum(1 for fd in fds.iterdir() if os.readlink(fd).startswith("socket:"))
+
+
+async def test_the_stream_renews_its_broker_connection_and_goes_on(
+    jp_fetch, running_broker, monkeypatch
+):
+    # The broker learns who the user is (an admin or not) when a connection opens: the
+    # stream moves to a new one every IDENTITY_RENEWAL_S (test_admin_flag.py: what the
+    # user sees of it), here every half second, without a gap or a connection left open.
+    from gpushare_ext.server_ext import handlers
+
+    monkeypatch.setattr(handlers, "IDENTITY_RENEWAL_S", 0.5)
+    pid = running_broker.process.pid
+    before = open_sockets(pid)
+    arrivals: list[tuple[float, bytes]] = []
+
+    def on_chunk(chunk: bytes) -> None:
+        arrivals.append((asyncio.get_running_loop().time(), chunk))
+
+    stream = jp_fetch(
+        "gpushare", "stream", params={"interval": "0.2"}, streaming_callback=on_chunk,
+        request_timeout=5,
+    )  # fmt: skip
+    await asyncio.sleep(4.0)
+    during = open_sockets(pid)
+    with pytest.raises(HTTPClientError):  # the stream never ends by itself: it times out
+        await stream
+    text = b"".join(chunk for _, chunk in arrivals)
+    assert text.count(b"event: snapshot") >= 15, text[:200]
+    assert b"event: unavailable" not in text
+    gaps = [later - earlier for (earlier, _), (later, _) in itertools.pairwise(arrivals)]
+    assert max(gaps) < 1.5, gaps
+    assert during <= before + 2, (before, during)  # about 8 renewals: none left open
 
 
 async def test_stream_shows_a_new_session_within_a_few_seconds(jp_fetch, sessions):
