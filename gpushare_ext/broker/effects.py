@@ -107,6 +107,8 @@ class Effects:
                 ctx.scheduler.slots[lease.slot or ""].device_index,
                 time.time(),
             )
+            if lease.label:  # a lease that ends before the next tick keeps its label too
+                ctx.timeline.labelled(lease.lease_id, lease.label)
         if leases:
             lease = leases[0]
             ctx.metrics.observe_grant(action.priority, lease.waited_s)

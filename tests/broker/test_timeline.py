@@ -8,7 +8,8 @@ from broker_wire import RawClient, evict_low_for_high, status_of
 
 from gpushare_ext.broker.core import Identity
 from gpushare_ext.broker.timeline import Timeline
-from gpushare_ext.protocol import Release, Released
+from gpushare_ext.client import BrokerClient
+from gpushare_ext.protocol import Granted, Release, Released
 from gpushare_ext.status_view import status_text
 
 GIB = 1024**3
@@ -74,3 +75,16 @@ def test_status_carries_each_devices_timeline_with_the_eviction_level(running_br
         r"  GPU 0: L1 \(\w+, low\) paused \d+ s at level 0 \(gate\), \d+ s ago", line
     ), line
     assert max(len(x) for x in text.splitlines()) <= 80
+
+
+def test_a_lease_that_ends_before_the_next_tick_keeps_its_label_on_the_dashboard(broker):
+    """The label was set on the 5 s tick only: a short cell's lease had none in the
+    dashboard's timeline, for its owner and for admins alike."""
+    with BrokerClient(broker) as client:
+        granted = client.request_lease(priority=150, memory_bytes=64 << 20, label="quick cell")
+        assert isinstance(granted, Granted)
+        client.release(granted.lease_id)
+        history = client.history(device=0)
+
+    (span,) = [s for d in history.devices for s in d.spans if s.lease_id == granted.lease_id]
+    assert span.label == "quick cell" and span.end is not None
