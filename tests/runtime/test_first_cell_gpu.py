@@ -31,9 +31,15 @@ pytestmark = [
     ),
 ]
 
+# A Numba kernel that calls a device function linked in from PTX: the PTX Numba hands
+# over is the kernel's alone, and the analysis does not follow a call it cannot see into
+# (the callee could write any buffer), so the kernel runs unmodified and says why.
+LINKED_NOT_YET = pytest.mark.xfail(
+    strict=True, reason="calls into linked PTX are not analysed yet (docs/interposer.md)"
+)
 KINDS = (
-    "numba_inplace", "numba_linked", "cupy_elementwise", "cupy_reduction",
-    "cupy_rawmodule", "cupyx_jit", "driver_ptx",
+    "numba_inplace", pytest.param("numba_linked", marks=LINKED_NOT_YET), "cupy_elementwise",
+    "cupy_reduction", "cupy_rawmodule", "cupyx_jit", "driver_ptx",
 )  # fmt: skip
 
 
