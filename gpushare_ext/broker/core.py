@@ -112,7 +112,6 @@ from gpushare_ext.broker.events import (
 )
 from gpushare_ext.broker.gang_turns import GangTurns
 from gpushare_ext.broker.idle_parking import IdleParking
-from gpushare_ext.broker.inventory import DeviceInfo
 from gpushare_ext.broker.lease_book import LeaseBook
 from gpushare_ext.broker.lease_moves import LeaseMoves
 from gpushare_ext.broker.lease_transitions import stop_state_of, transition
@@ -139,6 +138,7 @@ from gpushare_ext.broker.scheduler_records import (
 )
 from gpushare_ext.broker.scheduling_pass import LINE_FROM, SchedulingPass
 from gpushare_ext.broker.slot_finder import SlotFinder
+from gpushare_ext.devices import DeviceInfo
 from gpushare_ext.lease_state import stopped_state
 from gpushare_ext.protocol import ErrorCode, LeaseState, PreemptionLevel
 

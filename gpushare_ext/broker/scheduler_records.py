@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gpushare_ext.broker.errors import DaemonError
-from gpushare_ext.broker.inventory import DeviceInfo
+from gpushare_ext.devices import DeviceInfo
 from gpushare_ext.lease_state import ACTIVE
 from gpushare_ext.protocol import (
     PRIORITY_CLASSES,

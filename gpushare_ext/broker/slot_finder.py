@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from gpushare_ext.broker.actions import Action
 from gpushare_ext.broker.events import DeviceDrained
-from gpushare_ext.broker.inventory import DeviceInfo
 from gpushare_ext.broker.scheduler_records import Lease, SchedulerError, Slot, slots_of
+from gpushare_ext.devices import DeviceInfo
 from gpushare_ext.protocol import ErrorCode, LeaseState, SliceWish
 
 CANDIDATE_MEMO = 256  # device wishes whose matching slots are remembered
