@@ -2,6 +2,8 @@
 runtime_helpers.py); each folder whose tests need them imports them in its conftest.py.
 
 * ``broker`` -- one ``gpushare broker --simulate h200`` subprocess per test module;
+* ``gpu_broker`` -- one user-mode broker on the real GPUs (NVML inventory, real
+  actuators) per test module, for the GPU tests;
 * ``on_broker`` -- the module's broker, with ``GPUSHARE_SOCKET`` set for the kernels the test
   starts (they inherit ``os.environ``; restored afterwards) and no lease left from before;
 * ``extra_broker`` -- a factory for brokers with their own config, stopped after the test;
@@ -21,6 +23,7 @@ from runtime_helpers import (
     BrokerProcess,
     NotebookKernel,
     dispose_broker,
+    short_tempdir,
     start_broker_process,
     wait_for,
 )
@@ -32,6 +35,14 @@ def broker() -> Iterator[BrokerProcess]:
     running = start_broker_process()
     yield running
     dispose_broker(running)
+
+
+@pytest.fixture(scope="module")
+def gpu_broker() -> Iterator[BrokerProcess]:
+    """One broker on the real GPUs for the whole test module."""
+    running = BrokerProcess(short_tempdir("gps-gpu-"), simulate=None).start()
+    yield running
+    running.stop()
 
 
 @pytest.fixture

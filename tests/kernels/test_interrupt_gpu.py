@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 from gpu_support import shim_env
 from runtime_helpers import (
-    BrokerProcess,
     NotebookKernel,
     gpu_missing_reason,
     holding_cell,
@@ -72,13 +71,6 @@ def _env(socket: Path) -> dict[str, str]:
         CUPY_CACHE_DIR=str(short_tempdir("gps-cupy-")),
         GPUSHARE_SOCKET=str(socket),
     )
-
-
-@pytest.fixture(scope="module")
-def gpu_broker():
-    running = BrokerProcess(short_tempdir("gps-gpu-"), simulate=None).start()
-    yield running
-    running.stop()
 
 
 @pytest.fixture

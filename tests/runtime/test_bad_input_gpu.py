@@ -25,7 +25,7 @@ import sys
 
 import pytest
 from gpu_support import ROOT, gpu_with, shim_env
-from runtime_helpers import BrokerProcess, NotebookKernel, short_tempdir
+from runtime_helpers import NotebookKernel, short_tempdir
 
 pytestmark = [
     pytest.mark.gpu,
@@ -274,13 +274,6 @@ def reference() -> dict[str, str]:
     for name in ("graph", "cooperative", "cluster attribute", "managed memory", "module unload"):
         assert seen[name].startswith("ok"), seen
     return seen
-
-
-@pytest.fixture(scope="module")
-def gpu_broker():
-    running = BrokerProcess(short_tempdir("gps-bad-"), simulate=None).start()
-    yield running
-    running.stop()
 
 
 def test_launches_the_shim_cannot_make_preemptible_run_unmodified_and_say_so_once(

@@ -12,7 +12,7 @@ Skips cleanly without a usable GPU.
 from __future__ import annotations
 
 import pytest
-from runtime_helpers import BrokerProcess, gpu_missing_reason, short_tempdir, wait_for
+from runtime_helpers import gpu_missing_reason, wait_for
 from test_ranks_gpu import wrapped_steps
 
 from gpushare_ext.runtime.session import GpuSession
@@ -27,13 +27,6 @@ GIB = 1024**3
 # One byte: once DDP rebuilds its buckets after the first step, each of the model's four
 # parameters is a bucket of its own, so a step goes through both halves of the block.
 BUCKET_CAP_MB = 1e-6
-
-
-@pytest.fixture(scope="module")
-def gpu_broker():
-    running = BrokerProcess(short_tempdir("gps-gpu-host-shm-"), simulate=None).start()
-    yield running
-    running.stop()
 
 
 def test_two_ranks_through_pinned_host_memory_match_one_process(gpu_broker):

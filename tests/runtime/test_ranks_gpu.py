@@ -41,13 +41,6 @@ GIB = 1024**3
 # broker would otherwise give each rank a GPU of its own: test_ranks_two_gpus.py).
 
 
-@pytest.fixture(scope="module")
-def gpu_broker():
-    running = BrokerProcess(short_tempdir("gps-gpu-ranks-"), simulate=None).start()
-    yield running
-    running.stop()
-
-
 def device_and_sum() -> tuple[str, float]:
     import torch
     import torch.distributed as dist

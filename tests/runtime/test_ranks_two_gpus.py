@@ -17,7 +17,7 @@ import os
 import threading
 
 import pytest
-from runtime_helpers import BrokerProcess, gpu_missing_reason, short_tempdir, wait_for
+from runtime_helpers import gpu_missing_reason, wait_for
 from test_ranks_gpu import (
     assert_held_together,
     device_and_sum,
@@ -34,13 +34,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(gpu_missing_reason(2) is not None, reason=str(gpu_missing_reason(2))),
 ]
-
-
-@pytest.fixture(scope="module")
-def gpu_broker():
-    running = BrokerProcess(short_tempdir("gps-gpu-two-"), simulate=None).start()
-    yield running
-    running.stop()
 
 
 def test_a_gang_of_two_gets_one_gpu_per_rank_and_nccl(gpu_broker, capsys):
