@@ -57,11 +57,28 @@ def _cupy_input():
     return cupy.arange(ELEMENTS, dtype=cupy.float32) / 7
 
 
+def _numba_in_place(kernel: Any) -> Step:
+    """A step that puts the input back and launches a Numba ``kernel(x, iterations)``
+    that updates ``x`` in place."""
+    import cupy
+    from numba import cuda
+
+    start = _cupy_input()
+    x = cupy.empty_like(start)
+    device_x = cuda.as_cuda_array(x)
+
+    def step():
+        x[...] = start
+        kernel[_blocks(), THREADS](device_x, NUMBA_ITERATIONS)
+        return x
+
+    return step
+
+
 def numba_inplace() -> Step:
     from benchmarks.environment import allow_numba_import
 
     allow_numba_import()
-    import cupy
     from numba import cuda, float32
 
     @cuda.jit
@@ -73,16 +90,7 @@ def numba_inplace() -> Step:
                 v = v * float32(0.999) + float32(0.25)
             x[i] = v
 
-    start = _cupy_input()
-    x = cupy.empty_like(start)
-    device_x = cuda.as_cuda_array(x)
-
-    def step():
-        x[...] = start
-        gps_numba_inplace[_blocks(), THREADS](device_x, NUMBA_ITERATIONS)
-        return x
-
-    return step
+    return _numba_in_place(gps_numba_inplace)
 
 
 def numba_linked() -> Step:
@@ -93,7 +101,6 @@ def numba_linked() -> Step:
     from benchmarks.environment import allow_numba_import
 
     allow_numba_import()
-    import cupy
     from numba import cuda, float32, types
 
     def relax_once(v):
@@ -115,16 +122,7 @@ def numba_linked() -> Step:
                 v = relax(v)
             x[i] = v
 
-    start = _cupy_input()
-    x = cupy.empty_like(start)
-    device_x = cuda.as_cuda_array(x)
-
-    def step():
-        x[...] = start
-        gps_numba_linked[_blocks(), THREADS](device_x, NUMBA_ITERATIONS)
-        return x
-
-    return step
+    return _numba_in_place(gps_numba_linked)
 
 
 def cupy_elementwise() -> Step:
