@@ -49,8 +49,9 @@ def _add_socket(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--socket",
         metavar="PATH",
-        help="broker socket (default: $GPUSHARE_SOCKET, else /run/gpushare/broker.sock if it "
-        "exists, else this user's embedded broker)",
+        help="broker socket (default: $GPUSHARE_SOCKET, else the system broker's if it exists "
+        "($GPUSHARE_SYSTEM_SOCKET, else /run/gpushare/broker.sock), else this user's embedded "
+        "broker)",
     )
 
 
@@ -430,9 +431,14 @@ def _how_to_start_a_broker(socket_path: Path, chosen: bool) -> str:
     """
     import shlex
 
-    from gpushare_ext.paths import SYSTEM_SOCKET, how_a_broker_starts, user_runtime_dir
+    from gpushare_ext.paths import (
+        SYSTEM_SOCKET,
+        how_a_broker_starts,
+        system_socket,
+        user_runtime_dir,
+    )
 
-    if socket_path == SYSTEM_SOCKET:
+    if socket_path in (SYSTEM_SOCKET, system_socket()):
         return how_a_broker_starts(socket_path)
     if not chosen and socket_path == user_runtime_dir() / "broker.sock":
         return (

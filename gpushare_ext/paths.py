@@ -101,14 +101,28 @@ def broker_paths(mode: str, socket: str | Path | None = None) -> BrokerPaths:
     )
 
 
+def system_socket() -> Path:
+    """Where clients look for the host's system broker: ``$GPUSHARE_SYSTEM_SOCKET``, else
+    ``/run/gpushare/broker.sock``.  A host that mounts the broker's folder elsewhere (a
+    pod) names it here; the test suite points it at a private path, so that its kernels
+    never meet the host's own broker."""
+    override = os.environ.get("GPUSHARE_SYSTEM_SOCKET")
+    return Path(override) if override else SYSTEM_SOCKET
+
+
 def default_socket_path() -> Path:
     """The socket a client should use: $GPUSHARE_SOCKET, else the system broker's if it
     exists, else this user's embedded broker's (which may not be running yet)."""
     override = os.environ.get("GPUSHARE_SOCKET")
     if override:
         return Path(override)
-    if SYSTEM_SOCKET.exists():
-        return SYSTEM_SOCKET
+    system = system_socket()
+    try:
+        present = system.exists()
+    except OSError:  # a folder this user may not look into: no broker for this user there
+        present = False
+    if present:
+        return system
     return user_runtime_dir() / "broker.sock"
 
 
@@ -131,6 +145,6 @@ def how_a_broker_starts(socket_path: Path) -> str:
     """What brings a broker to ``socket_path``, in a sentence for a user who found none:
     the admin for the system socket; the user's own first ``%%gpu`` cell otherwise
     (single-user mode starts the embedded broker on demand)."""
-    if Path(socket_path) == SYSTEM_SOCKET:
+    if Path(socket_path) in (SYSTEM_SOCKET, system_socket()):
         return "The admin starts the system broker (ask yours)"
     return "The first `%%gpu` cell of a notebook starts one for you (or run `gpushare broker`)"

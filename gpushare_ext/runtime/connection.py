@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Protocol
 
 from gpushare_ext.client import BrokerClient, BrokerUnavailable
-from gpushare_ext.paths import SYSTEM_SOCKET, default_socket_path
+from gpushare_ext.paths import default_socket_path, system_socket
 from gpushare_ext.protocol import (
     BrokerMessage,
     Error,
@@ -106,7 +106,7 @@ class BrokerConnection:
         # A reconnect goes back to the broker it knew: while a system broker restarts its
         # socket is briefly gone, and starting an embedded one then would lose the leases.
         path = path or self.socket_path
-        uses_system = path == SYSTEM_SOCKET or (self._explicit_socket is not None)
+        uses_system = path == system_socket() or (self._explicit_socket is not None)
         if not broker_answers(path) and not uses_system and "GPUSHARE_SOCKET" not in os.environ:
             path, started = ensure_embedded_broker(path)
             if started and not self.started_embedded:

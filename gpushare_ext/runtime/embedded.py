@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from gpushare_ext.paths import SYSTEM_SOCKET, trusted_broker_uids, user_runtime_dir
+from gpushare_ext.paths import trusted_broker_uids, user_runtime_dir
 from gpushare_ext.runtime.errors import SessionError
 from gpushare_ext.safe_fs import (
     UnsafePathError,
@@ -135,6 +135,3 @@ def ensure_embedded_broker(
             f"the embedded broker did not start (exit status {process.poll()}); log {log_path}:\n{tail}"
         )
 
-
-def system_broker_present() -> bool:
-    return SYSTEM_SOCKET.exists()

@@ -61,7 +61,6 @@ def _the_named_fix_starts_a_broker_status_finds(
         broker.wait(timeout=30)
 
 
-@pytest.mark.skipif(SYSTEM_SOCKET.exists(), reason="a system broker's socket is the default here")
 def test_status_on_the_default_socket_names_gpushare_broker_and_a_gpu_cell(tmp_path):
     env = _environment(tmp_path)
 
