@@ -156,4 +156,5 @@ def environment_without_venv() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("VIRTUAL_ENV", None)
     env.pop("GPUSHARE_SOCKET", None)
+    env.pop("GPUSHARE_SYSTEM_SOCKET", None)  # the hub's kernels find its broker themselves
     return env
