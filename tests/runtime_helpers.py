@@ -571,3 +571,12 @@ def gpu_missing_reason(need: int = 1) -> str | None:
             return last
         return f"no usable GPU (CuPy could not count devices: {last})"
     return None
+
+
+def loaded(kernels: Callable[..., list[NotebookKernel]], count: int) -> list[NotebookKernel]:
+    """``count`` real kernels (from the ``kernels`` fixture) with ``%load_ext gpushare_ext``
+    run in each."""
+    started = kernels(count)
+    for kernel in started:
+        kernel.run("%load_ext gpushare_ext").ok()
+    return started

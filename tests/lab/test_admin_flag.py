@@ -31,6 +31,7 @@ from test_browser import (  # noqa: F401 - the fixtures of the browser tests
     SETTLE_MS,
     Lab,
     free_port,
+    lab_command,
     page,
     wait_for_server,
 )
@@ -102,21 +103,7 @@ def lab(system_broker, panel_user) -> Iterator[Lab]:
     log_path = home / "lab.log"
     log = log_path.open("wb")
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "jupyterlab",
-            "--no-browser",
-            "--ServerApp.ip=127.0.0.1",
-            f"--ServerApp.port={port}",
-            f"--IdentityProvider.token={token}",
-            f"--ServerApp.root_dir={root}",
-            f"--GpushareServerExtension.socket_path={system_broker.socket}",
-            f"--LabApp.user_settings_dir={home / 'settings'}",
-            f"--LabApp.workspaces_dir={home / 'workspaces'}",
-            "--LabApp.expose_app_in_browser=True",
-            "--LabApp.extension_manager=readonly",
-        ],
+        lab_command(port, token, root, system_broker.socket, home),
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,

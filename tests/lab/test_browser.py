@@ -75,6 +75,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def lab_command(port: int, token: str, root: Path, socket_path: Path, home: Path) -> list[str]:
+    """``jupyter lab`` as the browser tests start it: on ``port`` with ``token``, the
+    gpushare panel talking to ``socket_path``, its settings and workspaces under ``home``."""
+    return [
+        sys.executable, "-m", "jupyterlab", "--no-browser",
+        "--ServerApp.ip=127.0.0.1",
+        f"--ServerApp.port={port}",
+        f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={root}",
+        f"--GpushareServerExtension.socket_path={socket_path}",
+        f"--LabApp.user_settings_dir={home / 'settings'}",
+        f"--LabApp.workspaces_dir={home / 'workspaces'}",
+        "--LabApp.expose_app_in_browser=True",
+        "--LabApp.extension_manager=readonly",
+    ]  # fmt: skip
+
+
 @pytest.fixture
 def lab(running_broker, short_tmp: Path) -> Iterator[Lab]:
     """``jupyter lab`` as installed (labextension + server extension), on a random port."""
@@ -105,19 +122,7 @@ def lab(running_broker, short_tmp: Path) -> Iterator[Lab]:
     log = (short_tmp / "lab.log").open("wb")
     process = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "jupyterlab",
-            "--no-browser",
-            "--ServerApp.ip=127.0.0.1",
-            f"--ServerApp.port={port}",
-            f"--IdentityProvider.token={token}",
-            f"--ServerApp.root_dir={root}",
-            f"--GpushareServerExtension.socket_path={running_broker.socket}",
-            f"--LabApp.user_settings_dir={short_tmp / 'settings'}",
-            f"--LabApp.workspaces_dir={short_tmp / 'workspaces'}",
-            "--LabApp.expose_app_in_browser=True",
-            "--LabApp.extension_manager=readonly",
+            *lab_command(port, token, root, running_broker.socket, short_tmp),
             *(["--allow-root"] if os.geteuid() == 0 else []),
         ],
         stdout=log,

@@ -11,17 +11,10 @@ from __future__ import annotations
 
 import time
 
-from runtime_helpers import holding_cell
+from runtime_helpers import holding_cell, loaded
 
 INTERRUPTED = "KeyboardInterrupt: the cell did not run"
 EXCLUSIVE = '[broker]\nsharing = "exclusive"\n'
-
-
-def loaded(kernels, count: int) -> list:
-    started = kernels(count)
-    for kernel in started:
-        kernel.run("%load_ext gpushare_ext").ok()
-    return started
 
 
 def shown_at(run, text: str) -> float:

@@ -10,18 +10,11 @@ import subprocess
 import sys
 import time
 
-from runtime_helpers import ME, holding_cell, wait_for
+from runtime_helpers import ME, holding_cell, loaded, wait_for
 
 from gpushare_ext.protocol import LeaseState
 
 RECEIPT = "gpushare: cell done: "
-
-
-def loaded(kernels, count: int) -> list:
-    started = kernels(count)
-    for kernel in started:
-        kernel.run("%load_ext gpushare_ext").ok()
-    return started
 
 
 def receipt_of(run) -> str:

@@ -17,7 +17,7 @@ import re
 import subprocess
 import sys
 
-from runtime_helpers import ME, cli_status_json, holding_cell, wait_for
+from runtime_helpers import ME, cli_status_json, holding_cell, loaded, wait_for
 
 from gpushare_ext.protocol import PRIORITY_CLASSES, LeaseState
 
@@ -28,14 +28,6 @@ sharing = "exclusive"
 [defaults]
 max_priority = "normal"
 """
-
-
-def loaded(kernels, count: int) -> list:
-    """``count`` real kernels with ``%load_ext gpushare_ext`` run in each."""
-    started = kernels(count)
-    for kernel in started:
-        kernel.run("%load_ext gpushare_ext").ok()
-    return started
 
 
 def lines_with(run, text: str) -> list[str]:
