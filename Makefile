@@ -52,7 +52,7 @@ system-deps:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; fi
 	@if ! command -v configurable-http-proxy >/dev/null; then \
 		echo "installing configurable-http-proxy for the JupyterHub test"; \
-		npm install -g --silent configurable-http-proxy; fi
+		npm install -g --silent configurable-http-proxy@5.3.0; fi
 
 lint: venv
 	$(VENV)/bin/ruff check .

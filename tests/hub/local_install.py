@@ -1,7 +1,7 @@
 """The systemd-less local install of docs/deploy.md, as commands the e2e test runs.
 
 Every command here appears verbatim (with ``$PREFIX``, ``$REPO``, ``$CONFIG`` ...
-unexpanded) in ``docs/deploy.md``; ``tests/deploy/test_docs.py`` checks that, so the
+unexpanded) in ``docs/deploy.md``; ``tests/deploy/test_deploy_files.py`` checks that, so the
 walkthrough and the end-to-end test cannot drift apart.  Expansion happens only here.
 
 The install is slow (a venv with JupyterHub and the package), so it is skipped when the
@@ -34,7 +34,7 @@ REINSTALL_PACKAGE = "$PREFIX/bin/pip install --no-deps --force-reinstall $REPO"
 #: 3. Everyone may read and run it.
 MAKE_READABLE = "chmod -R a+rX $PREFIX"
 #: 4. JupyterHub's proxy, from npm.
-INSTALL_PROXY = "npm install -g configurable-http-proxy"
+INSTALL_PROXY = "npm install -g configurable-http-proxy@5.3.0"
 #: 5. Unix groups and users (the policy names the groups).
 ADD_GROUPS = "groupadd -f students && groupadd -f teachers && groupadd -f gpuadmin"
 ADD_USER = "useradd -m -G $GROUP $USERNAME"
