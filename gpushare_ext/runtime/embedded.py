@@ -134,4 +134,3 @@ def ensure_embedded_broker(
         raise EmbeddedBrokerError(
             f"the embedded broker did not start (exit status {process.poll()}); log {log_path}:\n{tail}"
         )
-
