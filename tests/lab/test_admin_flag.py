@@ -33,6 +33,7 @@ from test_browser import (  # noqa: F401 - the fixtures of the browser tests
     free_port,
     lab_command,
     page,
+    stop_lab,
     wait_for_server,
 )
 
@@ -115,12 +116,7 @@ def lab(system_broker, panel_user) -> Iterator[Lab]:
         wait_for_server(url, token, process, log_path)
         yield Lab(url=url, token=token, root=root)
     finally:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
+        stop_lab(process)
         log.close()
         shutil.rmtree(home, ignore_errors=True)
 

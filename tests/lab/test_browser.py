@@ -92,6 +92,16 @@ def lab_command(port: int, token: str, root: Path, socket_path: Path, home: Path
     ]  # fmt: skip
 
 
+def stop_lab(process: subprocess.Popen) -> None:
+    """End a ``jupyter lab`` the tests started: asked first, killed after 15 s."""
+    process.terminate()
+    try:
+        process.wait(15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(5)
+
+
 @pytest.fixture
 def lab(running_broker, short_tmp: Path) -> Iterator[Lab]:
     """``jupyter lab`` as installed (labextension + server extension), on a random port."""
@@ -135,12 +145,7 @@ def lab(running_broker, short_tmp: Path) -> Iterator[Lab]:
         wait_for_server(url, token, process, short_tmp / "lab.log")
         yield Lab(url=url, token=token, root=root)
     finally:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
+        stop_lab(process)
         log.close()
         OUTPUT.mkdir(exist_ok=True)
         shutil.copy(short_tmp / "lab.log", OUTPUT / "lab.log")
