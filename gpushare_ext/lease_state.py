@@ -190,6 +190,11 @@ class StopState:
         return StopStage.ASKED if self.applied_level is None else StopStage.RAISED
 
     @property
+    def in_force(self) -> PreemptionLevel | None:
+        """The level that stops the lease now: the one applied, else the one asked."""
+        return self.applied_level if self.applied_level is not None else self.pending_level
+
+    @property
     def highest(self) -> PreemptionLevel | None:
         """The highest level asked or applied: what an undo must take back."""
         levels = [lv for lv in (self.applied_level, self.pending_level) if lv is not None]

@@ -24,7 +24,7 @@ from gpushare_ext.broker.events import (
 )
 from gpushare_ext.broker.gangs import member_id, most_ranks, split_member_id
 from gpushare_ext.broker.lease_book import LeaseBook
-from gpushare_ext.broker.lease_transitions import stop_state_of, transition
+from gpushare_ext.broker.lease_transitions import transition
 from gpushare_ext.broker.placement import Placer, traits
 from gpushare_ext.broker.policy import (
     Limits,
@@ -41,7 +41,7 @@ from gpushare_ext.broker.scheduler_records import (
     SessionRecord,
 )
 from gpushare_ext.broker.slot_finder import SlotFinder
-from gpushare_ext.lease_state import stopped_state
+from gpushare_ext.lease_state import StopState, stopped_state
 from gpushare_ext.protocol import (
     ErrorCode,
     LeaseState,
@@ -245,7 +245,7 @@ class Admission:
         if not event.keep_process:
             book.index.reidentify(lease, record.identity)
         running = lease.state == LeaseState.RUNNING
-        reattached = replace(stop_state_of(lease), detached=False)
+        reattached = replace(lease.stop, detached=False)
         transition(lease, now, stop=reattached, reason="" if running else None)
         book.index.touch(lease)  # a plain request now, if it is queued
         record.leases.add(lease.lease_id)
@@ -260,7 +260,7 @@ class Admission:
         """A reclaimed lease that was paused (or evicted while detached).  If it may run
         now, the queue resumes it.  Otherwise stop it again: the new control block must
         show it paused, and what was applied before the restart was undone."""
-        stop = stop_state_of(lease)
+        stop = lease.stop
         applied = stop.highest
         if (
             applied is None
@@ -388,5 +388,5 @@ def _restored_lease(event: LeaseRestored, arrival: int, now: float) -> Lease:
         lockable=event.capabilities.lockable,
         reason=event.reason,
         paused_for=event.paused_for,
-        detached=True,
+        stop=StopState(detached=True),
     )

@@ -114,7 +114,7 @@ from gpushare_ext.broker.gang_turns import GangTurns
 from gpushare_ext.broker.idle_parking import IdleParking
 from gpushare_ext.broker.lease_book import LeaseBook
 from gpushare_ext.broker.lease_moves import LeaseMoves
-from gpushare_ext.broker.lease_transitions import stop_state_of, transition
+from gpushare_ext.broker.lease_transitions import transition
 from gpushare_ext.broker.memory_seen import MemorySeen
 from gpushare_ext.broker.parking import HostMemory
 from gpushare_ext.broker.placement import Placer, traits
@@ -462,7 +462,7 @@ class Scheduler:
         if lease.pending_level != event.level:
             return []  # a stale confirmation (it was resumed meanwhile)
         applied = event.level if event.applied_level is None else event.applied_level
-        confirmed = stop_state_of(lease).confirmed(applied)
+        confirmed = lease.stop.confirmed(applied)
         after = stopped_state(applied)
         if lease.state == LeaseState.PAUSED and after != LeaseState.PAUSED:
             transition(
@@ -485,7 +485,7 @@ class Scheduler:
         lease = book.leases.get(event.lease_id)
         if lease is None or lease.state not in ACTIVE_STATES or lease.pending_level != event.level:
             return []
-        stop = stop_state_of(lease)
+        stop = lease.stop
         if lease.parks_session:
             # It stays on the GPU, unlocked, and is never tried again: a process the
             # checkpoint refused once (MIG, IPC or UVM memory) will refuse again.
@@ -539,7 +539,7 @@ class Scheduler:
             level = ladder_level(StopCause.OVER_QUOTA, [traits(lease)])
             if level is None:
                 continue
-            held = replace(stop_state_of(lease).asked(level), held_by_watchdog=True)
+            held = replace(lease.stop.asked(level), held_by_watchdog=True)
             transition(
                 lease,
                 now,

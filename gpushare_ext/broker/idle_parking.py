@@ -19,7 +19,7 @@ from dataclasses import replace
 from gpushare_ext.broker.actions import Action, PauseLease
 from gpushare_ext.broker.events import ParkAsked, RestoreAsked, SessionActivity, Tick
 from gpushare_ext.broker.lease_book import LeaseBook
-from gpushare_ext.broker.lease_transitions import stop_state_of, transition
+from gpushare_ext.broker.lease_transitions import transition
 from gpushare_ext.broker.memory_seen import MemorySeen
 from gpushare_ext.broker.parking import (
     HostMemory,
@@ -71,7 +71,7 @@ class IdleParking:
             raise SchedulerError(
                 ErrorCode.UNKNOWN_LEASE, f"this session has no parked memory {event.lease_id}"
             )
-        stop = replace(stop_state_of(lease), restore_wanted=not event.cancel)
+        stop = replace(lease.stop, restore_wanted=not event.cancel)
         transition(lease, now, stop=stop)  # a restore asked waits from now on
         lease.last_queue_notice = None  # a waiting restore is told where it stands anew
         self._book.index.touch(lease)
@@ -175,7 +175,7 @@ class IdleParking:
         book.parks_of_uid[uid] = book.parks_of_uid.get(uid, 0) + 1
         lease.granted_at = now
         transition(lease, now, state=LeaseState.RUNNING, slot=key, index=book.index)
-        evict = stop_state_of(lease).asked(PreemptionLevel.EVICT)
+        evict = lease.stop.asked(PreemptionLevel.EVICT)
         transition(lease, now, state=LeaseState.PAUSED, stop=evict, reason=reason, index=book.index)
         lease.paused_for = for_lease
         return PauseLease(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from gpushare_ext.broker.actions import LeaseEnded
 from gpushare_ext.broker.lease_index import LeaseIndex
-from gpushare_ext.broker.lease_transitions import stop_state_of, transition
+from gpushare_ext.broker.lease_transitions import transition
 from gpushare_ext.broker.policy import Policy, effective_priority
 from gpushare_ext.broker.scheduler_records import Lease, SchedulerError, SessionRecord, Slot
 from gpushare_ext.protocol import ErrorCode, LeaseState
@@ -72,7 +72,7 @@ class LeaseBook:
 
     def end(self, lease: Lease, state: LeaseState, now: float, reason: str) -> LeaseEnded:
         """Take ``lease`` out of the active ones, and say what the actuators must undo."""
-        stop = stop_state_of(lease)
+        stop = lease.stop
         undo = stop.highest
         transition(lease, now, state=state, stop=stop.cleared(), reason=reason)
         held = now - lease.granted_at if lease.granted_at is not None else 0.0

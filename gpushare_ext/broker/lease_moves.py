@@ -18,7 +18,7 @@ from typing import Protocol
 from gpushare_ext.broker.actions import Action, GrantLease, PauseLease, ResumeLease
 from gpushare_ext.broker.idle_parking import IdleParking
 from gpushare_ext.broker.lease_book import LeaseBook
-from gpushare_ext.broker.lease_transitions import stop_state_of, transition
+from gpushare_ext.broker.lease_transitions import transition
 from gpushare_ext.broker.parking import parked_for_reason
 from gpushare_ext.broker.placement import Placer, RoomPlan
 from gpushare_ext.broker.policy import (
@@ -78,7 +78,7 @@ class LeaseMoves:
             lease.waited_s = now - lease.requested_at
             if self.grant_watcher is not None:
                 self.grant_watcher.granting(lease)
-        stop = stop_state_of(lease)
+        stop = lease.stop
         transition(
             lease,
             now,
@@ -186,7 +186,7 @@ class LeaseMoves:
                 actions.append(self._pause(victim, evict, lease, f"evicted for {who}", now))
             else:  # already paused: escalate to eviction
                 reason = f"evicted for {who}"
-                transition(victim, now, stop=stop_state_of(victim).asked(evict), reason=reason)
+                transition(victim, now, stop=victim.stop.asked(evict), reason=reason)
                 victim.paused_for = lease.lease_id
                 actions.append(self._preempt(victim, evict, lease.lease_id, reason))
         awaited = frozenset(v.lease_id for v in to_evict) | {park.lease_id for park in parks}
@@ -211,7 +211,7 @@ class LeaseMoves:
             victim,
             now,
             state=LeaseState.PAUSED,
-            stop=stop_state_of(victim).asked(level),
+            stop=victim.stop.asked(level),
             reason=reason,
             index=self._book.index,
         )

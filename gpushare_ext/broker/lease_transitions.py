@@ -7,7 +7,6 @@ started and why.  It checks the move against the tables of
 :mod:`~gpushare_ext.lease_state` (:func:`~gpushare_ext.lease_state.check_move` for the
 main state, :func:`~gpushare_ext.lease_state.check_stop` for the stop) before anything
 changes, so a refused move leaves the lease and the lease index as they were.
-:func:`stop_state_of` reads the stop sub-state as one value.
 
 What it must not do: decide which move to make (the core's parts do), read a clock or
 do I/O, or import the parts of the core that call it.
@@ -23,23 +22,6 @@ from gpushare_ext.lease_state import NO_STOP, LeaseState, StopState, check_move,
 if TYPE_CHECKING:
     from gpushare_ext.broker.lease_index import LeaseIndex
     from gpushare_ext.broker.scheduler_records import Lease
-
-
-def stop_state_of(lease: Lease) -> StopState:
-    """``lease``'s preemption sub-state, as one value."""
-    if not (
-        lease.pending_level is not None or lease.applied_level is not None
-        or lease.held_by_watchdog
-        or lease.detached or lease.restore_wanted
-    ):  # fmt: skip
-        return NO_STOP
-    return StopState(
-        pending_level=lease.pending_level,
-        applied_level=lease.applied_level,
-        held_by_watchdog=lease.held_by_watchdog,
-        detached=lease.detached,
-        restore_wanted=lease.restore_wanted,
-    )
 
 
 def transition(
@@ -64,10 +46,15 @@ def transition(
     before = lease.state
     after = before if state is None else check_move(lease.lease_id, before, state)
     # The stop is read and checked only when it changes: most moves leave it alone.
-    current = None if stop is None else stop_state_of(lease)
-    if stop is current:
-        stop = None  # no stop before, none after: nothing to check or change
-    elif current is not None and stop is not None:
+    current = lease.stop
+    if stop is None:
+        if state is not None and current is not NO_STOP:
+            # The stop it keeps must still fit the state it moves to (no running lease
+            # with a level asked of the actuators).
+            check_stop(lease.lease_id, after, current, current)
+    elif stop is current:
+        stop = None  # the same stop: nothing to check or change
+    else:
         check_stop(lease.lease_id, after, current, stop)
     if state is not None:
         if index is not None:
@@ -78,14 +65,10 @@ def transition(
             _place(lease, after, slot)
         if (before, after) != (LeaseState.PAUSED, LeaseState.EVICTED):
             lease.state_since = now
-    elif current is not None and stop is not None and _asks_restore(current, stop):
+    elif stop is not None and _asks_restore(current, stop):
         lease.state_since = now
     if stop is not None:
-        lease.pending_level = stop.pending_level
-        lease.applied_level = stop.applied_level
-        lease.held_by_watchdog = stop.held_by_watchdog
-        lease.detached = stop.detached
-        lease.restore_wanted = stop.restore_wanted
+        lease.stop = stop
     if reason is not None:
         lease.reason = reason
 

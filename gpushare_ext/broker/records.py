@@ -24,7 +24,7 @@ from gpushare_ext.protocol import LeaseState, PreemptionLevel
 
 def journal_record(lease: core.Lease) -> JournaledLease:
     """What the journal keeps of a lease, as the core has it now."""
-    level = lease.applied_level if lease.applied_level is not None else lease.pending_level
+    level = lease.stop.in_force
     return JournaledLease(
         lease_id=lease.lease_id,
         pid=lease.identity.pid,

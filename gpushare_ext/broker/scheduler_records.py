@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from gpushare_ext.broker.errors import DaemonError
 from gpushare_ext.devices import DeviceInfo
-from gpushare_ext.lease_state import ACTIVE
+from gpushare_ext.lease_state import ACTIVE, NO_STOP, StopState
 from gpushare_ext.protocol import (
     PRIORITY_CLASSES,
     Capabilities,
@@ -83,36 +83,54 @@ class Lease:
     label: str
     arrival: int  # tie-breaker: FIFO within equal effective priority
     requested_at: float
-    # state, slot and the stop sub-state (pending_level, applied_level, held_by_watchdog,
-    # detached, restore_wanted) change only through lease_transitions.transition, which
-    # keeps the LeaseIndex in step; identity and awaiting_memory_from through the index.
+    # state, slot and the stop sub-state (one StopState: the level asked and confirmed,
+    # held by the watchdog, detached, a park's restore asked) change only through
+    # lease_transitions.transition, which keeps the LeaseIndex in step; identity and
+    # awaiting_memory_from through the index.
     state: LeaseState = LeaseState.QUEUED
     state_since: float = 0.0
     slot: str | None = None
     granted_at: float | None = None
     waited_s: float = 0.0
     aging_bonus: float = 0.0  # priority earned while waiting, kept while running
-    applied_level: PreemptionLevel | None = None  # what the actuators have applied
-    pending_level: PreemptionLevel | None = None  # asked for, not yet confirmed
+    stop: StopState = NO_STOP
     lockable: bool = True
     evictable: bool = True
     awaiting_memory_from: frozenset[str] = frozenset()  # victims whose eviction we wait for
     target_slot: str | None = None  # where those evictions make room
-    held_by_watchdog: bool = False  # paused for breaking its quota: not resumed by the queue
     reason: str = ""
     notice: str = ""
     last_queue_notice: tuple | None = None
     estimate_s: float | None = None  # the last wait estimate told, and when (for status)
     estimated_at: float = 0.0
     paused_for: str = ""  # the lease it was paused for (shown to the paused session)
-    detached: bool = False  # restored after a restart, its process not yet reconnected
     parks_session: bool = False  # the memory of an idle session, checkpointed to the host
-    restore_wanted: bool = False  # a park whose session asked for its memory back
     gang: str | None = None  # the gang it is a rank of (:mod:`~gpushare_ext.broker.gangs`)
     rank: int = 0
 
     def running_priority(self) -> float:
         return min(299.0, self.base_priority + self.aging_bonus)
+
+    # The stop's parts, read where the core asks one question of it.
+    @property
+    def pending_level(self) -> PreemptionLevel | None:
+        return self.stop.pending_level
+
+    @property
+    def applied_level(self) -> PreemptionLevel | None:
+        return self.stop.applied_level
+
+    @property
+    def held_by_watchdog(self) -> bool:
+        return self.stop.held_by_watchdog
+
+    @property
+    def detached(self) -> bool:
+        return self.stop.detached
+
+    @property
+    def restore_wanted(self) -> bool:
+        return self.stop.restore_wanted
 
 
 @dataclass(kw_only=True)

@@ -268,7 +268,7 @@ class Broker:
         # Leave no process locked: undo every actuator, keep the leases (and the state
         # they were in) in the journal so that sessions reclaim them from the next broker.
         for lease in list(self.ctx.scheduler.active_leases()):
-            level = lease.applied_level if lease.applied_level is not None else lease.pending_level
+            level = lease.stop.in_force
             if level is None and not self.ctx.ladder.is_locked(lease.identity.pid):
                 continue
             target = self.ctx.target(lease.lease_id, lease.identity.pid, lease.slot)

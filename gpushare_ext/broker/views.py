@@ -57,7 +57,7 @@ def display_user(ctx: BrokerContext, identity: core.Identity, viewer: Connection
 
 def _level_of(lease: core.Lease, simulated: bool) -> int | None:
     """The rung that holds the lease (a simulated GPU's gate), as the cell says it."""
-    level = lease.applied_level if lease.applied_level is not None else lease.pending_level
+    level = lease.stop.in_force
     return None if level is None else int(applied_level(level, simulated))
 
 

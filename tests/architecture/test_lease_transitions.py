@@ -17,6 +17,7 @@ GUARDED_FIELDS = frozenset(
     {
         "state",
         "state_since",
+        "stop",
         "pending_level",
         "applied_level",
         "held_by_watchdog",

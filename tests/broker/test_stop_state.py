@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpushare_ext.broker.lease_index import LeaseIndex
-from gpushare_ext.broker.lease_transitions import stop_state_of, transition
+from gpushare_ext.broker.lease_transitions import transition
 from gpushare_ext.broker.scheduler_records import Identity, Lease
 from gpushare_ext.lease_state import (
     ENDED,
@@ -120,10 +120,21 @@ def test_a_lease_that_is_not_stopped_has_no_stop_level():
     assert check_stop("L1", LeaseState.PAUSED, StopState(), asked) == asked
 
 
+def test_a_lease_cannot_leave_its_stop_behind_when_it_moves_on():
+    """A move of the main state alone checks the stop it keeps: a paused lease with a
+    level asked cannot run on with it."""
+    lease = a_lease(LeaseState.RUNNING)
+    transition(lease, 1.0, state=LeaseState.PAUSED, stop=StopState().asked(PreemptionLevel.GATE))
+    with pytest.raises(IllegalStop, match="has no stop level"):
+        transition(lease, 2.0, state=LeaseState.RUNNING, reason="resumed")
+    assert lease.state == LeaseState.PAUSED and lease.pending_level == PreemptionLevel.GATE
+    assert lease.state_since == 1.0 and lease.reason != "resumed"
+
+
 def test_the_completed_eviction_keeps_when_the_pause_began():
     lease = a_lease(LeaseState.RUNNING)
     transition(lease, 10.0, state=LeaseState.PAUSED, stop=StopState().asked(PreemptionLevel.EVICT))
-    confirmed = stop_state_of(lease).confirmed(PreemptionLevel.EVICT)
+    confirmed = lease.stop.confirmed(PreemptionLevel.EVICT)
     transition(lease, 20.0, state=LeaseState.EVICTED, stop=confirmed)
     assert lease.state_since == 10.0 and lease.applied_level == PreemptionLevel.EVICT
     transition(lease, 30.0, state=LeaseState.RUNNING, stop=confirmed.cleared(), reason="")
@@ -133,9 +144,9 @@ def test_the_completed_eviction_keeps_when_the_pause_began():
 def test_a_restore_asked_waits_from_then_and_a_cancel_keeps_the_time():
     lease = a_lease(LeaseState.EVICTED)
     lease.state_since = 5.0
-    transition(lease, 7.0, stop=replace(stop_state_of(lease), restore_wanted=False))
+    transition(lease, 7.0, stop=replace(lease.stop, restore_wanted=False))
     assert lease.state_since == 5.0
-    transition(lease, 9.0, stop=replace(stop_state_of(lease), restore_wanted=True))
+    transition(lease, 9.0, stop=replace(lease.stop, restore_wanted=True))
     assert lease.state_since == 9.0 and lease.restore_wanted
     transition(lease, 11.0, reason="still waiting")  # nothing asked: the time stays
     assert lease.state_since == 9.0
@@ -179,13 +190,13 @@ def changed_stop(stop: StopState, change: tuple) -> StopState | None:
 @given(moves=MOVES_TRIED, start_detached=st.booleans())
 def test_allowed_moves_keep_the_invariants_and_refused_ones_change_nothing(moves, start_detached):
     lease = a_lease()
-    lease.detached = start_detached
+    lease.stop = StopState(detached=start_detached)
     index = LeaseIndex([SLOT])
     index.add(lease)
     now = 0.0
     for state, change in moves:
         now += 1.0
-        before, stop_before = snapshot(lease), stop_state_of(lease)
+        before, stop_before = snapshot(lease), lease.stop
         stop = changed_stop(stop_before, change)
         try:
             transition(lease, now, state=state, stop=stop, reason=f"at {now}", index=index)
@@ -193,7 +204,7 @@ def test_allowed_moves_keep_the_invariants_and_refused_ones_change_nothing(moves
             assert snapshot(lease) == before
             assert index.mismatch([lease]) == ""
             continue
-        after = stop_state_of(lease)
+        after = lease.stop
         assert after.stage in STOP_MOVES[stop_before.stage]
         assert lease.state in STOPPED or after.stage == StopStage.NONE
         for flag, allowed in FLAG_MOVES.items():
