@@ -208,9 +208,7 @@ class Scheduler:
         self.parking = IdleParking(self.book, self.finder.slots, self.memory)
         self.placer = Placer(self.book, self.finder.slots, self.memory, self.parking)
         self.notices = QueueNotices(self.book, self.finder, self.memory, self.parking)
-        self.moves = LeaseMoves(
-            self.book, self.finder.slots, self.placer, self.parking, self.notices
-        )
+        self.moves = LeaseMoves(self.book, self.finder.slots, self.parking, self.notices)
         self.gang_turns = GangTurns(self.book, self.finder, self.placer, self.moves, self.notices)
         self.passes = SchedulingPass(
             self.book,

@@ -171,7 +171,7 @@ class GangTurns:
             stopped, waiting_on = self._moves.stop_victims(leader, key, plan, now)
             actions.extend(stopped)
             awaited |= waiting_on
-            evicting = evicting or bool(plan[1])
+            evicting = evicting or bool(plan.evictions)
         if not awaited:
             actions.extend(self._start(members, assignment, now))
             return actions

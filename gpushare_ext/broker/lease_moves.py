@@ -20,11 +20,10 @@ from gpushare_ext.broker.idle_parking import IdleParking
 from gpushare_ext.broker.lease_book import LeaseBook
 from gpushare_ext.broker.lease_transitions import transition
 from gpushare_ext.broker.parking import parked_for_reason
-from gpushare_ext.broker.placement import Placer, RoomPlan
+from gpushare_ext.broker.placement import RoomPlan
 from gpushare_ext.broker.policy import (
     StopCause,
     effective_priority,
-    ladder_level,
     lock_kept_when_failing,
 )
 from gpushare_ext.broker.queue_notices import QueueNotices
@@ -52,13 +51,11 @@ class LeaseMoves:
         self,
         book: LeaseBook,
         slots: dict[str, Slot],
-        placer: Placer,
         parking: IdleParking,
         notices: QueueNotices,
     ) -> None:
         self._book = book
         self._slots = slots
-        self._placer = placer
         self._parking = parking
         self._notices = notices
         self.grant_watcher: GrantWatcher | None = None
@@ -131,7 +128,7 @@ class LeaseMoves:
         """Carry out ``plan`` for ``lease`` on ``key``; start it if nothing must leave."""
         actions, awaited = self.stop_victims(lease, key, plan, now)
         if awaited:
-            self.await_room(lease, awaited, bool(plan[1]), now)
+            self.await_room(lease, awaited, bool(plan.evictions), now)
             lease.target_slot = key
             actions.extend(
                 self._notices.queue_notice(lease, [key], now, ahead, force_reason=lease.reason)
@@ -154,55 +151,30 @@ class LeaseMoves:
     def stop_victims(
         self, lease: Lease, key: str, plan: RoomPlan, now: float
     ) -> tuple[list[Action], frozenset[str]]:
-        """Pause, evict and park what is in ``lease``'s way on ``key`` (a victim that is a
-        gang's rank stops its whole gang); the actions, and the victims whose memory
-        must leave before ``lease`` fits."""
-        to_pause, to_evict, to_park = plan
-        actions: list[Action] = []
+        """Carry out ``plan``'s stops for ``lease`` on ``key`` as placement decided them;
+        the actions, and the victims whose memory must leave before ``lease`` fits."""
         who = f"{describe_priority(lease.base_priority)} lease {lease.gang or lease.lease_id}"
         parks = [
             self._parking.park(idle, key, parked_for_reason(who), lease.lease_id, now)
-            for idle in to_park
+            for idle in plan.parks
         ]
-        actions.extend(parks)
-        to_pause = to_pause + self._gang_companions(to_pause + to_evict)
-        for victim in to_pause:
-            if victim in to_evict:
-                level = ladder_level(StopCause.FREE_MEMORY, [])
-            else:
-                level = self._placer.stopping_level_of(victim)
-            assert level is not None
-            actions.append(
-                self._pause(
-                    victim, level, lease, f"paused for a higher-priority session ({who})", now
-                )
+        actions: list[Action] = list(parks)
+        for victim, level, cause in plan.stops():
+            evicting = cause is StopCause.FREE_MEMORY
+            reason = (
+                f"evicted for {who}"
+                if evicting
+                else f"paused for a higher-priority session ({who})"
             )
-        evict = ladder_level(StopCause.FREE_MEMORY, [])
-        assert evict is not None
-        for victim in to_evict:
-            if victim in to_pause:
-                continue
             if victim.state == LeaseState.RUNNING:
-                actions.append(self._pause(victim, evict, lease, f"evicted for {who}", now))
-            else:  # already paused: escalate to eviction
-                reason = f"evicted for {who}"
-                transition(victim, now, stop=victim.stop.asked(evict), reason=reason)
+                actions.append(self._pause(victim, level, lease, reason, now))
+            elif evicting:  # already paused: escalate to eviction
+                transition(victim, now, stop=victim.stop.asked(level), reason=reason)
                 victim.paused_for = lease.lease_id
-                actions.append(self._preempt(victim, evict, lease.lease_id, reason))
-        awaited = frozenset(v.lease_id for v in to_evict) | {park.lease_id for park in parks}
-        return actions, awaited
-
-    def _gang_companions(self, victims: list[Lease]) -> list[Lease]:
-        """The running ranks of the victims' gangs that are not victims already: a gang
-        never runs in part."""
-        chosen = {victim.lease_id for victim in victims}
-        companions: list[Lease] = []
-        for victim in victims:
-            for mate in self._book.gang_mates(victim):
-                if mate.lease_id not in chosen and mate.state == LeaseState.RUNNING:
-                    chosen.add(mate.lease_id)
-                    companions.append(mate)
-        return companions
+                actions.append(self._preempt(victim, level, lease.lease_id, reason))
+            # else: a rank another slot's plan of the same gang stopped already
+        awaited = frozenset(row.victim.lease_id for row in plan.evictions)
+        return actions, awaited | {park.lease_id for park in parks}
 
     def _pause(
         self, victim: Lease, level: PreemptionLevel, lease: Lease, reason: str, now: float

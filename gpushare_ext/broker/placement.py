@@ -4,8 +4,10 @@ What it is for: :class:`Placer` answers placement's questions from the lease ind
 the memory seen: may a lease run on a slot now (memory, then time-slicing or spatial
 sharing with what runs there), which of several slots it prefers, and, when it may not,
 the plan that makes room -- running leases to pause, holders to evict, idle sessions to
-park -- with the ladder level that stops each victim (:meth:`Placer.stopping_level_of`,
-through :func:`~gpushare_ext.broker.policy.ladder_level`).
+park -- as rows that each name a victim, the ladder level that stops it and why
+(:meth:`Placer.stopping_level_of`, through
+:func:`~gpushare_ext.broker.policy.ladder_level`): the stop is decided here, once, and
+carried out as it is.
 
 What it must not do: change any lease (carrying a plan out is
 :mod:`~gpushare_ext.broker.lease_moves`'s job), or tell anyone anything.  Asking it for
@@ -13,6 +15,9 @@ a plan may note why no idle session could be parked (:class:`IdleParking`'s refu
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from gpushare_ext.broker.idle_parking import IdleParking
 from gpushare_ext.broker.lease_book import LeaseBook
@@ -29,8 +34,37 @@ from gpushare_ext.broker.policy import (
 from gpushare_ext.broker.scheduler_records import Lease, Slot
 from gpushare_ext.protocol import LeaseState, PreemptionLevel, SliceWish
 
-# What making room on a slot takes: leases to pause, leases to evict, idle sessions to park.
-RoomPlan = tuple[list[Lease], list[Lease], list[IdleSession]]
+
+class VictimStop(NamedTuple):
+    """One victim of a room plan, with the level that stops it and why."""
+
+    victim: Lease
+    level: PreemptionLevel
+    cause: StopCause  # MAKE_ROOM: paused; FREE_MEMORY: its memory must leave the GPU
+
+
+@dataclass(frozen=True)
+class RoomPlan:
+    """What making room on a slot takes: running leases to pause, holders to evict, the
+    running ranks of the victims' gangs (a gang never runs in part), idle sessions to
+    park."""
+
+    pauses: tuple[VictimStop, ...]
+    evictions: tuple[VictimStop, ...]
+    companions: tuple[VictimStop, ...]
+    parks: tuple[IdleSession, ...]
+
+    def stops(self) -> list[VictimStop]:
+        """Every lease stop in the order it is carried out: pauses (at the eviction's level
+        for a victim whose memory must leave too), the gangs' other ranks, then the
+        evictions of leases not paused here."""
+        evicted = {row.victim.lease_id: row.level for row in self.evictions}
+        paused = [
+            row._replace(level=evicted.get(row.victim.lease_id, row.level)) for row in self.pauses
+        ]
+        named = {row.victim.lease_id for row in self.pauses}
+        rest = [row for row in self.evictions if row.victim.lease_id not in named]
+        return [*paused, *self.companions, *rest]
 
 
 def traits(lease: Lease) -> VictimTraits:
@@ -46,11 +80,11 @@ def traits(lease: Lease) -> VictimTraits:
 
 def plan_cost(plan: RoomPlan) -> tuple:
     """How much a plan disturbs: evictions and parks first, then their memory, then pauses."""
-    to_pause, to_evict, to_park = plan
     return (
-        len(to_evict) + len(to_park),
-        sum(v.memory_bytes for v in to_evict) + sum(p.held_bytes for p in to_park),
-        len(to_pause),
+        len(plan.evictions) + len(plan.parks),
+        sum(row.victim.memory_bytes for row in plan.evictions)
+        + sum(park.held_bytes for park in plan.parks),
+        len(plan.pauses),
     )
 
 
@@ -142,8 +176,8 @@ class Placer:
         slot = self._slots[key]
         load = self._book.index.slots[key]
         band = priority_band(self._book.effective(lease, now))
-        to_pause = self._victims_to_pause(lease, load, band, now)
-        if to_pause is None:
+        pauses = self._victims_to_pause(lease, load, band, now)
+        if pauses is None:
             return None
         # Memory: evict lower-band leases (paused ones first) until the request fits.
         own = lease.memory_bytes if lease.state == LeaseState.PAUSED else 0
@@ -157,25 +191,45 @@ class Placer:
             if parks is not None:
                 to_park = list(parks.chosen)
                 need -= parks.freed_bytes
-        to_evict: list[Lease] = []
+        evictions: list[VictimStop] = []
         if need > 0:
             if not self._book.policy.evict_when_memory_needed:
                 return None
             evicted = self._victims_to_evict(lease, load, band, need)
             if evicted is None:
                 return None
-            to_evict = evicted
-        return to_pause, to_evict, to_park
+            evict = ladder_level(StopCause.FREE_MEMORY, [])
+            assert evict is not None  # memory is always freed by the same rung
+            evictions = [VictimStop(victim, evict, StopCause.FREE_MEMORY) for victim in evicted]
+        companions = self._gang_companions([*pauses, *evictions])
+        return RoomPlan(tuple(pauses), tuple(evictions), tuple(companions), tuple(to_park))
+
+    def _gang_companions(self, rows: list[VictimStop]) -> list[VictimStop]:
+        """The running ranks of the victims' gangs that are not victims already, each
+        paused at the level that stops its whole gang."""
+        chosen = {row.victim.lease_id for row in rows}
+        companions: list[VictimStop] = []
+        for row in rows:
+            if row.victim.gang is None:
+                continue
+            for mate in self._book.gang_mates(row.victim):
+                if mate.lease_id not in chosen and mate.state == LeaseState.RUNNING:
+                    level = self.stopping_level_of(mate)
+                    assert level is not None  # the victim's gang was found stoppable
+                    chosen.add(mate.lease_id)
+                    companions.append(VictimStop(mate, level, StopCause.MAKE_ROOM))
+        return companions
 
     def _victims_to_pause(
         self, lease: Lease, load: SlotLoad, band: int, now: float
-    ) -> list[Lease] | None:
-        """The running leases in ``lease``'s way, in arrival order; None if one of them
-        may not be stopped for it (then the others need no look)."""
+    ) -> list[VictimStop] | None:
+        """The running leases in ``lease``'s way, in arrival order, each with the level
+        that stops it; None if one of them may not be stopped for it (then the others
+        need no look)."""
         everyone = self._book.policy.sharing == "exclusive" or lease.slice == SliceWish.EXCLUSIVE
         if not everyone and not load.exclusive and load.bands.get(band, 0) == len(load.running):
             return []  # all of them time-slice with it: nobody is in its way
-        to_pause: list[Lease] = []
+        to_pause: list[VictimStop] = []
         for victim in load.running.values():
             if not everyone and self.compute_compatible(lease, [victim], now):
                 continue
@@ -183,10 +237,11 @@ class Placer:
                 return None
             if any(member.pending_level is not None for member in self._book.gang_mates(victim)):
                 return None  # already being stopped; wait for that
-            if self.stopping_level_of(victim) is None:
+            level = self.stopping_level_of(victim)
+            if level is None:
                 continue  # cannot be stopped: it will time-slice with us (said in status)
-            to_pause.append(victim)
-        to_pause.sort(key=lambda victim: victim.arrival)
+            to_pause.append(VictimStop(victim, level, StopCause.MAKE_ROOM))
+        to_pause.sort(key=lambda row: row.victim.arrival)
         return to_pause
 
     def _victims_to_evict(
