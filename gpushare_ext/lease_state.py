@@ -44,6 +44,7 @@ __all__ = [
     "check_move",
     "check_stop",
     "from_control_block_code",
+    "state_told",
     "stopped_state",
 ]
 
@@ -129,6 +130,14 @@ def check_move(lease_id: str, current: LeaseState, wanted: LeaseState) -> LeaseS
 def from_control_block_code(code: int) -> LeaseState | None:
     """The state a control block's word says (None: no lease, or a word it never writes)."""
     return _FROM_CODE.get(code)
+
+
+def state_told(before: LeaseState, level: PreemptionLevel) -> LeaseState:
+    """The state a stop's notice puts the session's lease in, from the state the lease
+    was in before the stop: a running lease is paused first (asked for level 4 too: it
+    is evicted once the checkpoint is done), one already stopped takes the stop's state
+    (a paused lease asked for level 4 is evicted)."""
+    return stopped_state(level) if before in STOPPED else LeaseState.PAUSED
 
 
 def stopped_state(level: PreemptionLevel) -> LeaseState:

@@ -32,7 +32,7 @@ from gpushare_ext.devices import DeviceInfo
 from gpushare_ext.errors import GpushareError
 from gpushare_ext.lease_state import LeaseState, PreemptionLevel
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_FRAME_BYTES = 256 * 1024
 _LENGTH = struct.Struct(">I")
 
@@ -373,7 +373,9 @@ class Queued(BrokerMessage, tag="queued"):
 
 class Preempt(BrokerMessage, tag="preempt"):
     lease_id: str
-    level: PreemptionLevel
+    level: PreemptionLevel  # the level asked
+    held_by: PreemptionLevel  # the rung that really holds it (a simulated GPU's gate)
+    state: LeaseState  # the state the lease is in from this notice on
     reason: str
     for_user: str  # anonymised
 

@@ -67,6 +67,10 @@ class PauseLease:
     # :func:`~gpushare_ext.lease_state.stopped_state`): the journal and the control
     # block say this, never a state of their own making.
     resulting_state: LeaseState
+    # The rung that really holds it (on a simulated GPU the gate) and the state its
+    # session's notice gives the lease: the status, the broker log and the cell say these.
+    held_by: PreemptionLevel
+    session_state: LeaseState
     parks_bytes: int = 0  # > 0: this parks an idle session holding that much
 
 

@@ -34,7 +34,7 @@ from typing import Protocol
 from gpushare_ext.broker.errors import DaemonError
 from gpushare_ext.control_block import ControlBlock
 from gpushare_ext.lease_state import LeaseState
-from gpushare_ext.protocol import PreemptionLevel, applied_level
+from gpushare_ext.protocol import PreemptionLevel
 
 log = logging.getLogger("gpushare.broker")
 
@@ -64,6 +64,7 @@ class Applied:
     abort was asked of a process with no yield flag) and a note for status."""
 
     level: PreemptionLevel
+    held_by: PreemptionLevel  # the rung that really holds it (a simulated GPU's gate)
     note: str
 
 
@@ -299,6 +300,13 @@ class CudaProcessControl:
 # ------------------------------------------------------------------ the ladder
 
 
+def _stop_note(target: Target, level: PreemptionLevel, locked: bool, simulated: bool) -> str:
+    """What stopped ``target``, for status (a simulated GPU gates every level)."""
+    if simulated and level != PreemptionLevel.GATE:
+        return "simulated GPU: the process was gated, not locked"
+    return "stopped by: " + ", ".join(_what_stopped(target, level, locked))
+
+
 def _what_stopped(target: Target, level: PreemptionLevel, locked: bool) -> list[str]:
     """The rungs of the ladder applied to ``target``, cheapest first (for status)."""
     applied = []
@@ -408,15 +416,13 @@ class Ladder:
             if level == PreemptionLevel.EVICT and target.pid not in self._checkpointed:
                 await self._run(self.control.checkpoint, target.pid, target.device_index)
                 self._checkpointed.add(target.pid)
-            if applied_level(level, simulated) != level:
-                notes.append("simulated GPU: the process was gated, not locked")
-            else:
-                notes.append("stopped by: " + ", ".join(_what_stopped(target, level, needs_lock)))
+            notes.append(_stop_note(target, level, needs_lock, simulated))
             said = target.control_block.session_note if target.control_block is not None else ""
             if said:
                 notes.append(f"the session says: {said}")
             applied = max(level, PreemptionLevel.LOCK) if needs_lock else level
-            return Applied(level=applied, note="; ".join(notes))
+            held_by = PreemptionLevel.GATE if simulated else applied
+            return Applied(level=applied, held_by=held_by, note="; ".join(notes))
 
     async def undo(
         self,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from gpushare_ext.broker.actions import Action, PauseLease, RefuseRequest
+from gpushare_ext.broker.actions import Action, RefuseRequest
 from gpushare_ext.broker.events import (
     LeaseReclaimed,
     LeaseRequested,
@@ -31,7 +31,6 @@ from gpushare_ext.broker.policy import (
     StopCause,
     format_size,
     ladder_level,
-    lock_kept_when_failing,
 )
 from gpushare_ext.broker.rivalry_watch import RivalryWatch
 from gpushare_ext.broker.scheduler_records import (
@@ -41,7 +40,7 @@ from gpushare_ext.broker.scheduler_records import (
     SessionRecord,
 )
 from gpushare_ext.broker.slot_finder import SlotFinder
-from gpushare_ext.lease_state import StopState, stopped_state
+from gpushare_ext.lease_state import StopState
 from gpushare_ext.protocol import (
     ErrorCode,
     LeaseState,
@@ -280,18 +279,11 @@ class Admission:
             )
             return []
         reason = lease.reason or "paused for a higher-priority session"
+        before = lease.state
         transition(lease, now, stop=stop.asked(level), reason=reason)
         return [
-            PauseLease(
-                session_id=lease.session_id,
-                lease_id=lease.lease_id,
-                pid=lease.identity.pid,
-                device_index=self._finder.slots[lease.slot].device_index,  # type: ignore[index]
-                level=level,
-                for_lease=lease.paused_for,
-                reason=lease.reason,
-                keeps_lock=lock_kept_when_failing(level, parks=False),
-                resulting_state=stopped_state(level),
+            self._book.pause_action(
+                lease, level, before=before, for_lease=lease.paused_for, reason=lease.reason
             )
         ]
 

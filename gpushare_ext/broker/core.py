@@ -123,7 +123,6 @@ from gpushare_ext.broker.policy import (
     StopCause,
     format_size,
     ladder_level,
-    lock_kept_when_failing,
 )
 from gpushare_ext.broker.queue_notices import QueueNotices
 from gpushare_ext.broker.rivalry_watch import RivalryWatch
@@ -200,10 +199,13 @@ class Scheduler:
         *,
         recompute_every_waiter: bool = False,
         line_from: int = LINE_FROM,
+        simulated_control: bool = False,
     ) -> None:
         self.now = 0.0
         self.finder = SlotFinder(devices)
-        self.book = LeaseBook(self.finder.slots, policy or Policy())
+        self.book = LeaseBook(
+            self.finder.slots, policy or Policy(), simulated_control=simulated_control
+        )
         self.memory = MemorySeen(set(self.finder.slots), self.book.index)
         self.parking = IdleParking(self.book, self.finder.slots, self.memory)
         self.placer = Placer(self.book, self.finder.slots, self.memory, self.parking)
@@ -538,6 +540,7 @@ class Scheduler:
             if level is None:
                 continue
             held = replace(lease.stop.asked(level), held_by_watchdog=True)
+            before = lease.state
             transition(
                 lease,
                 now,
@@ -547,16 +550,6 @@ class Scheduler:
                 index=book.index,
             )
             actions.append(
-                PauseLease(
-                    session_id=lease.session_id,
-                    lease_id=lease.lease_id,
-                    pid=lease.identity.pid,
-                    device_index=self.slots[lease.slot].device_index,  # type: ignore[index]
-                    level=level,
-                    for_lease="",
-                    reason=reason,
-                    keeps_lock=lock_kept_when_failing(level, parks=False),
-                    resulting_state=stopped_state(level),
-                )
+                book.pause_action(lease, level, before=before, for_lease="", reason=reason)
             )
         return actions

@@ -46,7 +46,6 @@ from gpushare_ext.protocol import (
     Released,
     Resume,
     Revoked,
-    applied_level,
 )
 from gpushare_ext.units import format_size
 
@@ -242,8 +241,7 @@ class Effects:
             action, lease, str(conn.control_block.path) if conn and conn.control_block else ""
         )
         ctx.metrics.observe_preemption(int(action.level))
-        # The rung that holds it (on a simulated GPU the gate), as status and the cell say.
-        held_by = applied_level(action.level, ctx.simulated_control)
+        held_by = action.held_by
         ctx.timeline.paused(action.lease_id, int(held_by), time.time())
         asked = (
             ""
@@ -281,6 +279,8 @@ class Effects:
                 Preempt(
                     lease_id=action.lease_id,
                     level=action.level,
+                    held_by=action.held_by,
+                    state=action.session_state,
                     reason=action.reason,
                     for_user=for_user,
                 ),
@@ -397,7 +397,7 @@ class Effects:
             await self._preemption_failed(target, action, exc)
             return
         # How long a stop took is what a waiting grant pays: an admin sees it per pause.
-        held_by = applied_level(applied.level, ctx.simulated_control)
+        held_by = applied.held_by
         events.info(
             "%s (pid %s) stopped at level %s (%s) in %.1f ms",
             action.lease_id, action.pid, int(held_by), held_by.name.lower(),

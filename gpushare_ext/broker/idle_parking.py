@@ -30,9 +30,7 @@ from gpushare_ext.broker.parking import (
     park_order,
     plan_parks,
 )
-from gpushare_ext.broker.policy import lock_kept_when_failing
 from gpushare_ext.broker.scheduler_records import Lease, SchedulerError, SessionRecord, Slot
-from gpushare_ext.lease_state import stopped_state
 from gpushare_ext.protocol import (
     PARKED_LABEL,
     Capabilities,
@@ -178,16 +176,12 @@ class IdleParking:
         evict = lease.stop.asked(PreemptionLevel.EVICT)
         transition(lease, now, state=LeaseState.PAUSED, stop=evict, reason=reason, index=book.index)
         lease.paused_for = for_lease
-        return PauseLease(
-            session_id=lease.session_id,
-            lease_id=lease.lease_id,
-            pid=lease.identity.pid,
-            device_index=self._slots[key].device_index,
-            level=PreemptionLevel.EVICT,
+        return book.pause_action(
+            lease,
+            PreemptionLevel.EVICT,
+            before=LeaseState.RUNNING,
             for_lease=for_lease,
             reason=reason,
-            keeps_lock=lock_kept_when_failing(PreemptionLevel.EVICT, parks=True),
-            resulting_state=stopped_state(PreemptionLevel.EVICT),
             parks_bytes=lease.memory_bytes,
         )
 

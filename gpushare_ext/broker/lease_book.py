@@ -4,7 +4,9 @@ What it is for: :class:`LeaseBook` keeps the active leases, the recently ended o
 sessions and their processes, the gangs, and the :class:`LeaseIndex` placement reads;
 it hands out arrival numbers, ends a lease (:meth:`LeaseBook.end`), and answers what a
 lease id stands for (a gang's id or a member's).  It also says how a waiter ranks (its
-effective priority under the policy), since every part of the scheduler ranks alike.
+effective priority under the policy), since every part of the scheduler ranks alike,
+and words every stop the same way (:meth:`LeaseBook.pause_action`: the level asked, the
+rung that really holds it, the state its notice gives the session).
 
 What it must not do: place, pause or tell anyone anything; the parts of the scheduler
 above it decide, and change a lease's state or stop only through
@@ -13,12 +15,13 @@ above it decide, and change a lease's state or stop only through
 
 from __future__ import annotations
 
-from gpushare_ext.broker.actions import LeaseEnded
+from gpushare_ext.broker.actions import LeaseEnded, PauseLease
 from gpushare_ext.broker.lease_index import LeaseIndex
 from gpushare_ext.broker.lease_transitions import transition
-from gpushare_ext.broker.policy import Policy, effective_priority
+from gpushare_ext.broker.policy import Policy, effective_priority, lock_kept_when_failing
 from gpushare_ext.broker.scheduler_records import Lease, SchedulerError, SessionRecord, Slot
-from gpushare_ext.protocol import ErrorCode, LeaseState
+from gpushare_ext.lease_state import state_told, stopped_state
+from gpushare_ext.protocol import ErrorCode, LeaseState, PreemptionLevel, applied_level
 
 ENDED_KEPT = 512  # ended leases kept for status and replay checks
 
@@ -26,8 +29,12 @@ ENDED_KEPT = 512  # ended leases kept for status and replay checks
 class LeaseBook:
     """The leases, sessions and gangs the scheduler keeps, and the policy they are under."""
 
-    def __init__(self, slots: dict[str, Slot], policy: Policy) -> None:
+    def __init__(
+        self, slots: dict[str, Slot], policy: Policy, *, simulated_control: bool = False
+    ) -> None:
         self.policy = policy
+        # A simulated GPU has no process to flag, lock or checkpoint: only the gate holds.
+        self.simulated_control = simulated_control
         self.slots = slots
         self.sessions: dict[str, SessionRecord] = {}
         self.leases: dict[str, Lease] = {}
@@ -39,6 +46,39 @@ class LeaseBook:
         self.parks_of_uid: dict[int, int] = {}  # park leases per user: not counted as leases
         self.gangs: dict[str, tuple[str, ...]] = {}  # gang id -> its members' ids, rank order
         self.gang_targets: dict[str, tuple[str, ...]] = {}  # slots made room on for a gang
+
+    # ---- stops
+
+    def pause_action(
+        self,
+        lease: Lease,
+        level: PreemptionLevel,
+        *,
+        before: LeaseState,
+        for_lease: str,
+        reason: str,
+        parks_bytes: int = 0,
+    ) -> PauseLease:
+        """The action that stops ``lease`` (on its slot) at ``level``, ``before`` being
+        the state it was in: everything the edges say of the stop is decided here."""
+        return PauseLease(
+            session_id=lease.session_id,
+            lease_id=lease.lease_id,
+            pid=lease.identity.pid,
+            device_index=self.slots[lease.slot].device_index,  # type: ignore[index]
+            level=level,
+            for_lease=for_lease,
+            reason=reason,
+            keeps_lock=lock_kept_when_failing(level, parks=parks_bytes > 0),
+            resulting_state=stopped_state(level),
+            held_by=self.rung_holding(level),
+            session_state=state_told(before, level),
+            parks_bytes=parks_bytes,
+        )
+
+    def rung_holding(self, level: PreemptionLevel) -> PreemptionLevel:
+        """The rung that really holds a lease stopped at ``level``."""
+        return applied_level(level, self.simulated_control)
 
     # ---- sessions and leases
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from gpushare_ext.broker.actions import Action, GrantLease, PauseLease, ResumeLease
+from gpushare_ext.broker.actions import Action, GrantLease, ResumeLease
 from gpushare_ext.broker.idle_parking import IdleParking
 from gpushare_ext.broker.lease_book import LeaseBook
 from gpushare_ext.broker.lease_transitions import transition
@@ -24,11 +24,9 @@ from gpushare_ext.broker.placement import RoomPlan
 from gpushare_ext.broker.policy import (
     StopCause,
     effective_priority,
-    lock_kept_when_failing,
 )
 from gpushare_ext.broker.queue_notices import QueueNotices
 from gpushare_ext.broker.scheduler_records import Lease, Slot
-from gpushare_ext.lease_state import stopped_state
 from gpushare_ext.protocol import (
     LeaseState,
     Placement,
@@ -166,41 +164,25 @@ class LeaseMoves:
                 if evicting
                 else f"paused for a higher-priority session ({who})"
             )
-            if victim.state == LeaseState.RUNNING:
-                actions.append(self._pause(victim, level, lease, reason, now))
+            before = victim.state
+            if before == LeaseState.RUNNING:
+                transition(
+                    victim,
+                    now,
+                    state=LeaseState.PAUSED,
+                    stop=victim.stop.asked(level),
+                    reason=reason,
+                    index=self._book.index,
+                )
             elif evicting:  # already paused: escalate to eviction
                 transition(victim, now, stop=victim.stop.asked(level), reason=reason)
-                victim.paused_for = lease.lease_id
-                actions.append(self._preempt(victim, level, lease.lease_id, reason))
-            # else: a rank another slot's plan of the same gang stopped already
+            else:
+                continue  # a rank another slot's plan of the same gang stopped already
+            victim.paused_for = lease.lease_id
+            actions.append(
+                self._book.pause_action(
+                    victim, level, before=before, for_lease=lease.lease_id, reason=reason
+                )
+            )
         awaited = frozenset(row.victim.lease_id for row in plan.evictions)
         return actions, awaited | {park.lease_id for park in parks}
-
-    def _pause(
-        self, victim: Lease, level: PreemptionLevel, lease: Lease, reason: str, now: float
-    ) -> PauseLease:
-        transition(
-            victim,
-            now,
-            state=LeaseState.PAUSED,
-            stop=victim.stop.asked(level),
-            reason=reason,
-            index=self._book.index,
-        )
-        victim.paused_for = lease.lease_id
-        return self._preempt(victim, level, lease.lease_id, reason)
-
-    def _preempt(
-        self, victim: Lease, level: PreemptionLevel, for_lease: str, reason: str
-    ) -> PauseLease:
-        return PauseLease(
-            session_id=victim.session_id,
-            lease_id=victim.lease_id,
-            pid=victim.identity.pid,
-            device_index=self._slots[victim.slot].device_index,  # type: ignore[index]
-            level=level,
-            for_lease=for_lease,
-            reason=reason,
-            keeps_lock=lock_kept_when_failing(level, parks=False),
-            resulting_state=stopped_state(level),
-        )

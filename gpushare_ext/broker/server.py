@@ -124,7 +124,6 @@ class Broker:
             devices = managed_devices(inventory.devices(), config.devices)
         except InventoryError as exc:
             raise RuntimeError(str(exc)) from None
-        scheduler = core.Scheduler(devices, config.policy)
         metrics = BrokerMetrics()
         simulated = inventory if isinstance(inventory, SimulatedInventory) else None
         control = open_process_control(
@@ -132,6 +131,9 @@ class Broker:
             [d.index for d in devices],
             simulated.restore_fails if simulated else frozenset(),
             simulated.lock_drain_s if simulated else 0.0,
+        )
+        scheduler = core.Scheduler(
+            devices, config.policy, simulated_control=control.kind == "simulated"
         )
         journal = Journal(config.journal or paths.journal)
         # The last hour of each GPU (the dashboard's), in a file beside the journal.

@@ -34,7 +34,6 @@ from gpushare_ext.protocol import (
     Snapshot,
     TimelinePause,
     TimelineSpan,
-    applied_level,
     priority_class,
     split_member_id,
 )
@@ -55,10 +54,10 @@ def display_user(ctx: BrokerContext, identity: core.Identity, viewer: Connection
     return anonymous_name(ctx.salt, identity.uid)
 
 
-def _level_of(lease: core.Lease, simulated: bool) -> int | None:
+def _level_of(ctx: BrokerContext, lease: core.Lease) -> int | None:
     """The rung that holds the lease (a simulated GPU's gate), as the cell says it."""
     level = lease.stop.in_force
-    return None if level is None else int(applied_level(level, simulated))
+    return None if level is None else int(ctx.scheduler.book.rung_holding(level))
 
 
 def _lease_view(
@@ -96,7 +95,7 @@ def _lease_view(
         label=plain_text(lease.label) if detailed else "",
         pid=lease.identity.pid if detailed else None,
         notebook=plain_text(session.notebook if session else "") if detailed else "",
-        preemption_level=_level_of(lease, ctx.simulated_control),
+        preemption_level=_level_of(ctx, lease),
         estimate_s=(
             round(max(0.0, lease.estimate_s - (now - lease.estimated_at)), 1)
             if lease.estimate_s is not None and lease.state == LeaseState.QUEUED

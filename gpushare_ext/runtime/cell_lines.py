@@ -22,7 +22,6 @@ from gpushare_ext.protocol import (
     Preempt,
     PreemptionLevel,
     Queued,
-    applied_level,
     describe_priority,
 )
 from gpushare_ext.units import format_size
@@ -118,11 +117,10 @@ def times(count: int) -> str:
     return "once" if count == 1 else "twice" if count == 2 else f"{count} times"
 
 
-def pause_line(preempt: Preempt, simulated: bool, how: str) -> str:
+def pause_line(preempt: Preempt, how: str) -> str:
     """The cell's line for a pause: the rung that holds it, and the one the broker asked
     for where that differs (a simulated GPU only gates), as ``gpushare status`` says."""
-    asked = preempt.level
-    applied = applied_level(asked, simulated)
+    asked, applied = preempt.level, preempt.held_by
     rung = f"at ladder level {int(applied)}, {LEVEL_NAMES[applied]}"
     if applied != asked:
         rung += (

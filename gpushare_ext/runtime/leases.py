@@ -16,17 +16,14 @@ from dataclasses import dataclass, field
 
 from gpushare_ext.lease_state import (
     ACTIVE,
-    STOPPED,
     IllegalMove,
     LeaseState,
     check_move,
-    stopped_state,
 )
 from gpushare_ext.protocol import (
     PRIORITY_CLASSES,
     Capabilities,
     Placement,
-    PreemptionLevel,
     Queued,
     RankPlacement,
     RequestLease,
@@ -125,13 +122,6 @@ class LeaseHandle:
         a cell to show it in."""
         if self.output is not None:
             self.output.show(self.display_key + suffix, text)
-
-
-def state_after_preempt(current: LeaseState, level: PreemptionLevel) -> LeaseState:
-    """Where a pause notice takes a handle.  A running lease asked for level 4 is paused
-    first, as the broker's core has it, and evicted once the checkpoint is done (a
-    paused lease asked for level 4); the state table has no running -> evicted."""
-    return stopped_state(level) if current in STOPPED else LeaseState.PAUSED
 
 
 def queue_is_bounded(handle: LeaseHandle) -> bool:

@@ -25,11 +25,10 @@ from gpushare_ext.protocol import (
     Released,
     Resume,
     Revoked,
-    applied_level,
 )
 from gpushare_ext.runtime import cell_lines, preemptible
 from gpushare_ext.runtime.cell_lines import PauseRecord, kernel_words, receipt_line
-from gpushare_ext.runtime.leases import LeaseHandle, state_after_preempt
+from gpushare_ext.runtime.leases import LeaseHandle
 
 # The note a revocation leaves in the lease's events: the receipt reads its time back.
 REVOKED_NOTE = "revoked: "
@@ -37,8 +36,6 @@ REVOKED_NOTE = "revoked: "
 
 class PauseContext(Protocol):
     """What a pause notice needs of the session."""
-
-    simulated: bool
 
     def protection(self) -> str:
         """How this session is stopped when paused, in a few words."""
@@ -114,15 +111,13 @@ def apply_notice(handle: LeaseHandle, message: BrokerMessage, session: PauseCont
 
 
 def _paused(handle: LeaseHandle, message: Preempt, session: PauseContext) -> None:
-    if not handle.move(state_after_preempt(handle.state, message.level)):
+    if not handle.move(message.state):
         return
     session.watch_interrupts_while_paused()
     handle.paused_since = time.time()
-    handle.pause_log.append(
-        PauseRecord(message.for_user, applied_level(message.level, session.simulated))
-    )
+    handle.pause_log.append(PauseRecord(message.for_user, message.held_by))
     handle.note(f"paused at level {int(message.level)} for {message.for_user}")
-    handle.pause_text = cell_lines.pause_line(message, session.simulated, session.protection())
+    handle.pause_text = cell_lines.pause_line(message, session.protection())
     if handle.output is not None:
         handle.show("-pause", cell_lines.paused_now_line(handle.pause_text, len(handle.pauses_s)))
 

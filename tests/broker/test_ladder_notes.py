@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from scheduler_helpers import HIGH, LOW, YIELDING, Hub, only
+from scheduler_helpers import HIGH, LOW, YIELDING, Hub, h200_devices, only
 
 from gpushare_ext.broker import core
 from gpushare_ext.broker.actuators import (
@@ -17,7 +17,6 @@ from gpushare_ext.broker.actuators import (
     Target,
     _what_stopped,
 )
-from gpushare_ext.broker.views import _level_of
 from gpushare_ext.control_block import ControlBlock
 from gpushare_ext.protocol import LeaseState, PreemptionLevel, applied_level
 
@@ -120,7 +119,9 @@ def test_on_a_simulated_gpu_the_gate_asked_is_the_gate_applied(tmp_path: Path):
         Ladder(SimulatedProcessControl()).apply(target, PreemptionLevel.GATE, "", LeaseState.PAUSED)
     )
 
-    assert applied == Applied(level=PreemptionLevel.GATE, note="stopped by: launches held")
+    assert applied == Applied(
+        level=PreemptionLevel.GATE, held_by=PreemptionLevel.GATE, note="stopped by: launches held"
+    )
     block.close()
 
 
@@ -151,5 +152,6 @@ def test_a_yield_asked_without_a_flag_is_applied_and_recorded_as_the_lock(tmp_pa
     )
     lease = hub.lease("low")
     assert (lease.applied_level, lease.pending_level) == (PreemptionLevel.LOCK, None)
-    assert _level_of(lease, simulated=False) == int(PreemptionLevel.LOCK)
-    assert _level_of(lease, simulated=True) == int(PreemptionLevel.GATE)  # only the gate holds
+    assert hub.scheduler.book.rung_holding(lease.stop.in_force) == PreemptionLevel.LOCK
+    simulated = core.Scheduler(h200_devices(), simulated_control=True)
+    assert simulated.book.rung_holding(lease.stop.in_force) == PreemptionLevel.GATE  # the gate

@@ -25,6 +25,7 @@ from gpushare_ext.lease_state import (
     IllegalMove,
     LeaseState,
     check_move,
+    state_told,
 )
 from gpushare_ext.protocol import (
     Capabilities,
@@ -33,7 +34,7 @@ from gpushare_ext.protocol import (
     encode_frame,
 )
 from gpushare_ext.protocol import LeaseState as WireLeaseState
-from gpushare_ext.runtime.leases import LeaseHandle, LeaseOptions, state_after_preempt
+from gpushare_ext.runtime.leases import LeaseHandle, LeaseOptions
 
 PACKAGE = Path(lease_state.__file__).resolve().parent
 
@@ -194,11 +195,12 @@ def test_the_request_a_session_builds_reaches_the_core_as_it_was_sent():
     assert lease.label == "%%gpu priority=high" and not lease.lockable
 
 
-def test_a_pause_notice_at_any_level_moves_a_running_handle_by_the_table():
+def test_the_state_a_pause_notice_tells_moves_the_kernels_handle_by_its_table():
+    """The core words the state (``state_told``); the kernel's handle takes it as it is."""
     for level in PreemptionLevel:
         handle = LeaseHandle(lease_id="L4", options=LeaseOptions(), output=None)
         handle.move(LeaseState.RUNNING)
-        assert handle.move(state_after_preempt(handle.state, level)), (level, handle.events)
+        assert handle.move(state_told(LeaseState.RUNNING, level)), (level, handle.events)
         assert handle.state == LeaseState.PAUSED  # evicted only once it was paused
-        handle.move(state_after_preempt(handle.state, PreemptionLevel.EVICT))
+        assert handle.move(state_told(LeaseState.PAUSED, PreemptionLevel.EVICT))
         assert handle.state == LeaseState.EVICTED

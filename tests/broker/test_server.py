@@ -132,7 +132,7 @@ BAD_INPUT = {
     ),
     "wrong protocol version": (
         lambda raw: raw.send(Hello(seq=1, version=PROTOCOL_VERSION + 41, pid=os.getpid())),
-        ErrorCode.VERSION, "version 42", True,
+        ErrorCode.VERSION, f"version {PROTOCOL_VERSION + 41}", True,
     ),
     "message before hello": (
         lambda raw: raw.send(StatusRequest(seq=1)),
