@@ -38,7 +38,8 @@ open(done + ".result", "w").write("intact" if (before == after and full_before =
 """
 
 
-def _process_memory_mib(pid: int) -> int | None:
+def process_memory_mib(pid: int) -> int:
+    """Device memory NVML attributes to ``pid`` on GPU 0, in MiB (0: none there)."""
     import pynvml
 
     pynvml.nvmlInit()
@@ -67,19 +68,19 @@ def measure(size_gib: float, control, workdir: Path) -> dict:
                 raise RuntimeError(f"tenant with {size_gib} GiB did not start")
             time.sleep(0.05)
         time.sleep(0.3)
-        resident = _process_memory_mib(tenant.pid)
+        resident = process_memory_mib(tenant.pid)
         t0 = time.perf_counter()
         control.lock(tenant.pid, 0, 10000)
         t1 = time.perf_counter()
         control.checkpoint(tenant.pid, 0)
         t2 = time.perf_counter()
-        evicted = _process_memory_mib(tenant.pid)
+        evicted = process_memory_mib(tenant.pid)
         t3 = time.perf_counter()
         control.restore(tenant.pid, 0)
         t4 = time.perf_counter()
         control.unlock(tenant.pid, 0)
         t5 = time.perf_counter()
-        restored = _process_memory_mib(tenant.pid)
+        restored = process_memory_mib(tenant.pid)
         done.write_text("go")
         tenant.wait(timeout=300)
         intact = (workdir / f"done-{size_gib}.result").read_text() == "intact"

@@ -30,58 +30,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.stopping import exit_on_signals, stop, track
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _env(socket_path: Path | None) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
-    if socket_path is not None:
-        env["GPUSHARE_SOCKET"] = str(socket_path)
-    else:
-        env.pop("GPUSHARE_SOCKET", None)
-    return env
-
-
-def start_broker(workdir: Path, config: str | None = None) -> tuple[subprocess.Popen, Path]:
-    socket_path = workdir / "broker.sock"
-    command = [
-        sys.executable,
-        "-m",
-        "gpushare_ext.cli",
-        "broker",
-        "--inventory",
-        "nvml",
-        "--socket",
-        str(socket_path),
-        "--journal",
-        str(workdir / "journal.sqlite"),
-        "--log-level",
-        "info",  # one line per lease event: grants, pauses and how long each stop took
-    ]
-    if config:
-        path = workdir / "broker.toml"
-        path.write_text(config)
-        command += ["--config", str(path)]
-    log = open(workdir / "broker.log", "ab")  # noqa: SIM115
-    process = track(subprocess.Popen(command, stdout=log, stderr=log, env=_env(None)))
-    from gpushare_ext.runtime.embedded import broker_answers
-
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if broker_answers(socket_path):
-            return process, socket_path
-        if process.poll() is not None:
-            break
-        time.sleep(0.1)
-    stop(process)  # it may run without answering: it must not stay behind
-    raise RuntimeError("broker did not start: " + (workdir / "broker.log").read_text()[-3000:])
+from benchmarks.broker_process import ROOT, checkout_env, start_broker
+from benchmarks.stopping import exit_on_signals, track
 
 
 def _tenant(args: list[str], socket_path: Path | None) -> subprocess.Popen:
-    env = _env(socket_path)
+    env = checkout_env(socket_path)
     shim_for = os.environ.get("GPUSHARE_BENCH_SHIM_ROLES", "low,high").split(",")
     role = args[args.index("--role") + 1] if "--role" in args else ""
     if "shim" in args and role in shim_for:

@@ -33,9 +33,13 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from benchmarks.environment import describe
 from benchmarks.stopping import exit_on_signals, track
+
+if TYPE_CHECKING:
+    from gpushare_ext.broker.launch import BrokerProcess
 
 CONFIG = """
 [broker]
@@ -228,7 +232,7 @@ def _rss_mib(pid: int) -> float:
     return psutil.Process(pid).memory_info().rss / (1024 * 1024)
 
 
-def main() -> int:
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--frames", type=int, default=1_000_000)
     parser.add_argument("--clients", type=int, default=3)
@@ -238,14 +242,14 @@ def main() -> int:
     args = parser.parse_args()
     if args.quick:
         args.frames = 20_000
+    return args
 
-    from gpushare_ext.broker.launch import BrokerProcess
 
-    exit_on_signals()  # ended by a signal (or an error), it still stops the broker and clients
-    directory = Path(tempfile.mkdtemp(prefix="gps-fuzz-", dir="/tmp"))
-    broker = track(BrokerProcess(directory, config_toml=CONFIG, log_level="info")).start()
-    started = time.monotonic()
-    rss_before = _rss_mib(broker.pid)
+def _run_clients(
+    broker: BrokerProcess, args: argparse.Namespace, started: float
+) -> tuple[list[dict], list[tuple[float, float]]]:
+    """Run the fuzzing clients to their end: what each counted, and the broker's RSS
+    sampled meanwhile (seconds since ``started``, MiB)."""
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
     per_client = args.frames // args.clients
@@ -272,30 +276,31 @@ def main() -> int:
                 )
     for worker in workers:
         worker.join()
-    took = time.monotonic() - started
-    alive = broker.alive()
-    rss_after = _rss_mib(broker.pid) if alive else None
-    exit_status = broker.stop()
-    log = broker.output()
-    shutil.rmtree(directory, ignore_errors=True)
+    return results, samples
 
-    total: Counter = Counter()
-    kinds: Counter = Counter()
-    for result in results:
-        total.update(result["replies"])
-        kinds.update(result["kinds"])
-    summary = {
+
+def _summary(
+    results: list[dict],
+    total: Counter,
+    samples: list[tuple[float, float]],
+    seen: dict,
+    took: float,
+) -> dict:
+    """The run's figures; ``seen``: what was seen of the broker (alive, exit status,
+    log, RSS before and after)."""
+    rss_after = seen["rss_after"]
+    return {
         "frames_sent": sum(r["sent"] for r in results),
         "answered": sum(r["answered"] for r in results),
         "unanswered": sum(r["unanswered"] for r in results),
         "closed_unasked": sum(r["closed_unasked"] for r in results),
         "unresynchronisable_frames": sum(r["resync_frames"] for r in results),
-        "broker_alive_at_end": alive,
-        "broker_exit_status_on_sigterm": exit_status,
-        "tracebacks_in_log": log.count("Traceback"),
+        "broker_alive_at_end": seen["alive"],
+        "broker_exit_status_on_sigterm": seen["exit_status"],
+        "tracebacks_in_log": seen["log"].count("Traceback"),
         "internal_errors": total.get("Error:internal", 0),
-        "log_bytes": len(log.encode()),
-        "broker_rss_mib_before": round(rss_before, 1),
+        "log_bytes": len(seen["log"].encode()),
+        "broker_rss_mib_before": round(seen["rss_before"], 1),
         "broker_rss_mib_after": round(rss_after, 1) if rss_after else None,
         "broker_rss_mib_second_half_growth": (
             round(samples[-1][1] - samples[len(samples) // 2][1], 1) if len(samples) > 3 else None
@@ -303,6 +308,46 @@ def main() -> int:
         "seconds": round(took, 1),
         "frames_per_second": round(sum(r["sent"] for r in results) / took),
     }
+
+
+def _passed(summary: dict) -> bool:
+    return (
+        summary["unanswered"] == 0
+        and summary["closed_unasked"] == 0
+        and summary["broker_alive_at_end"]
+        and summary["tracebacks_in_log"] == 0
+        and summary["internal_errors"] == 0
+    )
+
+
+def main() -> int:
+    args = _parse_args()
+
+    from gpushare_ext.broker.launch import BrokerProcess
+
+    exit_on_signals()  # ended by a signal (or an error), it still stops the broker and clients
+    directory = Path(tempfile.mkdtemp(prefix="gps-fuzz-", dir="/tmp"))
+    broker = track(BrokerProcess(directory, config_toml=CONFIG, log_level="info")).start()
+    started = time.monotonic()
+    rss_before = _rss_mib(broker.pid)
+    results, samples = _run_clients(broker, args, started)
+    took = time.monotonic() - started
+    alive = broker.alive()
+    seen = {
+        "alive": alive,
+        "rss_before": rss_before,
+        "rss_after": _rss_mib(broker.pid) if alive else None,
+        "exit_status": broker.stop(),
+        "log": broker.output(),
+    }
+    shutil.rmtree(directory, ignore_errors=True)
+
+    total: Counter = Counter()
+    kinds: Counter = Counter()
+    for result in results:
+        total.update(result["replies"])
+        kinds.update(result["kinds"])
+    summary = _summary(results, total, samples, seen, took)
     record = {
         **describe(),
         "clients": args.clients,
@@ -317,14 +362,7 @@ def main() -> int:
     print(f"{'measure':32} value")
     for key, value in summary.items():
         print(f"{key:32} {value}")
-    ok = (
-        summary["unanswered"] == 0
-        and summary["closed_unasked"] == 0
-        and alive
-        and summary["tracebacks_in_log"] == 0
-        and summary["internal_errors"] == 0
-    )
-    return 0 if ok else 1
+    return 0 if _passed(summary) else 1
 
 
 if __name__ == "__main__":

@@ -441,7 +441,7 @@ def _serve_lock_request(process: subprocess.Popen) -> None:
         time.sleep(0.05)
 
 
-def main() -> int:
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("scenario", choices=[*SCENARIOS, "all"])
     parser.add_argument("--window", type=int, default=None)
@@ -452,32 +452,12 @@ def main() -> int:
     parser.add_argument(
         "--rounds", type=int, default=3, help="overhead: processes per mode, alternated"
     )
-    args = parser.parse_args()
-    exit_on_signals()  # ended by a signal, it still stops the scenario it runs
-    if args.scenario == "lock" and not os.environ.get("GPUSHARE_LOCK_CHILD"):
-        # The checkpoint API acts on another process: this one is the parent, the child
-        # (started with the shim) is the one locked.
-        result = _subprocess("lock", mechanism=args.mechanism)
-        print(json.dumps(result), flush=True)
-        return 0 if "error" not in result else 1
-    if args.scenario != "all":
-        print(json.dumps(run_one(args.scenario, args.window, args.mode)), flush=True)
-        return 0
-    from benchmarks.environment import describe
+    return parser.parse_args()
 
-    run = lambda *a, **k: _subprocess(*a, mechanism=args.mechanism, **k)  # noqa: E731
-    runs = [
-        run("count"),
-        run("hold"),
-        run("hold_torch"),
-        run("drain"),
-        run("drain", "--window", "0"),
-        run("lock"),
-    ]
-    overhead: dict[str, list] = {"without": [], "with": [], "unbounded": []}
-    for _ in range(args.rounds):  # alternate processes so that drift hits every mode alike
-        for mode in overhead:
-            overhead[mode].append(run("overhead", "--mode", mode, shim=mode != "without"))
+
+def _overhead_summary(overhead: dict[str, list]) -> dict:
+    """Per loop, each mode's median step time and its overhead over the run without the
+    shim (as medians of all rounds and round by round)."""
     summary: dict = {"scenario": "overhead_summary"}
     for loop in ("resnet18_train_step", "cupy_kmeans_step"):
         medians = {
@@ -495,7 +475,27 @@ def main() -> int:
                 },
                 **_paired_overhead(overhead, loop),
             }
-    runs.append(summary)
+    return summary
+
+
+def _run_all(args: argparse.Namespace) -> int:
+    """Every scenario in a process of its own; ``interposer.json`` under ``--out``."""
+    from benchmarks.environment import describe
+
+    run = lambda *a, **k: _subprocess(*a, mechanism=args.mechanism, **k)  # noqa: E731
+    runs = [
+        run("count"),
+        run("hold"),
+        run("hold_torch"),
+        run("drain"),
+        run("drain", "--window", "0"),
+        run("lock"),
+    ]
+    overhead: dict[str, list] = {"without": [], "with": [], "unbounded": []}
+    for _ in range(args.rounds):  # alternate processes so that drift hits every mode alike
+        for mode in overhead:
+            overhead[mode].append(run("overhead", "--mode", mode, shim=mode != "without"))
+    runs.append(_overhead_summary(overhead))
     runs += [r for results in overhead.values() for r in results if "error" in r]
     record = {**describe(), "mechanism": args.mechanism, "runs": runs, "overhead_runs": overhead}
     if args.out:
@@ -504,6 +504,21 @@ def main() -> int:
     for entry in runs:
         print(json.dumps({k: v for k, v in entry.items() if k != "stats"}))
     return 0 if not any("error" in entry for entry in runs) else 1
+
+
+def main() -> int:
+    args = _parse_args()
+    exit_on_signals()  # ended by a signal, it still stops the scenario it runs
+    if args.scenario == "lock" and not os.environ.get("GPUSHARE_LOCK_CHILD"):
+        # The checkpoint API acts on another process: this one is the parent, the child
+        # (started with the shim) is the one locked.
+        result = _subprocess("lock", mechanism=args.mechanism)
+        print(json.dumps(result), flush=True)
+        return 0 if "error" not in result else 1
+    if args.scenario != "all":
+        print(json.dumps(run_one(args.scenario, args.window, args.mode)), flush=True)
+        return 0
+    return _run_all(args)
 
 
 if __name__ == "__main__":

@@ -106,12 +106,111 @@ class Notebook:
         self.manager.shutdown_kernel(now=True)
 
 
-def measure(notebooks: int, idle_gib: int, ask_gib: int, log_dir: Path) -> dict:
+def _fill(kernels: list[Notebook], idle_gib: int) -> list[str]:
+    """Each kernel runs a ``%%gpu`` cell, then fills ``idle_gib`` GiB outside any lease;
+    their fingerprints."""
+    before = []
+    for kernel in kernels:
+        kernel.run("%load_ext gpushare_ext")
+        kernel.run("%%gpu mem=1GiB\nprint('a cell under a lease')")
+        before.append(kernel.fingerprint(FILL.format(gib=idle_gib)))
+        _say(f"{kernel.name} holds {idle_gib} GiB, fingerprint {before[-1]}")
+    return before
+
+
+def _wait_until_seen(socket: Path, held_mib: int) -> None:
+    """Until the broker's NVML reading shows ``held_mib`` outside leases (20 s at most)."""
+    from gpushare_ext.client import BrokerClient
+
+    with BrokerClient(socket, client="cli") as looker:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # the broker's NVML reading of them
+            held = sum(sum(d.memory_outside_leases_mib.values()) for d in looker.status().devices)
+            if held >= held_mib:
+                break
+            time.sleep(0.2)
+
+
+def _park_for(socket: Path, ask_gib: int, result: dict) -> None:
+    """Ask for the high lease, time it to the grant (the park), allocate what it granted
+    and release it; the figures go into ``result``."""
     import cupy
 
-    from gpushare_ext.broker.launch import BrokerProcess
     from gpushare_ext.client import BrokerClient
     from gpushare_ext.protocol import Granted, Queued
+
+    granted = threading.Event()
+    asked = time.monotonic()
+    with BrokerClient(
+        socket,
+        client="bench",
+        listener=lambda m: granted.set() if isinstance(m, Granted) else None,
+    ) as asker:
+        reply = asker.request_lease(priority=250, memory_bytes=ask_gib << 30, device="0")
+        queued_reason = reply.reason if isinstance(reply, Queued) else ""
+        if isinstance(reply, Granted):
+            granted.set()
+        _say(f"asked for {ask_gib} GiB: {type(reply).__name__} {queued_reason}")
+        if not granted.wait(STEP_TIMEOUT_S):
+            raise RuntimeError(f"no grant within {STEP_TIMEOUT_S:g} s")
+        result["park_s"] = time.monotonic() - asked
+        _say(f"granted after {result['park_s']:.1f} s")
+        result["queued_reason"] = queued_reason
+        parks = [lease for lease in asker.status().leases if lease.label == "parked idle session"]
+        result["parked"] = [
+            {"pid": lease.pid, "state": str(lease.state), "gib": lease.memory_bytes / (1 << 30)}
+            for lease in parks
+        ]
+        # Take what was granted, less this process's own CUDA context.
+        block = cupy.empty(((ask_gib - 2) << 30) // 8, dtype=cupy.int64)
+        block.fill(7)
+        cupy.cuda.runtime.deviceSynchronize()
+        result["granted_allocation_gib"] = ask_gib - 2
+        del block
+        cupy.get_default_memory_pool().free_all_blocks()
+        asker.release(reply.lease_id)
+        _say(f"allocated {ask_gib - 2} GiB and released; parks: {result['parked']}")
+
+
+def _restores(kernels: list[Notebook], before: list[str]) -> list[dict]:
+    """Each kernel's next plain cell (which restores it): its arrays against their
+    fingerprint, and what its restore line said."""
+    restores = []
+    for kernel, fingerprint in zip(kernels, before, strict=True):
+        started = time.monotonic()
+        after = kernel.fingerprint(CHECK)
+        lines = [RESTORED.search(text) for text in kernel.shown]
+        found = [m for m in lines if m]
+        _say(f"{kernel.name}: {kernel.shown[-1] if kernel.shown else 'no line'}")
+        restores.append(
+            {
+                "bit_identical": after == fingerprint,
+                "cell_s": time.monotonic() - started,
+                "restore_line_s": float(found[-1].group(2)) if found else None,
+                "restored": found[-1].group(1) if found else None,
+            }
+        )
+    return restores
+
+
+def _add_rates(result: dict) -> None:
+    """GiB parked, and the park's and the restores' GiB/s, into ``result``."""
+    restores = result["restores"]
+    parked_gib = sum(p["gib"] for p in result["parked"])
+    result["parked_gib"] = parked_gib
+    result["park_gib_per_s"] = parked_gib / result["park_s"] if result["park_s"] else None
+    restored_s = [r["restore_line_s"] for r in restores if r["restore_line_s"]]
+    result["restore_gib_per_s"] = (
+        (parked_gib / len(result["parked"])) / (sum(restored_s) / len(restored_s))
+        if restored_s and result["parked"]
+        else None
+    )
+
+
+def measure(notebooks: int, idle_gib: int, ask_gib: int, log_dir: Path) -> dict:
+    import cupy  # noqa: F401 - first, so that a missing CuPy fails before a broker starts
+
+    from gpushare_ext.broker.launch import BrokerProcess
     from gpushare_ext.runtime.interpose import shim_path
 
     broker = track(BrokerProcess(Path(tempfile.mkdtemp(prefix="gps-park-")), simulate=None))
@@ -123,79 +222,11 @@ def measure(notebooks: int, idle_gib: int, ask_gib: int, log_dir: Path) -> dict:
     result: dict = {"notebooks": notebooks, "idle_gib": idle_gib, "ask_gib": ask_gib}
     try:
         kernels += [Notebook(f"notebook-{i}", env).start() for i in range(notebooks)]
-        before = []
-        for kernel in kernels:
-            kernel.run("%load_ext gpushare_ext")
-            kernel.run("%%gpu mem=1GiB\nprint('a cell under a lease')")
-            before.append(kernel.fingerprint(FILL.format(gib=idle_gib)))
-            _say(f"{kernel.name} holds {idle_gib} GiB, fingerprint {before[-1]}")
-        with BrokerClient(broker.socket, client="cli") as looker:
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:  # the broker's NVML reading of them
-                held = sum(
-                    sum(d.memory_outside_leases_mib.values()) for d in looker.status().devices
-                )
-                if held >= notebooks * idle_gib * 1024:
-                    break
-                time.sleep(0.2)
-        granted = threading.Event()
-        asked = time.monotonic()
-        with BrokerClient(
-            broker.socket,
-            client="bench",
-            listener=lambda m: granted.set() if isinstance(m, Granted) else None,
-        ) as asker:
-            reply = asker.request_lease(priority=250, memory_bytes=ask_gib << 30, device="0")
-            queued_reason = reply.reason if isinstance(reply, Queued) else ""
-            if isinstance(reply, Granted):
-                granted.set()
-            _say(f"asked for {ask_gib} GiB: {type(reply).__name__} {queued_reason}")
-            if not granted.wait(STEP_TIMEOUT_S):
-                raise RuntimeError(f"no grant within {STEP_TIMEOUT_S:g} s")
-            result["park_s"] = time.monotonic() - asked
-            _say(f"granted after {result['park_s']:.1f} s")
-            result["queued_reason"] = queued_reason
-            parks = [
-                lease for lease in asker.status().leases if lease.label == "parked idle session"
-            ]
-            result["parked"] = [
-                {"pid": lease.pid, "state": str(lease.state), "gib": lease.memory_bytes / (1 << 30)}
-                for lease in parks
-            ]
-            # Take what was granted, less this process's own CUDA context.
-            block = cupy.empty(((ask_gib - 2) << 30) // 8, dtype=cupy.int64)
-            block.fill(7)
-            cupy.cuda.runtime.deviceSynchronize()
-            result["granted_allocation_gib"] = ask_gib - 2
-            del block
-            cupy.get_default_memory_pool().free_all_blocks()
-            asker.release(reply.lease_id)
-            _say(f"allocated {ask_gib - 2} GiB and released; parks: {result['parked']}")
-        restores = []
-        for kernel, fingerprint in zip(kernels, before, strict=True):
-            started = time.monotonic()
-            after = kernel.fingerprint(CHECK)
-            lines = [RESTORED.search(text) for text in kernel.shown]
-            found = [m for m in lines if m]
-            _say(f"{kernel.name}: {kernel.shown[-1] if kernel.shown else 'no line'}")
-            restores.append(
-                {
-                    "bit_identical": after == fingerprint,
-                    "cell_s": time.monotonic() - started,
-                    "restore_line_s": float(found[-1].group(2)) if found else None,
-                    "restored": found[-1].group(1) if found else None,
-                }
-            )
-        result["restores"] = restores
-        parked_gib = sum(p["gib"] for p in result["parked"])
-        result["parked_gib"] = parked_gib
-        result["park_gib_per_s"] = parked_gib / result["park_s"] if result["park_s"] else None
-        restored_s = [r["restore_line_s"] for r in restores if r["restore_line_s"]]
-        result["restore_gib_per_s"] = (
-            (parked_gib / len(result["parked"])) / (sum(restored_s) / len(restored_s))
-            if restored_s and result["parked"]
-            else None
-        )
+        before = _fill(kernels, idle_gib)
+        _wait_until_seen(broker.socket, notebooks * idle_gib * 1024)
+        _park_for(broker.socket, ask_gib, result)
+        result["restores"] = _restores(kernels, before)
+        _add_rates(result)
     finally:
         (log_dir / "parking-broker.log").write_text(broker.output())
         shown = [f"{kernel.name}: {text}" for kernel in kernels for text in kernel.shown]

@@ -42,7 +42,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def _kernels(cupy):
@@ -306,7 +308,7 @@ def _running_lease_block():
     return block
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="directory for preemptible.json")
     parser.add_argument("--launches", type=int, default=4, help="preempted launches per kernel")
@@ -334,6 +336,162 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 < args.on_ms < args.period_ms:
         parser.error("--on-ms must be above 0 and below --period-ms")
+    return args
+
+
+def _unpreempted_launches(run: Callable[[], Any], cupy: Any) -> tuple[Any, float, float]:
+    """The first three launches, nobody raising the flag: the first's result (the
+    reference) and time with CuPy's compile, and the third's, the transformed kernel's."""
+    t0 = time.perf_counter()
+    reference = run().get()  # the first launch: unmodified, timed by the shim
+    cupy.cuda.runtime.deviceSynchronize()
+    alone_s = time.perf_counter() - t0
+    run().get()  # the second: analysed and transformed (the shim sent it here)
+    t0 = time.perf_counter()
+    run().get()  # the third: the transformed kernel, never preempted
+    transformed_s = time.perf_counter() - t0
+    return reference, alone_s, transformed_s
+
+
+def _preempted_launches(
+    name: str, run: Callable[[], Any], reference: Any, registry: Any, preempter: Any, launches: int
+) -> tuple[bool, list, float, float]:
+    """``launches`` launches while ``preempter`` raises the flag: whether every result
+    matched ``reference``, the launches' reports, when they began and how long they took."""
+    identical = True
+    t0 = time.perf_counter()
+    reports = []
+    with preempter:
+        for _ in range(launches):
+            identical &= bool((run().get() == reference).all())
+            reports += [
+                t.kernel.last_launch
+                for t in registry.twins.values()
+                if name in t.name and t.kernel is not None and t.kernel.last_launch
+                and all(t.kernel.last_launch is not r for r in reports)
+            ]  # fmt: skip
+        # Here, not after the raiser has stopped: its exit is no launch's time.
+        preempted_s = time.perf_counter() - t0
+    return identical, reports, t0, preempted_s
+
+
+def _host_stop_latencies(stops: list[float], raised: list[float]) -> list[float]:
+    """Each stop the launcher saw, from the latest raise before it (seconds)."""
+    latencies = []
+    for stopped in stops:
+        latest = max((r for r in raised if r <= stopped), default=None)
+        if latest is not None:
+            latencies.append(stopped - latest)
+    return latencies
+
+
+def _measure_kernel(
+    name: str,
+    run: Callable[[], Any],
+    registry: Any,
+    flag: Any,
+    stops: list[float],
+    args: argparse.Namespace,
+    cupy: Any,
+) -> tuple[dict, int]:
+    """One kernel's row, and how well the GPU clock's offset was known (ns)."""
+    from gpushare_ext.runtime import interpose
+
+    print(f"preemptible: {name} ...", file=sys.stderr, flush=True)
+    reference, alone_s, transformed_s = _unpreempted_launches(run, cupy)
+    before = (registry.launched, registry.yields, registry.aborts, registry.fallbacks,
+              registry.saves)  # fmt: skip
+    stops.clear()
+    kind = Preempter if args.raise_in_process else RemotePreempter
+    preempter = kind(flag, on_ms=args.on_ms, period_ms=args.period_ms)
+    if isinstance(preempter, RemotePreempter):
+        preempter.start()  # its CUDA context is made before the clock starts
+    before_offset = _stamped_offset(cupy)
+    identical, reports, t0, preempted_s = _preempted_launches(
+        name, run, reference, registry, preempter, args.launches
+    )
+    offset = ClockOffset(before_offset, _stamped_offset(cupy))
+    found = _gpu_stops(reports, preempter, offset)
+    gpu_stops, drains, began_flagged = found["free"], found["drains"], found["began_flagged"]
+    latencies = _host_stop_latencies(stops, preempter.raised)
+    longest_us = max(
+        (interpose.function_state(f)[1] for f, t in registry.twins.items() if name in t.name),
+        default=0.0,
+    )
+    # The GPU time the flag left free, against the kernel time the launches needed.
+    raised_meanwhile = sum(1 for r in preempter.raised if r < t0 + preempted_s)
+    free_s = preempted_s - raised_meanwhile * preempter.on_ms / 1e3
+    kept = args.launches * longest_us / 1e6 / free_s if free_s > 0 else None
+    row = {
+        "kernel": name,
+        "kernel_ms": longest_us / 1e3,  # its first launch, timed by the shim
+        "first_call_ms": alone_s * 1e3,  # the same with CuPy's compile
+        "transformed_ms": transformed_s * 1e3,  # a launch of the transformed kernel
+        "bit_identical": identical,
+        "preemptible_launches": registry.launched - before[0],
+        "yields": registry.yields - before[1],
+        "aborts": registry.aborts - before[2],
+        "saves": registry.saves - before[4],
+        "fallbacks": registry.fallbacks - before[3],
+        "work_kept": kept,
+        "stop_ms_p50": statistics.median(latencies) * 1e3 if latencies else None,
+        "stop_ms_max": max(latencies) * 1e3 if latencies else None,
+        "gpu_stops": len(gpu_stops),
+        "gpu_stop_us_p50": _percentile(gpu_stops, 50),
+        "gpu_stop_us_p99": _percentile(gpu_stops, 99),
+        "gpu_stop_us_p999": _percentile(gpu_stops, 99.9),
+        "gpu_stop_us_max": max(gpu_stops, default=None),
+        # Every stop, so that runs can be pooled (a run's p99 of a dozen stops
+        # is its largest).
+        "gpu_stops_us": [round(x, 1) for x in gpu_stops],
+        "drain_us_p50": _percentile(drains, 50),
+        "drain_us_p99": _percentile(drains, 99),
+        # The raise's parts: the first sight of the flag on the GPU, and the
+        # host's own side (the write queued; then known to be in memory).
+        "sight_us_p50": _percentile(found["sight"], 50),
+        "sight_us_p99": _percentile(found["sight"], 99),
+        "queued_us_p50": _percentile(found["queued"], 50),
+        "written_us_p50": _percentile(found["written"], 50),
+        "written_us_p99": _percentile(found["written"], 99),
+        "clock_drift_us_per_s": offset.drift_us_per_s,
+        "began_flagged": len(began_flagged),
+        "began_flagged_us_max": max(began_flagged, default=None),
+    }
+    return row, offset.error_ns
+
+
+def _print_table(rows: list[dict], offset_error_ns: int) -> None:
+    print(
+        f"{'kernel':<16}{'ms':>8}{'tr. ms':>8}{'same':>6}{'runs':>6}{'yield':>7}{'abort':>7}{'saved':>7}"
+        f"{'stop ms':>9}{'kept':>7}{'gpu stop us p50/p99/max':>25}{'drain us p99':>13}"
+        f"{'sight us p50/p99':>18}{'written us p50/p99':>20}{'queued':>8}{'drift us/s':>11}",
+        file=sys.stderr,
+    )
+
+    def us(value: float | None) -> str:
+        return "-" if value is None else f"{value:.0f}"
+
+    for row in rows:
+        stop, kept = row["stop_ms_p50"], row["work_kept"]
+        gpu = "/".join(
+            us(row[k]) for k in ("gpu_stop_us_p50", "gpu_stop_us_p99", "gpu_stop_us_max")
+        )
+        print(
+            f"{row['kernel']:<16}{row['kernel_ms']:8.1f}{row['transformed_ms']:8.1f}"
+            f"{'yes' if row['bit_identical'] else 'NO':>6}"
+            f"{row['preemptible_launches']:6d}{row['yields']:7d}{row['aborts']:7d}{row['saves']:7d}"
+            f"{'-' if stop is None else f'{stop:9.2f}':>9}"
+            f"{'-' if kept is None else f'{kept:7.0%}':>7}{gpu:>25}{us(row['drain_us_p99']):>13}"
+            f"{us(row['sight_us_p50']) + '/' + us(row['sight_us_p99']):>18}"
+            f"{us(row['written_us_p50']) + '/' + us(row['written_us_p99']):>20}"
+            f"{us(row['queued_us_p50']):>8}{row['clock_drift_us_per_s']:11.1f}",
+            file=sys.stderr,
+        )
+    print(f"GPU clock offset known to +-{offset_error_ns / 1e3:.1f} us", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
     import faulthandler
 
     # A hang shows where, then ends the run; long runs (many launches) get longer.
@@ -368,91 +526,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, run in _kernels(cupy).items():
         if args.only and name != args.only:
             continue
-        print(f"preemptible: {name} ...", file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        reference = run().get()  # the first launch: unmodified, timed by the shim
-        cupy.cuda.runtime.deviceSynchronize()
-        alone_s = time.perf_counter() - t0
-        run().get()  # the second: analysed and transformed (the shim sent it here)
-        t0 = time.perf_counter()
-        run().get()  # the third: the transformed kernel, never preempted
-        transformed_s = time.perf_counter() - t0
-        before = (registry.launched, registry.yields, registry.aborts, registry.fallbacks,
-                  registry.saves)  # fmt: skip
-        identical = True
-        stops.clear()
-        kind = Preempter if args.raise_in_process else RemotePreempter
-        preempter = kind(flag, on_ms=args.on_ms, period_ms=args.period_ms)
-        if isinstance(preempter, RemotePreempter):
-            preempter.start()  # its CUDA context is made before the clock starts
-        before_offset = _stamped_offset(cupy)
-        t0 = time.perf_counter()
-        reports = []
-        with preempter:
-            for _ in range(args.launches):
-                identical &= bool((run().get() == reference).all())
-                reports += [
-                    t.kernel.last_launch
-                    for t in registry.twins.values()
-                    if name in t.name and t.kernel is not None and t.kernel.last_launch
-                    and all(t.kernel.last_launch is not r for r in reports)
-                ]  # fmt: skip
-            # Here, not after the raiser has stopped: its exit is no launch's time.
-            preempted_s = time.perf_counter() - t0
-        offset = ClockOffset(before_offset, _stamped_offset(cupy))
-        offset_error_ns = max(offset_error_ns, offset.error_ns)
-        found = _gpu_stops(reports, preempter, offset)
-        gpu_stops, drains, began_flagged = found["free"], found["drains"], found["began_flagged"]
-        latencies = []
-        for stopped in stops:
-            raised = max((r for r in preempter.raised if r <= stopped), default=None)
-            if raised is not None:
-                latencies.append(stopped - raised)
-        longest_us = max(
-            (interpose.function_state(f)[1] for f, t in registry.twins.items() if name in t.name),
-            default=0.0,
-        )
-        # The GPU time the flag left free, against the kernel time the launches needed.
-        raised_meanwhile = sum(1 for r in preempter.raised if r < t0 + preempted_s)
-        free_s = preempted_s - raised_meanwhile * preempter.on_ms / 1e3
-        kept = args.launches * longest_us / 1e6 / free_s if free_s > 0 else None
-        rows.append(
-            {
-                "kernel": name,
-                "kernel_ms": longest_us / 1e3,  # its first launch, timed by the shim
-                "first_call_ms": alone_s * 1e3,  # the same with CuPy's compile
-                "transformed_ms": transformed_s * 1e3,  # a launch of the transformed kernel
-                "bit_identical": identical,
-                "preemptible_launches": registry.launched - before[0],
-                "yields": registry.yields - before[1],
-                "aborts": registry.aborts - before[2],
-                "saves": registry.saves - before[4],
-                "fallbacks": registry.fallbacks - before[3],
-                "work_kept": kept,
-                "stop_ms_p50": statistics.median(latencies) * 1e3 if latencies else None,
-                "stop_ms_max": max(latencies) * 1e3 if latencies else None,
-                "gpu_stops": len(gpu_stops),
-                "gpu_stop_us_p50": _percentile(gpu_stops, 50),
-                "gpu_stop_us_p99": _percentile(gpu_stops, 99),
-                "gpu_stop_us_p999": _percentile(gpu_stops, 99.9),
-                "gpu_stop_us_max": max(gpu_stops, default=None),
-                # Every stop, so that runs can be pooled (a run's p99 of a dozen stops
-                # is its largest).
-                "gpu_stops_us": [round(x, 1) for x in gpu_stops],
-                "drain_us_p50": _percentile(drains, 50),
-                "drain_us_p99": _percentile(drains, 99),
-                # The raise's parts: the first sight of the flag on the GPU, and the
-                # host's own side (the write queued; then known to be in memory).
-                "sight_us_p50": _percentile(found["sight"], 50),
-                "sight_us_p99": _percentile(found["sight"], 99),
-                "queued_us_p50": _percentile(found["queued"], 50),
-                "written_us_p50": _percentile(found["written"], 50),
-                "written_us_p99": _percentile(found["written"], 99),
-                "clock_drift_us_per_s": offset.drift_us_per_s,
-                "began_flagged": len(began_flagged),
-                "began_flagged_us_max": max(began_flagged, default=None),
-            }
-        )
+        row, error_ns = _measure_kernel(name, run, registry, flag, stops, args, cupy)
+        rows.append(row)
+        offset_error_ns = max(offset_error_ns, error_ns)
     document = {
         "benchmark": "preemptible",
         "check_instructions": back_edges.CHECK_INSTRUCTIONS,
@@ -473,33 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         text = json.dumps({**describe(), **document}, indent=2)
         (Path(args.out) / "preemptible.json").write_text(text)
-    print(
-        f"{'kernel':<16}{'ms':>8}{'tr. ms':>8}{'same':>6}{'runs':>6}{'yield':>7}{'abort':>7}{'saved':>7}"
-        f"{'stop ms':>9}{'kept':>7}{'gpu stop us p50/p99/max':>25}{'drain us p99':>13}"
-        f"{'sight us p50/p99':>18}{'written us p50/p99':>20}{'queued':>8}{'drift us/s':>11}",
-        file=sys.stderr,
-    )
-
-    def us(value: float | None) -> str:
-        return "-" if value is None else f"{value:.0f}"
-
-    for row in rows:
-        stop, kept = row["stop_ms_p50"], row["work_kept"]
-        gpu = "/".join(
-            us(row[k]) for k in ("gpu_stop_us_p50", "gpu_stop_us_p99", "gpu_stop_us_max")
-        )
-        print(
-            f"{row['kernel']:<16}{row['kernel_ms']:8.1f}{row['transformed_ms']:8.1f}"
-            f"{'yes' if row['bit_identical'] else 'NO':>6}"
-            f"{row['preemptible_launches']:6d}{row['yields']:7d}{row['aborts']:7d}{row['saves']:7d}"
-            f"{'-' if stop is None else f'{stop:9.2f}':>9}"
-            f"{'-' if kept is None else f'{kept:7.0%}':>7}{gpu:>25}{us(row['drain_us_p99']):>13}"
-            f"{us(row['sight_us_p50']) + '/' + us(row['sight_us_p99']):>18}"
-            f"{us(row['written_us_p50']) + '/' + us(row['written_us_p99']):>20}"
-            f"{us(row['queued_us_p50']):>8}{row['clock_drift_us_per_s']:11.1f}",
-            file=sys.stderr,
-        )
-    print(f"GPU clock offset known to +-{offset_error_ns / 1e3:.1f} us", file=sys.stderr)
+    _print_table(rows, offset_error_ns)
     print(json.dumps(document))
     return 0
 

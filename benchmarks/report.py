@@ -15,6 +15,8 @@ import os
 import re
 import sys
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 from benchmarks.report_format import REPEATED_TAIL_LOWS, THIRD_PARTY_LABELS
 from benchmarks.report_format import fmt as _fmt
@@ -31,104 +33,134 @@ MARK_END = "<!-- bench:end -->"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def _save(plt: ModuleType, fig: Any, folder: Path, name: str) -> str:
+    """Lay ``fig`` out, write it to ``folder / name`` and close it; returns ``name``."""
+    fig.tight_layout()
+    fig.savefig(folder / name, dpi=120)
+    plt.close(fig)
+    return name
+
+
+def _plot_control(plt: ModuleType, folder: Path, control: dict | None) -> str | None:
+    """Request -> grant latency against concurrent clients (the closed-loop runs)."""
+    if not control:
+        return None
+    rows = [r for r in control["results"] if r.get("mode", "closed loop") == "closed loop"]
+    clients = [r["clients"] for r in rows]
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot(clients, [r["grant_ms"]["p50"] for r in rows], "o-", label="p50")
+    ax.plot(clients, [r["grant_ms"]["p99"] for r in rows], "s--", label="p99")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("request -> grant (ms)")
+    ax.set_title("control plane")
+    ax.legend()
+    return _save(plt, fig, folder, "control_plane.png")
+
+
+def _contention_bars(
+    ax: Any,
+    rows: list[dict],
+    labels: list[tuple[str, str]],
+    kinds: list[str],
+    key: str,
+    width: float,
+) -> None:
+    """One bar of ``key`` per request kind, grouped by (neighbour, mode)."""
+    for k, kind in enumerate(kinds):
+        values = []
+        for low, mode in labels:
+            match = [
+                r for r in rows if r["low"] == low and r["mode"] == mode and r["request"] == kind
+            ]
+            values.append(match[0][key] if match else 0)
+        ax.bar([i + k * width for i in range(len(labels))], values, width, label=kind)
+
+
+def _plot_contention(plt: ModuleType, folder: Path, contention: dict | None) -> str | None:
+    """The high tenant's p50 and p99 over alone, per neighbour, mode and request."""
+    if not (contention and contention.get("rows")):
+        return None
+    import matplotlib.ticker
+
+    rows = [r for r in contention["rows"] if r["mode"] != "alone"]
+    labels = sorted({(r["low"], r["mode"]) for r in rows})
+    kinds = sorted({r["request"] for r in rows})
+    fig, axes = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    width = 0.8 / max(1, len(kinds))
+    for ax, key, title in ((axes[0], "p50_ratio", "p50"), (axes[1], "p99_ratio", "p99")):
+        _contention_bars(ax, rows, labels, kinds, key, width)
+        ax.axhline(1.03, color="green", linestyle=":", label="1.03 (p99 target, instrumented)")
+        ax.axhline(1.3, color="orange", linestyle=":", label="1.3 (p99 target, uninstrumented)")
+        ax.set_ylabel(f"{title} latency / alone")
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_yticks([0.5, 1, 1.3, 2, 3, 4])
+    axes[1].set_xticks([i + width * (len(kinds) - 1) / 2 for i in range(len(labels))])
+    axes[1].set_xticklabels([f"{low}\n{mode}" for low, mode in labels], fontsize=7)
+    axes[0].set_title("high-priority latency beside a saturating low-priority tenant")
+    axes[0].legend(fontsize=7, ncol=2)
+    return _save(plt, fig, folder, "contention.png")
+
+
+def _plot_checkpoint(plt: ModuleType, folder: Path, checkpoint: dict | None) -> str | None:
+    """Lock, evict and restore times against resident memory (the sizes that worked)."""
+    if not checkpoint:
+        return None
+    rows = [r for r in checkpoint["rows"] if "error" not in r]
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    sizes = [r["size_gib"] for r in rows]
+    ax.plot(sizes, [r["checkpoint_s"] for r in rows], "o-", label="evict (checkpoint)")
+    ax.plot(sizes, [r["restore_s"] for r in rows], "s-", label="restore")
+    ax.plot(sizes, [r["lock_ms"] / 1e3 for r in rows], "^-", label="lock")
+    ax.set_xlabel("resident device memory (GiB)")
+    ax.set_ylabel("seconds")
+    ax.set_title("level 3/4 actuators")
+    ax.legend()
+    return _save(plt, fig, folder, "checkpoint.png")
+
+
+def _plot_drain(plt: ModuleType, folder: Path, kernels: dict | None) -> str | None:
+    """Flag write -> drained against the logical block's length (in-process raises)."""
+    if not (kernels and kernels.get("drain_in_process")):
+        return None
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    series = kernels["drain_in_process"]
+    blocks = [v["logical_block_us"] for v in series.values()]
+    for key, style in (("p50", "o-"), ("p99", "s--"), ("p99_9", "^:")):
+        ax.plot(
+            blocks,
+            [v["end_to_end_us"][key] for v in series.values()],
+            style,
+            label=f"end to end {key}",
+        )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("logical block (us)")
+    ax.set_ylabel("flag write -> drained (us)")
+    ax.set_title("yield latency (level 1)")
+    ax.legend(fontsize=7)
+    return _save(plt, fig, folder, "kernels_drain.png")
+
+
 def _plots(folder: Path, documents: dict[str, dict]) -> list[str]:
+    """Draw the plots ``documents`` have figures for into ``folder``; their file names."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker
 
-    made = []
-    control = documents.get("control")
-    if control:
-        rows = [r for r in control["results"] if r.get("mode", "closed loop") == "closed loop"]
-        clients = [r["clients"] for r in rows]
-        fig, ax = plt.subplots(figsize=(5, 3.2))
-        ax.plot(clients, [r["grant_ms"]["p50"] for r in rows], "o-", label="p50")
-        ax.plot(clients, [r["grant_ms"]["p99"] for r in rows], "s--", label="p99")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("concurrent clients")
-        ax.set_ylabel("request -> grant (ms)")
-        ax.set_title("control plane")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(folder / "control_plane.png", dpi=120)
-        plt.close(fig)
-        made.append("control_plane.png")
-    contention = documents.get("contention")
-    if contention and contention.get("rows"):
-        rows = [r for r in contention["rows"] if r["mode"] != "alone"]
-        labels = sorted({(r["low"], r["mode"]) for r in rows})
-        kinds = sorted({r["request"] for r in rows})
-        fig, axes = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-        width = 0.8 / max(1, len(kinds))
-        for ax, key, title in ((axes[0], "p50_ratio", "p50"), (axes[1], "p99_ratio", "p99")):
-            for k, kind in enumerate(kinds):
-                values = []
-                for low, mode in labels:
-                    match = [
-                        r
-                        for r in rows
-                        if r["low"] == low and r["mode"] == mode and r["request"] == kind
-                    ]
-                    values.append(match[0][key] if match else 0)
-                ax.bar([i + k * width for i in range(len(labels))], values, width, label=kind)
-            ax.axhline(1.03, color="green", linestyle=":", label="1.03 (p99 target, instrumented)")
-            ax.axhline(1.3, color="orange", linestyle=":", label="1.3 (p99 target, uninstrumented)")
-            ax.set_ylabel(f"{title} latency / alone")
-            ax.set_yscale("log")
-            ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
-            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-            ax.set_yticks([0.5, 1, 1.3, 2, 3, 4])
-        axes[1].set_xticks([i + width * (len(kinds) - 1) / 2 for i in range(len(labels))])
-        axes[1].set_xticklabels([f"{low}\n{mode}" for low, mode in labels], fontsize=7)
-        axes[0].set_title("high-priority latency beside a saturating low-priority tenant")
-        axes[0].legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        fig.savefig(folder / "contention.png", dpi=120)
-        plt.close(fig)
-        made.append("contention.png")
-    checkpoint = documents.get("checkpoint")
-    if checkpoint:
-        rows = [r for r in checkpoint["rows"] if "error" not in r]
-        if rows:
-            fig, ax = plt.subplots(figsize=(5, 3.2))
-            sizes = [r["size_gib"] for r in rows]
-            ax.plot(sizes, [r["checkpoint_s"] for r in rows], "o-", label="evict (checkpoint)")
-            ax.plot(sizes, [r["restore_s"] for r in rows], "s-", label="restore")
-            ax.plot(sizes, [r["lock_ms"] / 1e3 for r in rows], "^-", label="lock")
-            ax.set_xlabel("resident device memory (GiB)")
-            ax.set_ylabel("seconds")
-            ax.set_title("level 3/4 actuators")
-            ax.legend()
-            fig.tight_layout()
-            fig.savefig(folder / "checkpoint.png", dpi=120)
-            plt.close(fig)
-            made.append("checkpoint.png")
-    kernels = documents.get("kernels")
-    if kernels and kernels.get("drain_in_process"):
-        fig, ax = plt.subplots(figsize=(5, 3.2))
-        series = kernels["drain_in_process"]
-        blocks = [v["logical_block_us"] for v in series.values()]
-        for key, style in (("p50", "o-"), ("p99", "s--"), ("p99_9", "^:")):
-            ax.plot(
-                blocks,
-                [v["end_to_end_us"][key] for v in series.values()],
-                style,
-                label=f"end to end {key}",
-            )
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("logical block (us)")
-        ax.set_ylabel("flag write -> drained (us)")
-        ax.set_title("yield latency (level 1)")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(folder / "kernels_drain.png", dpi=120)
-        plt.close(fig)
-        made.append("kernels_drain.png")
-    return made
+    drawn = (
+        _plot_control(plt, folder, documents.get("control")),
+        _plot_contention(plt, folder, documents.get("contention")),
+        _plot_checkpoint(plt, folder, documents.get("checkpoint")),
+        _plot_drain(plt, folder, documents.get("kernels")),
+    )
+    return [name for name in drawn if name]
 
 
 def _control_section(doc: dict) -> list[str]:
@@ -303,27 +335,31 @@ def _kernels_section(doc: dict) -> list[str]:
     return [*lines, ""]
 
 
-def _interposer_section(doc: dict) -> list[str]:
+def _interposer_runs(doc: dict) -> dict[str, dict]:
+    """The runs by scenario; the two drains apart, by whether their work was bounded."""
     runs = {}
     for run in doc["runs"]:
         key = run["scenario"]
         if key == "drain":
             key = "drain_unbounded" if "no bound" in run.get("bound", "") else "drain_bounded"
         runs[key] = run
-    lines = [
-        f"**Launch shim** ({_where(doc)}; preloaded as the server extension starts kernels)",
-        "",
-        "| measure | figure | target | verdict |",
-        "|---|---|---|---|",
-    ]
+    return runs
+
+
+def _interposer_count_rows(runs: dict[str, dict]) -> list[str]:
     count = runs.get("count")
-    if count:
-        lines.append(
-            f"| launches seen: CuPy ({count['cupy_ops']} operations) / PyTorch "
-            f"({count['torch_ops']}) | {count['cupy_launches_seen']} / "
-            f"{count['torch_launches_seen']} | every one | "
-            f"{_verdict(count['cupy_launches_seen'] >= count['cupy_ops'] and count['torch_launches_seen'] >= count['torch_ops'])} |"
-        )
+    if not count:
+        return []
+    return [
+        f"| launches seen: CuPy ({count['cupy_ops']} operations) / PyTorch "
+        f"({count['torch_ops']}) | {count['cupy_launches_seen']} / "
+        f"{count['torch_launches_seen']} | every one | "
+        f"{_verdict(count['cupy_launches_seen'] >= count['cupy_ops'] and count['torch_launches_seen'] >= count['torch_ops'])} |"
+    ]
+
+
+def _interposer_hold_rows(runs: dict[str, dict]) -> list[str]:
+    lines = []
     for key, what in (
         ("hold", "a paused CuPy loop"),
         ("hold_torch", "a paused PyTorch training loop"),
@@ -335,22 +371,35 @@ def _interposer_section(doc: dict) -> list[str]:
                 f"{hold['launches_while_paused']}; {'yes' if hold['identical_to_undisturbed'] else 'no'} | "
                 f"0; yes | {_verdict(hold['launches_while_paused'] == 0 and hold['identical_to_undisturbed'])} |"
             )
+    return lines
+
+
+def _interposer_drain_rows(runs: dict[str, dict]) -> list[str]:
     bounded, unbounded = runs.get("drain_bounded"), runs.get("drain_unbounded")
-    if bounded and unbounded:
-        lines.append(
-            f"| drain after a pause, 300 queued 4096^2 matmuls: bounded / unbounded | "
-            f"{bounded['drain_ms']:.1f} ms ({bounded['drain_in_matmuls']} matmuls) / "
-            f"{unbounded['drain_ms']:.0f} ms ({unbounded['drain_in_matmuls']}) | a few kernels | "
-            f"{_verdict(bounded['drain_in_matmuls'] <= 8)} |"
-        )
+    if not (bounded and unbounded):
+        return []
+    return [
+        f"| drain after a pause, 300 queued 4096^2 matmuls: bounded / unbounded | "
+        f"{bounded['drain_ms']:.1f} ms ({bounded['drain_in_matmuls']} matmuls) / "
+        f"{unbounded['drain_ms']:.0f} ms ({unbounded['drain_in_matmuls']}) | a few kernels | "
+        f"{_verdict(bounded['drain_in_matmuls'] <= 8)} |"
+    ]
+
+
+def _interposer_lock_rows(runs: dict[str, dict]) -> list[str]:
     lock = runs.get("lock")
-    if lock:
-        ok = all(lock.get(k) == "CUDA_SUCCESS" for k in ("lock", "checkpoint", "restore", "unlock"))
-        lines.append(
-            f"| checkpoint lock, checkpoint, restore, unlock of a held process; data intact | "
-            f"{'all succeed' if ok else lock.get('lock')}; {'yes' if lock.get('data_intact') else 'no'} | "
-            f"all succeed; yes | {_verdict(ok and lock.get('data_intact'))} |"
-        )
+    if not lock:
+        return []
+    ok = all(lock.get(k) == "CUDA_SUCCESS" for k in ("lock", "checkpoint", "restore", "unlock"))
+    return [
+        f"| checkpoint lock, checkpoint, restore, unlock of a held process; data intact | "
+        f"{'all succeed' if ok else lock.get('lock')}; {'yes' if lock.get('data_intact') else 'no'} | "
+        f"all succeed; yes | {_verdict(ok and lock.get('data_intact'))} |"
+    ]
+
+
+def _interposer_overhead_rows(runs: dict[str, dict]) -> list[str]:
+    lines = []
     summary = runs.get("overhead_summary", {})
     for loop, label, target in (
         ("resnet18_train_step", "ResNet-18 training step (batch 64)", 2.0),
@@ -365,6 +414,22 @@ def _interposer_section(doc: dict) -> list[str]:
                 f"no bound: {entry['overhead_pct_unbounded']:+.1f}%) | "
                 f"{'<= 2 %' if target else '-'} | {_verdict(pct <= target) if target else 'n/a'} |"
             )
+    return lines
+
+
+def _interposer_section(doc: dict) -> list[str]:
+    runs = _interposer_runs(doc)
+    lines = [
+        f"**Launch shim** ({_where(doc)}; preloaded as the server extension starts kernels)",
+        "",
+        "| measure | figure | target | verdict |",
+        "|---|---|---|---|",
+        *_interposer_count_rows(runs),
+        *_interposer_hold_rows(runs),
+        *_interposer_drain_rows(runs),
+        *_interposer_lock_rows(runs),
+        *_interposer_overhead_rows(runs),
+    ]
     return [*lines, ""]
 
 
@@ -479,76 +544,104 @@ def _robustness_section(fuzz: dict | None, soak: dict | None) -> list[str]:
     return [*lines, ""]
 
 
-def build_report(folders: list[Path], doc_file: Path | None = None) -> int:
-    """Report on ``folders`` (later ones fill in suites the earlier lack); plots and
-    ``report.md`` go into the first folder, and the tables into ``doc_file`` between
-    its bench marks."""
+# The suites a report reads, by the key its sections know them by.
+RESULT_FILES = {
+    "control": "control_plane.json",
+    "kernels": "kernels_bench.json",
+    "contention": "contention.json",
+    "checkpoint": "checkpoint.json",
+    "fuzz": "fuzz_frames.json",
+    "soak": "crash_soak.json",
+    "interposer": "interposer.json",
+    "third_party": "third_party.json",
+    "preemptible": "preemptible.json",
+    "parking": "parking.json",
+    "long_kernel_cost": "long_kernel_cost.json",
+}
+
+
+def _load_documents(folders: list[Path]) -> dict[str, dict]:
+    """Each suite's result from the first folder that holds one."""
     documents: dict[str, dict] = {}
-    names = {
-        "control": "control_plane.json",
-        "kernels": "kernels_bench.json",
-        "contention": "contention.json",
-        "checkpoint": "checkpoint.json",
-        "fuzz": "fuzz_frames.json",
-        "soak": "crash_soak.json",
-        "interposer": "interposer.json",
-        "third_party": "third_party.json",
-        "preemptible": "preemptible.json",
-        "parking": "parking.json",
-        "long_kernel_cost": "long_kernel_cost.json",
-    }
     for folder in folders:
-        for key, name in names.items():
+        for key, name in RESULT_FILES.items():
             if key not in documents and (document := _load(folder, name)):
                 documents[key] = document
-    kernel_tables = long_kernel_tables(folders, documents)
-    if not documents and not kernel_tables:
-        print(f"no results in {', '.join(map(str, folders))}")
-        return 1
-    # The control plane is measured on the CPU machine, which any folder may hold: the
-    # newest run is the one to show.
-    runs = [doc for folder in folders if (doc := _load(folder, names["control"]))]
-    if runs:
-        documents["control"] = max(runs, key=lambda doc: doc.get("date") or "")
-    # A later run that measured the launch shim gets a table of its own.
+    return documents
+
+
+def _newest_control(folders: list[Path]) -> dict | None:
+    """The control plane is measured on the CPU machine, which any folder may hold: the
+    newest run is the one to show."""
+    runs = [doc for folder in folders if (doc := _load(folder, RESULT_FILES["control"]))]
+    return max(runs, key=lambda doc: doc.get("date") or "") if runs else None
+
+
+def _shim_contention(folders: list[Path], shown: dict | None) -> dict | None:
+    """A later contention run than ``shown`` that measured the launch shim: it gets a
+    table of its own."""
     for folder in folders:
         shim_run = _load(folder, "contention.json")
         if (
             shim_run
-            and shim_run is not documents.get("contention")
-            and shim_run != documents.get("contention")
+            and shim_run is not shown
+            and shim_run != shown
             and any(row.get("mode") == "shim" for row in shim_run.get("rows", []))
         ):
-            documents["contention_shim"] = shim_run
-            break
-    target = folders[0]
-    images = _plots(target, documents)
+            return shim_run
+    return None
+
+
+def _contention_shim_section(doc: dict) -> list[str]:
+    return _contention_section(
+        doc, "Interactive latency with the launch shim (neighbours held on the host)"
+    )
+
+
+# The sections of one document each, in the report's order (the long-kernel tables,
+# the control plane and robustness follow them).
+DOCUMENT_SECTIONS = (
+    ("contention", _contention_section),
+    ("contention_shim", _contention_shim_section),
+    ("kernels", _kernels_section),
+    ("checkpoint", _checkpoint_section),
+    ("parking", _parking_section),
+    ("interposer", _interposer_section),
+    ("third_party", _third_party_section),
+    ("preemptible", _preemptible_section),
+)
+
+
+def _report_sections(documents: dict[str, dict], kernel_tables: list[str]) -> list[str]:
+    """Every table ``documents`` hold figures for, in the report's order."""
     sections = []
-    if "contention" in documents:
-        sections += _contention_section(documents["contention"])
-    if "contention_shim" in documents:
-        sections += _contention_section(
-            documents["contention_shim"],
-            "Interactive latency with the launch shim (neighbours held on the host)",
-        )
-    if "kernels" in documents:
-        sections += _kernels_section(documents["kernels"])
-    if "checkpoint" in documents:
-        sections += _checkpoint_section(documents["checkpoint"])
-    if "parking" in documents:
-        sections += _parking_section(documents["parking"])
-    if "interposer" in documents:
-        sections += _interposer_section(documents["interposer"])
-    if "third_party" in documents:
-        sections += _third_party_section(documents["third_party"])
-    if "preemptible" in documents:
-        sections += _preemptible_section(documents["preemptible"])
+    for key, section in DOCUMENT_SECTIONS:
+        if key in documents:
+            sections += section(documents[key])
     sections += kernel_tables
     if "control" in documents:
         sections += _control_section(documents["control"])
     if "fuzz" in documents or "soak" in documents:
         sections += _robustness_section(documents.get("fuzz"), documents.get("soak"))
-    body = "\n".join(sections)
+    return sections
+
+
+def build_report(folders: list[Path], doc_file: Path | None = None) -> int:
+    """Report on ``folders`` (later ones fill in suites the earlier lack); plots and
+    ``report.md`` go into the first folder, and the tables into ``doc_file`` between
+    its bench marks."""
+    documents = _load_documents(folders)
+    kernel_tables = long_kernel_tables(folders, documents)
+    if not documents and not kernel_tables:
+        print(f"no results in {', '.join(map(str, folders))}")
+        return 1
+    if control := _newest_control(folders):
+        documents["control"] = control
+    if shim_run := _shim_contention(folders, documents.get("contention")):
+        documents["contention_shim"] = shim_run
+    target = folders[0]
+    images = _plots(target, documents)
+    body = "\n".join(_report_sections(documents, kernel_tables))
     (target / "report.md").write_text(
         body + "\n" + "\n".join(f"![{i}]({i})" for i in images) + "\n"
     )

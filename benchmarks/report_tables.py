@@ -90,6 +90,55 @@ def _transform_ms(doc: dict, kind: str) -> float | None:
     return statistics.median(extra) if extra else None
 
 
+def _uncontended_cell(alone: dict | None, before: dict[str, dict]) -> tuple[str, str, bool]:
+    """The uncontended column: this run's figure, else an earlier run's (marked ``*``);
+    with its verdict and whether it was borrowed."""
+    alone_text, alone_verdict = _ratio_cell(alone, UNCONTENDED_TARGET)
+    if alone is None and (before.get("alone") or before.get("unmarked")):
+        alone_text, alone_verdict = _ratio_cell(
+            before.get("alone") or before.get("unmarked"), UNCONTENDED_TARGET
+        )
+        return f"{alone_text} *", alone_verdict, True
+    return alone_text, alone_verdict, False
+
+
+def _cost_misses(kind: str, alone_verdict: str, rival_verdict: str) -> tuple[list[str], list[str]]:
+    """A kernel kind's missed targets (with the figure) and its failed measurements."""
+    missed, failed = [], []
+    for label, verdict_text, target in (
+        ("uncontended", alone_verdict, UNCONTENDED_TARGET),
+        ("contended", rival_verdict, CONTENDED_TARGET),
+    ):
+        if verdict_text.startswith("missed"):
+            figure = verdict_text.removeprefix("missed (").removesuffix(")")
+            missed.append(f"{kind} {label} {figure} plain (target {target:.2f})")
+        elif verdict_text == "failed":
+            failed.append(f"{kind} {label}")
+    return missed, failed
+
+
+def _cost_row(
+    doc: dict, kind: str, ways: dict[str, dict], before: dict[str, dict], unrivalled: bool
+) -> tuple[str, list[str], list[str], bool]:
+    """One kernel kind's line, its missed targets, its failed measurements, and whether
+    its uncontended figure came from the earlier run."""
+    plain = ways.get("plain")
+    alone = ways.get("alone") or ways.get("unmarked")
+    rival = ways.get("rival")
+    alone_text, alone_verdict, borrowed = _uncontended_cell(alone, before)
+    rival_text, rival_verdict = _ratio_cell(rival, CONTENDED_TARGET, unrivalled)
+    first = " / ".join(fmt(w.get("first_ms"), 1) if w else "-" for w in (plain, rival))
+    measured = [w for w in ways.values() if w is not None]
+    same = "yes" if all(w.get("identical") for w in measured) else "**no**"
+    plain_ms = fmt(plain and plain.get("median_ms"), 1)
+    line = (
+        f"| {kind} | {FRAMEWORKS.get(kind, kind)} | {plain_ms} | {alone_text} | {rival_text} "
+        f"| {first} | {fmt(_transform_ms(doc, kind), 1)} | {same} | {alone_verdict} "
+        f"| {rival_verdict} |"
+    )
+    return line, *_cost_misses(kind, alone_verdict, rival_verdict), borrowed
+
+
 def cost_section(doc: dict, earlier: dict | None = None) -> list[str]:
     """What a long kernel costs against running it without gpushare, per kernel kind.
     ``earlier``: a run whose uncontended figures stand in where ``doc`` measured none
@@ -115,35 +164,13 @@ def cost_section(doc: dict, earlier: dict | None = None) -> list[str]:
     earlier_rows = _cost_rows(earlier) if earlier else {}
     borrowed = False
     for kind, ways in _cost_rows(doc).items():
-        plain = ways.get("plain")
-        alone = ways.get("alone") or ways.get("unmarked")
-        rival = ways.get("rival")
-        alone_text, alone_verdict = _ratio_cell(alone, UNCONTENDED_TARGET)
-        before = earlier_rows.get(kind, {})
-        if alone is None and (before.get("alone") or before.get("unmarked")):
-            alone_text, alone_verdict = _ratio_cell(
-                before.get("alone") or before.get("unmarked"), UNCONTENDED_TARGET
-            )
-            alone_text, borrowed = f"{alone_text} *", True
-        rival_text, rival_verdict = _ratio_cell(rival, CONTENDED_TARGET, unrivalled)
-        first = " / ".join(fmt(w.get("first_ms"), 1) if w else "-" for w in (plain, rival))
-        measured = [w for w in ways.values() if w is not None]
-        same = "yes" if all(w.get("identical") for w in measured) else "**no**"
-        plain_ms = fmt(plain and plain.get("median_ms"), 1)
-        lines.append(
-            f"| {kind} | {FRAMEWORKS.get(kind, kind)} | {plain_ms} | {alone_text} | {rival_text} "
-            f"| {first} | {fmt(_transform_ms(doc, kind), 1)} | {same} | {alone_verdict} "
-            f"| {rival_verdict} |"
+        line, kind_missed, kind_failed, kind_borrowed = _cost_row(
+            doc, kind, ways, earlier_rows.get(kind, {}), unrivalled
         )
-        for label, verdict_text, target in (
-            ("uncontended", alone_verdict, UNCONTENDED_TARGET),
-            ("contended", rival_verdict, CONTENDED_TARGET),
-        ):
-            if verdict_text.startswith("missed"):
-                figure = verdict_text.removeprefix("missed (").removesuffix(")")
-                missed.append(f"{kind} {label} {figure} plain (target {target:.2f})")
-            elif verdict_text == "failed":
-                failed.append(f"{kind} {label}")
+        lines.append(line)
+        missed += kind_missed
+        failed += kind_failed
+        borrowed = borrowed or kind_borrowed
     notes = {"missed": missed, "measurement failed": failed}
     if unrivalled:
         notes["not contended"] = ["the contended runs counted no preemptible launch"]
@@ -200,17 +227,10 @@ def check_cost_section(name: str, doc: dict) -> list[str]:
     return [*lines, "", *_footer([doc.get("command", "")], {})]
 
 
-def stop_section(doc: dict, repeats: list[dict] | None = None) -> list[str]:
-    """How fast a preemptible long kernel lets the GPU go, on the GPU's own clock; nothing
-    when the run predates those figures.  ``repeats``: later runs of the same benchmark,
-    whose p99 per kernel is shown beside the first's and counts in the verdict."""
-    rows = [row for row in doc.get("rows", []) if row.get("gpu_stop_us_p99") is not None]
-    if not rows:
-        return []
-    repeats = repeats or []
-    split = any(row.get("sight_us_p50") is not None for row in rows)
+def _stop_header(doc: dict, split: bool, repeats: list[dict]) -> list[str]:
+    """The stop table's title, its legend and its column heads."""
     raised_from = doc.get("raised_from")
-    lines = [
+    return [
         f"**How fast a long kernel stops** ({where(doc)}; on the GPU's clock): from the "
         "yield flag's raise to the last block's exit (*GPU free*), and from the first block "
         "that saw the flag to the last exit (*drain*). Of fewer than 100 stops the p99 is the "
@@ -232,35 +252,59 @@ def stop_section(doc: dict, repeats: list[dict] | None = None) -> list[str]:
         "|---|---:|---|---:|" + ("---|" if split else "") + ("---|" if repeats else "")
         + "---:|---|",
     ]  # fmt: skip
+
+
+def _stop_verdict(figures: list[float]) -> str:
+    """Whether the p99 of the first run and of each repeat (``figures``) met the target."""
+    worst, met = max(figures), sum(x <= STOP_P99_TARGET_US for x in figures)
+    if met == len(figures):
+        return "met" if len(figures) == 1 else f"met in {met} of {met} runs"
+    if len(figures) == 1:
+        return f"missed ({worst:.0f} µs)"
+    return f"met in {met} of {len(figures)} runs (worst {worst:.0f} µs)"
+
+
+def _stop_row(row: dict, repeats: list[dict], split: bool) -> tuple[str, str | None]:
+    """One kernel's line, and its note when its worst p99 missed the target."""
+    p99 = row["gpu_stop_us_p99"]
+    again = [
+        next((r.get("gpu_stop_us_p99") for r in run.get("rows", [])
+              if r.get("kernel") == row["kernel"]), None)
+        for run in repeats
+    ]  # fmt: skip
+    figures = [p99, *(x for x in again if x is not None)]
+    worst = max(figures)
+    note = f"`{row['kernel']}` {worst:.0f} µs" if worst > STOP_P99_TARGET_US else None
+    sight = (
+        f"| {fmt(row.get('sight_us_p50'), 0)} / {fmt(row.get('sight_us_p99'), 0)} "
+        if split else ""
+    )  # fmt: skip
+    repeated = f"| {' / '.join(fmt(x, 0) for x in again)} " if repeats else ""
+    line = (
+        f"| `{row['kernel']}` | {row.get('gpu_stops', '-')} | "
+        f"{fmt(row.get('gpu_stop_us_p50'), 0)} / {fmt(p99, 0)} / "
+        f"{fmt(row.get('gpu_stop_us_max'), 0)} | {fmt(row.get('drain_us_p99'), 0)} "
+        f"{sight}{repeated}| {row.get('began_flagged', '-')} | {_stop_verdict(figures)} |"
+    )
+    return line, note
+
+
+def stop_section(doc: dict, repeats: list[dict] | None = None) -> list[str]:
+    """How fast a preemptible long kernel lets the GPU go, on the GPU's own clock; nothing
+    when the run predates those figures.  ``repeats``: later runs of the same benchmark,
+    whose p99 per kernel is shown beside the first's and counts in the verdict."""
+    rows = [row for row in doc.get("rows", []) if row.get("gpu_stop_us_p99") is not None]
+    if not rows:
+        return []
+    repeats = repeats or []
+    split = any(row.get("sight_us_p50") is not None for row in rows)
+    lines = _stop_header(doc, split, repeats)
     notes = []
     for row in rows:
-        p99 = row["gpu_stop_us_p99"]
-        again = [
-            next((r.get("gpu_stop_us_p99") for r in run.get("rows", [])
-                  if r.get("kernel") == row["kernel"]), None)
-            for run in repeats
-        ]  # fmt: skip
-        figures = [p99, *(x for x in again if x is not None)]
-        worst, met = max(figures), sum(x <= STOP_P99_TARGET_US for x in figures)
-        if met == len(figures):
-            verdict_text = "met" if len(figures) == 1 else f"met in {met} of {met} runs"
-        elif len(figures) == 1:
-            verdict_text = f"missed ({worst:.0f} µs)"
-        else:
-            verdict_text = f"met in {met} of {len(figures)} runs (worst {worst:.0f} µs)"
-        if worst > STOP_P99_TARGET_US:
-            notes.append(f"`{row['kernel']}` {worst:.0f} µs")
-        sight = (
-            f"| {fmt(row.get('sight_us_p50'), 0)} / {fmt(row.get('sight_us_p99'), 0)} "
-            if split else ""
-        )  # fmt: skip
-        repeated = f"| {' / '.join(fmt(x, 0) for x in again)} " if repeats else ""
-        lines.append(
-            f"| `{row['kernel']}` | {row.get('gpu_stops', '-')} | "
-            f"{fmt(row.get('gpu_stop_us_p50'), 0)} / {fmt(p99, 0)} / "
-            f"{fmt(row.get('gpu_stop_us_max'), 0)} | {fmt(row.get('drain_us_p99'), 0)} "
-            f"{sight}{repeated}| {row.get('began_flagged', '-')} | {verdict_text} |"
-        )
+        line, note = _stop_row(row, repeats, split)
+        lines.append(line)
+        if note is not None:
+            notes.append(note)
     return [*lines, "", *_footer([doc.get("command", "")], {"missed p99": notes})]
 
 

@@ -160,7 +160,8 @@ def _elementwise_long():
 
 def numba_relax():
     """A Numba @cuda.jit kernel with a per-element loop (``iterations`` FMAs each); its
-    name, ``gps_numba_relax``, is what the preemptible benchmark looks it up by."""
+    name, ``gps_numba_relax``, is what the preemptible benchmark looks it up by.  The
+    one copy of this kernel: the tests compile its ``py_func`` to PTX without a GPU."""
     from benchmarks.environment import allow_numba_import
 
     allow_numba_import()

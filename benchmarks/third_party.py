@@ -27,22 +27,23 @@ tenant runs cells of 20 fp32 4096^2 matmuls with 10 ms think time, each under a
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.contention import low_alone_rate, run_pair, start_broker, summarise
+from benchmarks.broker_process import start_broker
+from benchmarks.contention import low_alone_rate, run_pair, summarise
 from benchmarks.stopping import exit_on_signals
 from benchmarks.tenant import THIRD_PARTY
 
 MODES = ("timeslice", "shim")
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
+def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], list[str]]:
+    """The options, the modes beside the alone baseline and the neighbours, checked."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -65,68 +66,71 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [kind for kind in lows if kind not in THIRD_PARTY]
     if unknown:
         parser.error(f"unknown tenant {unknown[0]!r}; choose from {', '.join(THIRD_PARTY)}")
-    exit_on_signals()  # ended by a signal, it still stops the broker and the tenants
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="gpushare-third-party-"))
-    broker, socket_path = start_broker(workdir)
-    results, alone_rates = [], {}
-    pair = {"quick": args.quick, "requests": "matmul", "per_cell": 20, "notebook": args.notebook}
-    try:
-        results.append(run_pair(workdir, None, "alone", socket_path, **pair))
-        for kind in lows:
+    return args, modes, lows
+
+
+def _measure(
+    workdir: Path, socket_path: Path, lows: list[str], modes: list[str], pair: dict
+) -> tuple[list[dict], dict[str, float]]:
+    """The alone baseline, then each neighbour alone and beside the high tenant in each
+    mode; a failure is recorded and the others go on.  Returns the runs and each
+    neighbour's rate alone."""
+    results: list[dict] = [run_pair(workdir, None, "alone", socket_path, **pair)]
+    alone_rates: dict[str, float] = {}
+    for kind in lows:
+        try:
+            alone_rates[kind] = low_alone_rate(workdir, kind, 3.0 if pair["quick"] else 6.0)
+        except RuntimeError as exc:
+            results.append({"low_kind": kind, "mode": "alone", "error": str(exc)})
+            print(f"third_party {kind} alone failed: {exc}", file=sys.stderr)
+            continue
+        for mode in modes:
+            socket = None if mode == "timeslice" else socket_path
             try:
-                alone_rates[kind] = low_alone_rate(workdir, kind, 3.0 if args.quick else 6.0)
+                results.append(run_pair(workdir, kind, mode, socket, **pair))
             except RuntimeError as exc:
-                results.append({"low_kind": kind, "mode": "alone", "error": str(exc)})
-                print(f"third_party {kind} alone failed: {exc}", file=sys.stderr)
-                continue
-            for mode in modes:
-                socket = None if mode == "timeslice" else socket_path
-                try:
-                    results.append(run_pair(workdir, kind, mode, socket, **pair))
-                except RuntimeError as exc:
-                    results.append({"low_kind": kind, "mode": mode, "error": str(exc)})
-                    print(f"third_party {kind}/{mode} failed: {exc}", file=sys.stderr)
-    finally:
-        broker.terminate()
-        broker.wait(timeout=30)
-    good = [r for r in results if "error" not in r]
-    rows = summarise(good, alone_rates, per_cell=pair["per_cell"])
-    for result in good:  # what the shim did in each neighbour, for the reader
+                results.append({"low_kind": kind, "mode": mode, "error": str(exc)})
+                print(f"third_party {kind}/{mode} failed: {exc}", file=sys.stderr)
+    return results, alone_rates
+
+
+def _rows_of(rows: list[dict], result: dict) -> list[dict]:
+    """The summary rows of ``result``'s neighbour and mode."""
+    return [r for r in rows if r["low"] == result["low_kind"] and r["mode"] == result["mode"]]
+
+
+def _add_neighbour_notes(rows: list[dict], good: list[dict]) -> None:
+    """What the shim did in each neighbour, and whether the neighbour's every output
+    matched its first, undisturbed one, for the reader."""
+    for result in good:
         if result["mode"] == "shim" and "low" in result:
-            for row in rows:
-                if row["low"] == result["low_kind"] and row["mode"] == "shim":
-                    row["low_preemptible"] = result["low"].get("preemptible", "")
-                    row["low_said"] = result["low"].get("said", [])
+            for row in _rows_of(rows, result):
+                row["low_preemptible"] = result["low"].get("preemptible", "")
+                row["low_said"] = result["low"].get("said", [])
         if "low" in result and "outputs_checked" in result["low"]:
-            for row in rows:  # every step's output against the first, undisturbed one
-                if row["low"] == result["low_kind"] and row["mode"] == result["mode"]:
-                    row["low_outputs_checked"] = result["low"]["outputs_checked"]
-                    row["low_bit_identical"] = result["low"]["outputs_differing"] == 0
-    for result in good:  # cell time: a cell's requests back to back, against alone
+            for row in _rows_of(rows, result):
+                row["low_outputs_checked"] = result["low"]["outputs_checked"]
+                row["low_bit_identical"] = result["low"]["outputs_differing"] == 0
+
+
+def _add_cell_ratios(rows: list[dict], good: list[dict]) -> None:
+    """Cell time: a cell's requests back to back, against alone (``good[0]``)."""
+    for result in good:
         if result["mode"] == "alone":
             continue
-        for row in rows:
-            if row["low"] == result["low_kind"] and row["mode"] == result["mode"]:
-                row["cell_p90_ratio"] = _cell_ratio(result, good[0])
-    from benchmarks.environment import describe
+        for row in _rows_of(rows, result):
+            row["cell_p90_ratio"] = _cell_ratio(result, good[0])
 
-    document = {
-        "benchmark": "third_party",
-        **describe(),
-        "command": "python -m benchmarks.third_party " + " ".join(argv or sys.argv[1:]),
-        "high_tenant": "ipykernel notebook, %%gpu cells" if args.notebook else "process, lease()",
-        "rows": rows,
-        "errors": [r for r in results if "error" in r],
-        "alone_rates_per_s": alone_rates,
-    }
-    (out / "third_party.json").write_text(json.dumps(document, indent=2))
+
+def _keep_raw(out: Path, workdir: Path) -> None:
     raw = out / "third_party-raw"  # each tenant's own record and the broker's log
     raw.mkdir(exist_ok=True)
     for path in workdir.glob("*"):
         if path.suffix in (".json", ".log"):
             shutil.copy(path, raw / path.name)
+
+
+def _print_table(rows: list[dict]) -> None:
     # The wait for each grant is shown beside the cells: a grant that waits for the
     # sessions it pauses to stop must not look free.  Its median leaves out the first,
     # which also opens the session.
@@ -143,6 +147,39 @@ def main(argv: list[str] | None = None) -> int:
             f"{'' if cell is None else f'{cell:11.2f}'}{row['grant_p50_ms']:13.1f}"
             f"{'' if kept is None else f'{kept:7.0%}'}{'' if same is None else f'{same!s:>6}'}"
         )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, modes, lows = _parse_args(argv)
+    exit_on_signals()  # ended by a signal, it still stops the broker and the tenants
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="gpushare-third-party-"))
+    broker, socket_path = start_broker(workdir)
+    pair = {"quick": args.quick, "requests": "matmul", "per_cell": 20, "notebook": args.notebook}
+    try:
+        results, alone_rates = _measure(workdir, socket_path, lows, modes, pair)
+    finally:
+        broker.terminate()
+        broker.wait(timeout=30)
+    good = [r for r in results if "error" not in r]
+    rows = summarise(good, alone_rates, per_cell=pair["per_cell"])
+    _add_neighbour_notes(rows, good)
+    _add_cell_ratios(rows, good)
+    from benchmarks.environment import describe
+
+    document = {
+        "benchmark": "third_party",
+        **describe(),
+        "command": "python -m benchmarks.third_party " + " ".join(argv or sys.argv[1:]),
+        "high_tenant": "ipykernel notebook, %%gpu cells" if args.notebook else "process, lease()",
+        "rows": rows,
+        "errors": [r for r in results if "error" in r],
+        "alone_rates_per_s": alone_rates,
+    }
+    (out / "third_party.json").write_text(json.dumps(document, indent=2))
+    _keep_raw(out, workdir)
+    _print_table(rows)
     return 0
 
 

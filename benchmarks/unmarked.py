@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     for example in args.example:
         if not example.is_file():
             parser.error(f"{example} is not a file (CuPy's examples/kmeans/kmeans.py)")
-    from benchmarks.contention import start_broker
+    from benchmarks.broker_process import start_broker
 
     exit_on_signals()  # SIGTERM (timeout) too stops the broker and kernels it started
     workdir = Path(tempfile.mkdtemp(prefix="gpushare-unmarked-"))

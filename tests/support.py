@@ -52,9 +52,10 @@ def short_tempdir(prefix: str = "gps-") -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
+def free_port(host: str = "127.0.0.1", family: socket.AddressFamily = socket.AF_INET) -> int:
+    """A TCP port on ``host`` that nothing listened on a moment ago."""
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
         return probe.getsockname()[1]
 
 

@@ -14,27 +14,16 @@ import time
 from pathlib import Path
 
 import pytest
+from gpu_support import gpu_with
+
+from benchmarks.checkpoint import process_memory_mib
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _gpu_available() -> bool:
-    probe = "import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0"
-    try:
-        return (
-            subprocess.run(
-                [sys.executable, "-c", probe], capture_output=True, timeout=120
-            ).returncode
-            == 0
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.timeout(300),
-    pytest.mark.skipif(not _gpu_available(), reason="needs an NVIDIA GPU with CuPy"),
+    pytest.mark.skipif(not gpu_with(), reason="needs an NVIDIA GPU with CuPy"),
 ]
 
 
@@ -94,20 +83,6 @@ TENANT = textwrap.dedent(
 )
 
 
-def _process_memory_mib(pid: int) -> int:
-    import pynvml
-
-    pynvml.nvmlInit()
-    try:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-            if process.pid == pid:
-                return int((process.usedGpuMemory or 0) // (1 << 20))
-        return 0
-    finally:
-        pynvml.nvmlShutdown()
-
-
 def test_lock_pauses_and_eviction_frees_memory_then_everything_comes_back(tmp_path):
     from gpushare_ext.broker.actuators import CudaProcessControl
 
@@ -121,7 +96,7 @@ def test_lock_pauses_and_eviction_frees_memory_then_everything_comes_back(tmp_pa
         while not (tmp_path / "ready.steps").exists():
             assert tenant.poll() is None and time.monotonic() < deadline, "tenant did not start"
             time.sleep(0.05)
-        resident = _process_memory_mib(tenant.pid)
+        resident = process_memory_mib(tenant.pid)
         assert resident >= 2000, f"tenant should hold about 2 GiB, NVML says {resident} MiB"
 
         started = time.perf_counter()
@@ -136,7 +111,7 @@ def test_lock_pauses_and_eviction_frees_memory_then_everything_comes_back(tmp_pa
         started = time.perf_counter()
         control.checkpoint(tenant.pid, 0)
         checkpoint_s = time.perf_counter() - started
-        evicted = _process_memory_mib(tenant.pid)
+        evicted = process_memory_mib(tenant.pid)
         assert evicted < resident / 4, f"eviction left {evicted} of {resident} MiB on the device"
 
         started = time.perf_counter()
@@ -145,7 +120,7 @@ def test_lock_pauses_and_eviction_frees_memory_then_everything_comes_back(tmp_pa
         restore_s = time.perf_counter() - started
         time.sleep(0.5)
         assert int((tmp_path / "ready.steps").read_text()) > steps + 1, "it did not resume"
-        assert _process_memory_mib(tenant.pid) >= resident * 0.9
+        assert process_memory_mib(tenant.pid) >= resident * 0.9
         done.write_text("stop")
         assert tenant.wait(timeout=120) == 0
         assert (tmp_path / "done.result").read_text() == "intact"

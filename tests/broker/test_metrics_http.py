@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support import short_tempdir
+from support import free_port, short_tempdir
 
 from gpushare_ext.broker.metrics import BrokerMetrics, read_token_file
 from gpushare_ext.broker.policy import PolicyError
@@ -21,12 +21,6 @@ from gpushare_ext.broker.policy import PolicyError
 TOKEN = "s3cret-scrape-token"
 # No proxy: an http_proxy in the environment must not carry loopback requests away.
 OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def free_port(host: str, family: socket.AddressFamily = socket.AF_INET) -> int:
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
 
 
 def fetch(url: str, authorization: str | None = None) -> tuple[int, dict[str, str], str]:

@@ -56,16 +56,6 @@ def nb_add_2d(a, out):
 
 
 # name -> (function, signature, expected verdict, {argument: access})
-def nb_relax(x, out, iterations):
-    """A per-element FMA loop (the stop benchmarks' Numba kernel has the same shape)."""
-    i = cuda.grid(1)
-    if i < x.size:
-        v = x[i]
-        for _ in range(iterations):
-            v = v * float32(0.999) + float32(0.5)
-        out[i] = v
-
-
 NUMBA_CASES = {
     "nb_add": (
         nb_add, "void(float32[:], float32[:], float32[:])", "idempotent",

@@ -40,9 +40,11 @@ def test_a_cupy_fma_loop_and_a_numba_one_read_the_flag_after_similar_work():
     Numba's four times further apart."""
     assert back_edges.UNROLL == 32 and back_edges.CHECK_INSTRUCTIONS == 1024
     from numba import cuda
-    from numba_corpus import nb_relax
 
-    numba_ptx, _ = cuda.compile_ptx(nb_relax, "float32[::1], float32[::1], int32", cc=(9, 0))
+    from benchmarks.tenant import numba_relax
+
+    relax = numba_relax().py_func  # the stop benchmarks' Numba kernel, as Python
+    numba_ptx, _ = cuda.compile_ptx(relax, "float32[::1], float32[::1], int32", cc=(9, 0))
     cupy = _abort_variant((FIXTURES / "loopy.ptx").read_text())
     numba = _abort_variant(numba_ptx)
     assert 8 in _read_masks(cupy.ptx)

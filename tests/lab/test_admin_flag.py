@@ -25,12 +25,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support import ensure_users, is_root
+from support import ensure_users, free_port, is_root
 from test_browser import (  # noqa: F401 - the fixtures of the browser tests
     SERVER_CONFIG,
     SETTLE_MS,
     Lab,
-    free_port,
     lab_command,
     page,
     stop_lab,

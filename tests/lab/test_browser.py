@@ -25,6 +25,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from support import free_port
 
 from gpushare_ext.protocol import PRIORITY_CLASSES
 
@@ -67,12 +68,6 @@ class Lab:
     url: str
     token: str
     root: Path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def lab_command(port: int, token: str, root: Path, socket_path: Path, home: Path) -> list[str]:

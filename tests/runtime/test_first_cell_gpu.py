@@ -45,7 +45,7 @@ KINDS = (
 
 @pytest.fixture(scope="module")
 def broker_place():
-    from benchmarks.contention import start_broker
+    from benchmarks.broker_process import start_broker
 
     workdir = Path(tempfile.mkdtemp(prefix="gps-first-cell-"))
     broker, socket_path = start_broker(workdir)

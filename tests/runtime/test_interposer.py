@@ -756,14 +756,8 @@ out = {"installed": registry is not None, "numba_imported_before": "numba.cuda.c
 from numba import cuda, float32
 from numba.cuda import codegen
 out["hooked"] = bool(getattr(codegen.CUDACodeLibrary.get_cufunc, "_gpushare", False))
-
-def relax(x, out, iterations):
-    i = cuda.grid(1)
-    if i < x.size:
-        v = x[i]
-        for _ in range(iterations):
-            v = v * float32(0.999) + float32(0.5)
-        out[i] = v
+from benchmarks.tenant import numba_relax
+relax = numba_relax().py_func  # the stop benchmarks' Numba kernel, as Python
 
 ptx, _ = cuda.compile_ptx(relax, (float32[:], float32[:], float32), cc=(9, 0))
 name = re.search(r"\.entry\s+(\S+)\(", ptx).group(1)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.broker_process import broker_argv
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -80,18 +82,7 @@ def broker():
     env.pop("GPUSHARE_DEVICES", None)
     log = open(folder / "broker.log", "wb")  # noqa: SIM115
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gpushare_ext.cli",
-            "broker",
-            "--inventory",
-            "nvml",
-            "--socket",
-            str(socket_path),
-            "--journal",
-            str(folder / "j.sqlite"),
-        ],
+        broker_argv(folder, socket_name=socket_path.name, journal_name="j.sqlite"),
         stdout=log,
         stderr=log,
         env=env,
