@@ -7,7 +7,9 @@
 * the systemd unit passes ``systemd-analyze verify``;
 * the Kubernetes objects pass ``kubernetes-validate --strict`` (offline schemas), and the
   DaemonSet, the z2jh values and the runtime agree on where the socket is;
-* docs/deploy.md shows exactly the commands the hub test runs.
+* the hub test can follow docs/deploy.md's walkthrough as written: its blocks are found
+  in order, each text the test replaces is there, and what it runs touches none of the
+  host's own deployment paths (tests/hub runs it, as root).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import yaml
@@ -358,14 +361,173 @@ class _Recorder:
 # ------------------------------------------------------------------ the walkthrough
 
 
-def test_the_walkthrough_shows_exactly_the_commands_the_hub_test_runs():
-    spec = importlib.util.spec_from_file_location(
-        "local_install", REPO / "tests" / "hub" / "local_install.py"
-    )
+def hub_module(name: str) -> ModuleType:
+    """A module of tests/hub (not on the path unless that folder was collected first)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO / "tests" / "hub" / f"{name}.py")
     assert spec and spec.loader
-    local_install = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("local_install", local_install)
-    spec.loader.exec_module(local_install)
-    walkthrough = (REPO / "docs" / "deploy.md").read_text()
-    missing = [command for command in local_install.COMMANDS if command not in walkthrough]
-    assert not missing, f"docs/deploy.md lacks these commands of the hub test: {missing}"
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+deploy_doc = hub_module("deploy_doc")  # first: local_install imports it
+local_install = hub_module("local_install")
+GUIDE = deploy_doc.DEPLOY_GUIDE.read_text()
+
+
+def choices(tmp_path: Path) -> local_install.Choices:
+    return local_install.Choices(
+        workdir=tmp_path, port=18000, hub_port=18081, proxy_api_port=18001, password="pw-test"
+    )
+
+
+def test_the_walkthrough_has_its_nine_steps_and_their_blocks_in_page_order():
+    walkthrough = deploy_doc.read_walkthrough()
+    assert walkthrough.steps == list(range(1, 10))
+    steps = [block.step for block in walkthrough.blocks]
+    assert steps == sorted(steps), "blocks must be read in page order"
+    assert set(steps) == set(range(10)), "the variables and every step have a block"
+    assert walkthrough.titles[1] == "A virtual environment everyone can run"
+    assert walkthrough.titles[9] == "The hub"
+    first = walkthrough.blocks[0]
+    assert first.step == 0 and first.lines[0].startswith("REPO=$PWD")
+    # Step 9: the config is written before the token's file is made and the hub started.
+    kinds = [block.language for block in walkthrough.blocks_of(9)]
+    assert kinds == ["python", "bash", "bash"]
+
+
+def test_the_hub_test_follows_every_step_with_only_its_paths_and_ports(tmp_path):
+    ours = choices(tmp_path)
+    prepared = local_install.prepare(ours)  # DocDrift if a replaced text is missing
+    text = "\n".join(block.text for block in prepared.blocks)
+    original = "\n".join(block.text for block in deploy_doc.read_walkthrough().blocks)
+    assert f"PREFIX={local_install.PREFIX} " in text
+    assert f'load_subconfig("{local_install.PREFIX}/share/gpushare/deploy/' in text
+    assert f'"http://127.0.0.1:{ours.port}"' in text
+    assert f'open("{ours.token_file}").read().strip()' in text
+    assert "'pw-test'" in text
+    assert not local_install.HOST_PLACES.search(text)
+    assert prepared.check_as_any_user.text == f"{local_install.PREFIX}/bin/gpushare status"
+    # Nothing but the substitutions changed: undoing them gives the page's blocks back.
+    for substitution in local_install.substitutions(ours):
+        text = text.replace(substitution.ours, substitution.written)
+    walkthrough = deploy_doc.read_walkthrough()
+    fixed_token = walkthrough.inline_command(*local_install.FIXED_TOKEN_SETTING).text
+    text = text.replace(fixed_token, local_install.TOKEN_SETTING_WRITTEN)
+    assert text == original
+
+
+def test_the_long_running_commands_are_started_as_written(tmp_path):
+    install = local_install.LocalInstall(local_install.prepare(choices(tmp_path)))
+    broker = install.background_script(8).splitlines()
+    assert broker[-1] == (
+        "exec $PREFIX/bin/gpushare broker --system --config $CONFIG --journal $JOURNAL "
+        "--simulate h200"
+    )
+    hub = install.background_script(9).splitlines()
+    assert hub[-2:] == [
+        f"install -d -m 0700 {tmp_path}/hub && cd {tmp_path}/hub",
+        "exec $PREFIX/bin/jupyterhub -f $HUB_CONFIG",
+    ]
+
+
+def test_the_variables_block_sets_the_test_s_own_values(tmp_path):
+    install = local_install.LocalInstall(local_install.prepare(choices(tmp_path)))
+    install.check_variables()  # StepFailed otherwise
+
+
+def test_step_5_adds_each_missing_user_to_their_group(tmp_path):
+    install = local_install.LocalInstall(local_install.prepare(choices(tmp_path)))
+    block = install.prepared.block(5)
+    script = local_install.users_script(block, {"u-one": "students", "u-two": "teachers"})
+    # The commands stand in for themselves: what they would be called with.
+    stand_ins = 'groupadd() { echo "groupadd $*"; }\nuseradd() { echo "useradd $*"; }\n'
+    done = subprocess.run(
+        ["bash", "-c", "set -euo pipefail\n" + stand_ins + script],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stdout.splitlines() == [
+        "groupadd -f students",
+        "groupadd -f teachers",
+        "groupadd -f gpuadmin",
+        "useradd -m -G students u-one",
+        "useradd -m -G teachers u-two",
+    ]
+
+
+def blocks_text_of(step: int) -> list[str]:
+    """The texts the page writes for ``step``: its blocks and the inline commands used."""
+    walkthrough = deploy_doc.read_walkthrough()
+    texts = [block.text for block in walkthrough.blocks_of(step)]
+    for inline_step, lead_in in (
+        local_install.CHECK_AS_ANY_USER,
+        local_install.FIXED_TOKEN_SETTING,
+    ):
+        if inline_step == step:
+            texts.append(walkthrough.inline_command(inline_step, lead_in).text)
+    return texts
+
+
+def without_in_step(step: int, written: str) -> str:
+    """The page with ``written`` gone from ``step``'s code only."""
+    page = GUIDE
+    for text in blocks_text_of(step):
+        page = page.replace(text, text.replace(written, "<changed>"))
+    return page
+
+
+@pytest.mark.parametrize(
+    "substitution",
+    [
+        *local_install.substitutions(local_install.Choices(Path("/w"), 1, 2, 3, "p")),
+        deploy_doc.Substitution(9, local_install.TOKEN_SETTING_WRITTEN, ""),
+    ],
+    ids=lambda s: f"step{s.step}:{s.written}",
+)
+def test_a_replaced_text_the_page_no_longer_writes_fails_naming_its_step(tmp_path, substitution):
+    page = without_in_step(substitution.step, substitution.written)
+    with pytest.raises(deploy_doc.DocDrift) as failure:
+        local_install.prepare(choices(tmp_path), page)
+    message = str(failure.value)
+    assert f"step {substitution.step} (" in message
+    assert repr(substitution.written) in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "said"),
+    [
+        ("**4. JupyterHub's proxy**", "**The proxy**", "steps [1, 2, 3, 5, 6"),
+        ("```bash\nchmod -R", "```sh\nchmod -R", "step 3 has a ```sh block"),
+        ("Check it as any user: ", "Check it: ", "step 8 no longer has an inline"),
+        (
+            "$PREFIX/bin/jupyterhub -f $HUB_CONFIG\n",
+            "jupyterhub -f $HUB_CONFIG\n",
+            "step 9's last block no longer ends with '$PREFIX/bin/jupyterhub '",
+        ),
+        ("$CONFIG\n```", "/etc/gpushare/broker.toml\n```", "step 7 (The policy) writes /etc/gpushare"),
+    ],
+    ids=["a step unnumbered", "a block in another language", "the check's words",
+         "the hub started otherwise", "a host path not replaced"],
+)  # fmt: skip
+def test_a_page_the_hub_test_cannot_follow_fails_in_one_line(tmp_path, old, new, said):
+    section = deploy_doc.section_text(GUIDE)
+    assert old in section, f"the page no longer writes {old!r}"
+    page = GUIDE.replace(section, section.replace(old, new, 1))
+    with pytest.raises(deploy_doc.DocDrift) as failure:
+        local_install.prepare(choices(tmp_path), page)
+    assert said in str(failure.value)
+    assert "\n" not in str(failure.value)
+
+
+def test_a_page_without_the_walkthrough_fails_in_one_line(tmp_path):
+    page = GUIDE.replace(deploy_doc.SECTION_HEADING, "## 1. On one host")
+    with pytest.raises(
+        deploy_doc.DocDrift, match=r"^docs/deploy\.md has no section '## 1\. On one"
+    ):
+        local_install.prepare(choices(tmp_path), page)

@@ -1,11 +1,14 @@
-"""Fixtures of the hub test: the local install, two Unix users, the system broker, the hub.
+"""Fixtures of the hub test: docs/deploy.md's walkthrough run on this machine, step by step.
 
-They follow docs/deploy.md ("Trying it on one machine without systemd") step by step,
-through the commands of :mod:`local_install`.  Everything a fixture starts is stopped
-when the test ends, also when it fails: the hub's process tree (proxy, single-user
-servers, kernels) and every process of the two test users, and the broker.  What the
-test needs of the host it leaves as it found it, except the cached install in
-/opt/gpushare-e2e and the two users (both reused by the next run).
+``walkthrough`` reads the page and puts the test's paths and ports in it (before anything
+is installed, so a page the test cannot follow fails first); the fixtures after it run
+its steps in order through :mod:`local_install`, which checks each step's promises:
+``install`` steps 1-4, ``users`` step 5, ``kernel_config`` step 6, ``system_broker`` steps
+7-8 and ``hub`` step 9.  Everything a fixture starts is stopped when the test ends, also
+when it fails: the hub's process tree (proxy, single-user servers, kernels) and every
+process of the two test users, and the broker.  What the test needs of the host it
+leaves as it found it, except the cached install in /opt/gpushare-e2e, the proxy npm
+installed and the two users (all reused by the next run).
 """
 
 from __future__ import annotations
@@ -27,17 +30,14 @@ import psutil
 import pytest
 from hub_driver import Hub, HubError
 from local_install import (
-    INSTALL_POLICY,
-    PREFIX,
+    REPO,
     STAFF,
-    START_BROKER,
-    START_HUB,
     STUDENT,
-    Install,
-    ensure_user,
+    Choices,
+    LocalInstall,
     environment_without_venv,
-    expand,
-    run,
+    failure,
+    prepare,
 )
 
 SYSTEM_RUNTIME_DIR = Path("/run/gpushare")
@@ -60,19 +60,37 @@ def as_root() -> None:
 
 
 @pytest.fixture(scope="module")
-def install(as_root) -> Install:
-    """Steps 1-4 and 6: venv with the package and JupyterHub, proxy, IPython config."""
-    install = Install(PREFIX)
-    install.ensure()
-    install.install_ipython_config()
-    return install
+def workdir(as_root) -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="gps-hub-", dir="/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
-def users(as_root) -> tuple[str, str]:
+def walkthrough(workdir) -> LocalInstall:
+    """docs/deploy.md's walkthrough with this run's folder, ports and password in it."""
+    choices = Choices(
+        workdir=workdir,
+        port=free_port(),
+        hub_port=free_port(),
+        proxy_api_port=free_port(),
+        password=secrets.token_hex(8),
+    )
+    return LocalInstall(prepare(choices))
+
+
+@pytest.fixture(scope="module")
+def install(walkthrough) -> LocalInstall:
+    """Steps 1-4: the venv with the package and JupyterHub, everyone's rights, the proxy."""
+    walkthrough.install_environment()
+    return walkthrough
+
+
+@pytest.fixture(scope="module")
+def users(install) -> tuple[str, str]:
     """Step 5: a student and a staff member, with homes; their leftovers from a last run gone."""
-    ensure_user(STUDENT, "students")
-    ensure_user(STAFF, "teachers")
+    install.add_users()
     for name in (STUDENT, STAFF):
         kill_processes_of(name)
         home = Path(os.path.expanduser(f"~{name}"))
@@ -82,11 +100,9 @@ def users(as_root) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def workdir(as_root) -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="gps-hub-", dir="/tmp"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+def kernel_config(install, users) -> None:
+    """Step 6: %%gpu in every kernel of the prefix."""
+    install.install_kernel_config()
 
 
 # ------------------------------------------------------------------ the system broker
@@ -94,16 +110,18 @@ def workdir(as_root) -> Iterator[Path]:
 
 @dataclass
 class SystemBroker:
-    """The root broker on /run/gpushare/broker.sock, started by step 8's command."""
+    """The root broker on /run/gpushare/broker.sock, started by step 8's block."""
 
-    command: str
+    script: str  # the block after the variables, its command exec'd: its pid is the broker's
+    step: str  # how a failure to start names it
     log: Path
     process: subprocess.Popen | None = None
 
     def start(self) -> None:
         with open(self.log, "ab") as out:
             self.process = subprocess.Popen(
-                ["bash", "-c", f"exec {self.command}"],
+                ["bash", "-c", self.script],
+                cwd=REPO,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=environment_without_venv(),
@@ -112,11 +130,17 @@ class SystemBroker:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise AssertionError(f"the broker exited at start:\n{self.log.read_text()}")
+                raise failure(
+                    self.step,
+                    f"the broker exited at start:\n{self.log.read_text()}",
+                )
             if answers(SYSTEM_SOCKET):
                 return
             time.sleep(0.05)
-        raise AssertionError(f"the broker did not answer in time:\n{self.log.read_text()}")
+        raise failure(
+            self.step,
+            f"the broker did not answer in {START_TIMEOUT_S} s:\n{self.log.read_text()}",
+        )
 
     def stop(self, timeout: float = 30) -> int:
         """SIGTERM, as systemd stops it; the exit status."""
@@ -148,18 +172,18 @@ def answers(path: Path) -> bool:
 
 
 @pytest.fixture(scope="module")
-def system_broker(install, users, workdir) -> Iterator[SystemBroker]:
-    """Steps 7-8: the example policy installed, the broker started as root."""
+def system_broker(install, kernel_config, workdir) -> Iterator[SystemBroker]:
+    """Steps 7-8: the example policy installed, the broker started as root and checked."""
     created_runtime_dir = not SYSTEM_RUNTIME_DIR.exists()
-    values = {
-        "PREFIX": PREFIX,
-        "CONFIG": workdir / "etc" / "broker.toml",
-        "JOURNAL": workdir / "journal.sqlite",
-    }
-    run(INSTALL_POLICY, **values)
-    broker = SystemBroker(command=expand(START_BROKER, **values), log=workdir / "broker.log")
-    broker.start()
+    install.install_policy()
+    broker = SystemBroker(
+        script=install.background_script(8),
+        step=install.prepared.background_block(8).name,
+        log=workdir / "broker.log",
+    )
     try:
+        broker.start()
+        install.check_broker(SYSTEM_RUNTIME_DIR)
         yield broker
     finally:
         if broker.process is not None and broker.process.poll() is None:
@@ -180,82 +204,44 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-WALKTHROUGH = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"
-
-# What the test adds to the walkthrough's hub config: ports of its own (another hub may
-# run on this machine) and patient spawns (CI machines are small).
-TEST_ONLY_HUB_SETTINGS = """
-c.JupyterHub.bind_url = "http://127.0.0.1:{port}"
-c.JupyterHub.hub_bind_url = "http://127.0.0.1:{hub_port}"
-c.ConfigurableHTTPProxy.api_url = "http://127.0.0.1:{proxy_api_port}"
-c.Spawner.start_timeout = 60
-c.Spawner.http_timeout = 60
-"""
-
-
-def walkthrough_hub_config(*, password: str, token: str, users: set[str], **ports: int) -> str:
-    """Step 9's hub config exactly as docs/deploy.md writes it, with the test's prefix,
-    password, users and service token put where the admin would put theirs."""
-    step = WALKTHROUGH.read_text().split("**9. The hub.**", 1)[1]
-    block = step.split("```python\n", 1)[1].split("```", 1)[0]
-    choices = {
-        "/opt/gpushare/": f"{PREFIX}/",
-        '"a trial password"': repr(password),
-        "secrets.token_hex(32)": repr(token),
-        '{"gps-alice", "gps-bob"}': repr(users),
-    }
-    for written, ours in choices.items():
-        assert written in block, f"docs/deploy.md's step 9 no longer writes {written}"
-        block = block.replace(written, ours)
-    return block + TEST_ONLY_HUB_SETTINGS.format(**ports)
-
-
 @dataclass
 class RunningHub:
     hub: Hub
     process: subprocess.Popen
     log: Path
     password: str
+    step: str  # how a failure names it
 
 
 @pytest.fixture(scope="module")
 def hub(install, users, system_broker, workdir) -> Iterator[RunningHub]:
-    """Step 9: JupyterHub with deploy/jupyterhub_config.py, a shared password, a service token."""
-    port = free_port()
-    token = secrets.token_hex(32)
-    password = secrets.token_hex(8)
-    config = workdir / "jupyterhub_config.py"
-    config.write_text(
-        walkthrough_hub_config(
-            password=password,
-            token=token,
-            users=set(users),
-            port=port,
-            hub_port=free_port(),
-            proxy_api_port=free_port(),
-        )
-    )
+    """Step 9: the page's hub config (deploy/jupyterhub_config.py, a shared password, the
+    service token of its root-only file), started from its state folder."""
+    token = install.write_hub_config()
     log = workdir / "jupyterhub.log"
-    hub_dir = workdir / "hub"
-    hub_dir.mkdir()
-    command = expand(START_HUB, PREFIX=PREFIX, HUB_CONFIG=config)
     with open(log, "ab") as out:
         process = subprocess.Popen(
-            ["bash", "-c", f"exec {command}"],
-            cwd=hub_dir,
+            ["bash", "-c", install.background_script(9)],
+            cwd=REPO,  # the block cds to the hub's state folder itself
             stdout=out,
             stderr=subprocess.STDOUT,
             env=environment_without_venv(),
             start_new_session=True,
         )
     running = RunningHub(
-        hub=Hub(url=f"http://127.0.0.1:{port}", token=token),
+        hub=Hub(url=f"http://127.0.0.1:{install.choices.port}", token=token),
         process=process,
         log=log,
-        password=password,
+        password=install.choices.password,
+        step=install.prepared.background_block(9).name,
     )
     try:
         wait_for_hub(running)
+        install.check_hub_state()
+        try:  # the service's role: it may list the users (the test starts their servers)
+            running.hub.api("GET", "/users")
+        except HubError as exc:
+            raise failure(running.step, f"the service token's role: {exc}") from None
         yield running
     finally:
         stop_hub(running, users)
@@ -265,12 +251,15 @@ def wait_for_hub(running: RunningHub) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if running.process.poll() is not None:
-            raise AssertionError(f"jupyterhub exited at start:\n{running.log.read_text()}")
+            raise failure(running.step, f"jupyterhub exited at start:\n{running.log.read_text()}")
         with contextlib.suppress(HubError, OSError):
             running.hub.api("GET", "/")
             return
         time.sleep(0.2)
-    raise AssertionError(f"jupyterhub did not answer in time:\n{running.log.read_text()}")
+    raise failure(
+        running.step,
+        f"jupyterhub did not answer in {START_TIMEOUT_S} s:\n{running.log.read_text()}",
+    )
 
 
 def stop_hub(running: RunningHub, users: tuple[str, ...]) -> None:

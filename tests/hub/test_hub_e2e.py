@@ -4,7 +4,8 @@ Set-up (conftest.py, the steps of docs/deploy.md): a venv in /opt/gpushare-e2e w
 package and JupyterHub, the extension enabled for every kernel by a system-wide IPython
 config, the server extension enabled by the package's data files, the example policy
 (deploy/broker.toml), the system broker as root on /run/gpushare/broker.sock, and
-JupyterHub (DummyAuthenticator, LocalProcessSpawner) loading deploy/jupyterhub_config.py.
+JupyterHub (the shared-password authenticator, LocalProcessSpawner) loading
+deploy/jupyterhub_config.py.
 
 The story, as the two users live it:
 1. a student (``gps-alice``) starts a low-priority training loop: it holds the GPU;
