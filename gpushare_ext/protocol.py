@@ -113,6 +113,15 @@ class ErrorCode(str, enum.Enum):
     INTERNAL = "internal"
 
 
+def level_word(level: int) -> str:
+    """A rung in one word ("gate", "yield" ... "evict"), as the broker's log and the
+    timeline name it; "?" for a number no rung has."""
+    try:
+        return PreemptionLevel(level).name.lower()
+    except ValueError:
+        return "?"
+
+
 # The rungs as the cell's pause line names them (the broker's status names them too).
 LEVEL_NAMES: dict[PreemptionLevel, str] = {
     PreemptionLevel.GATE: "the gate",

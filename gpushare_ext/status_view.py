@@ -34,6 +34,7 @@ from gpushare_ext.protocol import (
     TimelinePause,
     TimelineSpan,
     describe_priority,
+    level_word,
 )
 from gpushare_ext.units import format_size
 
@@ -339,9 +340,6 @@ def reasons_below(snapshot: Snapshot) -> list[str]:
     ]
 
 
-LEVEL_NAMES = ("gate", "yield", "abort", "lock", "evict")
-
-
 def _ago(seconds: float) -> str:
     seconds = max(0, round(seconds))
     return f"{seconds} s ago" if seconds < 60 else f"{seconds // 60} min {seconds % 60} s ago"
@@ -357,7 +355,7 @@ def recent_pauses(snapshot: Snapshot) -> list[str]:
             for pause in span.pauses:
                 end = pause.end if pause.end is not None else snapshot.time
                 when = "still paused" if pause.end is None else _ago(snapshot.time - end)
-                level = LEVEL_NAMES[pause.level] if 0 <= pause.level < 5 else "?"
+                level = level_word(pause.level)
                 lines.append(
                     (
                         pause.start,

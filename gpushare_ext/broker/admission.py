@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from gpushare_ext.broker import reasons
 from gpushare_ext.broker.actions import Action, RefuseRequest
 from gpushare_ext.broker.events import (
     LeaseReclaimed,
@@ -274,11 +275,11 @@ class Admission:
                 now,
                 state=LeaseState.RUNNING,
                 stop=stop.cleared(),
-                reason="could not be paused again after the broker restarted",
+                reason=reasons.NOT_PAUSED_AGAIN,
                 index=self._book.index,
             )
             return []
-        reason = lease.reason or "paused for a higher-priority session"
+        reason = lease.reason or reasons.PAUSED_FOR_HIGHER
         before = lease.state
         transition(lease, now, stop=stop.asked(level), reason=reason)
         return [

@@ -77,6 +77,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from gpushare_ext.broker import reasons
 from gpushare_ext.broker.actions import (
     Action,
     GrantLease,
@@ -470,7 +471,7 @@ class Scheduler:
                 now,
                 state=after,
                 stop=confirmed,
-                reason=lease.reason or "evicted for a higher-priority session",
+                reason=lease.reason or reasons.EVICTED_FOR_HIGHER,
                 index=self.book.index,
             )
             # Its process's device memory is on the host now: the last reading is stale.
@@ -531,10 +532,7 @@ class Scheduler:
         if event.used_bytes <= quota + tolerance:
             return []
         actions: list[Action] = []
-        reason = (
-            f"over its memory quota: {format_size(event.used_bytes)} in use, "
-            f"{format_size(quota)} leased"
-        )
+        reason = reasons.over_quota(format_size(event.used_bytes), format_size(quota))
         for lease in running:
             level = ladder_level(StopCause.OVER_QUOTA, [traits(lease)])
             if level is None:

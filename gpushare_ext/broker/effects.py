@@ -46,6 +46,7 @@ from gpushare_ext.protocol import (
     Released,
     Resume,
     Revoked,
+    level_word,
 )
 from gpushare_ext.units import format_size
 
@@ -252,7 +253,7 @@ class Effects:
             "%s (pid %s) %s at level %s (%s) for %s%s: %s",
             action.lease_id, action.pid,
             "parked" if action.parks_bytes else action.resulting_state.value,
-            int(held_by), held_by.name.lower(), action.for_lease or "the broker", asked,
+            int(held_by), level_word(held_by), action.for_lease or "the broker", asked,
             plain_text(action.reason, SENTENCE_LIMIT),
         )  # fmt: skip
         if action.parks_bytes:
@@ -400,7 +401,7 @@ class Effects:
         held_by = applied.held_by
         events.info(
             "%s (pid %s) stopped at level %s (%s) in %.1f ms",
-            action.lease_id, action.pid, int(held_by), held_by.name.lower(),
+            action.lease_id, action.pid, int(held_by), level_word(held_by),
             (time.monotonic() - started) * 1000,
         )  # fmt: skip
         if applied.note:

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from gpushare_ext.broker import reasons
 from gpushare_ext.broker.actions import Action, GrantLease, ResumeLease
 from gpushare_ext.broker.idle_parking import IdleParking
 from gpushare_ext.broker.lease_book import LeaseBook
 from gpushare_ext.broker.lease_transitions import transition
-from gpushare_ext.broker.parking import parked_for_reason
 from gpushare_ext.broker.placement import RoomPlan
 from gpushare_ext.broker.policy import (
     StopCause,
@@ -141,9 +141,7 @@ class LeaseMoves:
         transition(
             lease,
             now,
-            reason="freeing memory: waiting for lower-priority sessions to be evicted"
-            if evicting
-            else "freeing memory: parking idle sessions (their memory goes to the host)",
+            reason=reasons.WAITING_FOR_EVICTIONS if evicting else reasons.WAITING_FOR_PARKS,
         )
 
     def stop_victims(
@@ -153,17 +151,13 @@ class LeaseMoves:
         the actions, and the victims whose memory must leave before ``lease`` fits."""
         who = f"{describe_priority(lease.base_priority)} lease {lease.gang or lease.lease_id}"
         parks = [
-            self._parking.park(idle, key, parked_for_reason(who), lease.lease_id, now)
+            self._parking.park(idle, key, reasons.parked_for(who), lease.lease_id, now)
             for idle in plan.parks
         ]
         actions: list[Action] = list(parks)
         for victim, level, cause in plan.stops():
             evicting = cause is StopCause.FREE_MEMORY
-            reason = (
-                f"evicted for {who}"
-                if evicting
-                else f"paused for a higher-priority session ({who})"
-            )
+            reason = reasons.evicted_for(who) if evicting else reasons.paused_for(who)
             before = victim.state
             if before == LeaseState.RUNNING:
                 transition(

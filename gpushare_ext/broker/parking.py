@@ -110,7 +110,3 @@ def idle_reason(idle_s: float, after_s: float) -> str:
     return (
         f"parked: idle for {format_duration(idle_s)} (park_idle_after {format_duration(after_s)})"
     )
-
-
-def parked_for_reason(who: str) -> str:
-    return f"parked to free its GPU memory for {who}"
