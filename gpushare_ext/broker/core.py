@@ -224,7 +224,6 @@ class Scheduler:
             recompute_every_waiter=recompute_every_waiter,
             line_from=line_from,
         )
-        self.moves.grant_watcher = self.passes  # a grant moves up the places behind it
         self.rivalry = RivalryWatch(self.book, self.finder.slots)
         self.admission = Admission(self.book, self.finder, self.placer, self.rivalry)
         # Every event's handler, in one place: an event of another type is refused.

@@ -13,8 +13,6 @@ does), or read a clock; it moves leases only through
 
 from __future__ import annotations
 
-from typing import Protocol
-
 from gpushare_ext.broker import reasons
 from gpushare_ext.broker.actions import Action, GrantLease, ResumeLease
 from gpushare_ext.broker.idle_parking import IdleParking
@@ -35,13 +33,6 @@ from gpushare_ext.protocol import (
 )
 
 
-class GrantWatcher(Protocol):
-    """Told of every request granted, before it leaves the queue (the scheduling pass
-    keeps the places of the requests behind it)."""
-
-    def granting(self, lease: Lease) -> None: ...
-
-
 class LeaseMoves:
     """Starts, resumes and stops leases, and says so in actions."""
 
@@ -56,7 +47,6 @@ class LeaseMoves:
         self._slots = slots
         self._parking = parking
         self._notices = notices
-        self.grant_watcher: GrantWatcher | None = None
 
     def start(self, lease: Lease, key: str, now: float) -> list[Action]:
         """Run ``lease`` on ``key``: granted if it was queued, else resumed."""
@@ -71,8 +61,6 @@ class LeaseMoves:
         if previous == LeaseState.QUEUED:
             lease.granted_at = now  # before the move: the index keeps when holders were granted
             lease.waited_s = now - lease.requested_at
-            if self.grant_watcher is not None:
-                self.grant_watcher.granting(lease)
         stop = lease.stop
         transition(
             lease,

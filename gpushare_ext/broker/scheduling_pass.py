@@ -20,7 +20,7 @@ import bisect
 import math
 from dataclasses import dataclass, field
 
-from gpushare_ext.broker.actions import Action
+from gpushare_ext.broker.actions import Action, GrantLease
 from gpushare_ext.broker.gang_turns import GangTurns
 from gpushare_ext.broker.idle_parking import IdleParking
 from gpushare_ext.broker.lease_book import LeaseBook
@@ -166,9 +166,10 @@ class SchedulingPass:
                 next_other += 1
             self._take_turn(state, line.at(ticket), first)  # type: ignore[arg-type]
 
-    def granting(self, lease: Lease) -> None:
-        """A queued request is granted in this pass: the places behind it move up."""
-        place = self._line.places.get(lease.lease_id)
+    def _granted(self, lease_id: str) -> None:
+        """A queued request was granted in this pass: the places behind it move up (the
+        line itself drops it when the pass ends)."""
+        place = self._line.places.get(lease_id)
         if self._pass is not None and place is not None and place.counted:
             bisect.insort(self._pass.granted, place.ticket)
             index = self._line.counted_before(place.ticket)
@@ -259,7 +260,12 @@ class SchedulingPass:
         lease = place.lease
         self._tell_passed_over(state, place.ticket)  # before anything changes
         ahead = state.ahead_of(self._line, place.ticket)
-        state.actions.extend(self.serve(lease, state.reserved, state.waited_for, ahead, state.now))
+        turn = self.serve(lease, state.reserved, state.waited_for, ahead, state.now)
+        for action in turn:
+            if isinstance(action, GrantLease):  # a gang's names its ranks
+                for granted in action.ranks or (action,):
+                    self._granted(granted.lease_id)
+        state.actions.extend(turn)
         state.served.add(lease.lease_id)
         if (
             group is not None
