@@ -249,7 +249,10 @@ def driver_ptx() -> Step:
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p
     ]  # fmt: skip
 
-    def step():
+    # ``params`` holds the values' addresses only: the step keeps the values alive.
+    arguments = (pointer, n, iterations)
+
+    def step(keep_alive: tuple = arguments):  # referenced, so never freed meanwhile
         x[...] = start
         cupy.cuda.runtime.deviceSynchronize()  # the copy is on CuPy's stream; ours is 0
         status = cuda.cuLaunchKernel(
