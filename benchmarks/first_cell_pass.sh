@@ -2,6 +2,7 @@
 # The GPU pass for "the first cell is never slow", run on the lent GPU machine:
 #
 #   bash benchmarks/first_cell_pass.sh STAGE [WHEELS]      (logs and JSON under $OUT)
+#   (env: TESTS_S, TP_S, LOWS, MODES, COST_S, COST_REPEATS, STOPS, STOP_S, KINDS, PROBE_S)
 #
 # STAGE tests: the GPU tests of a kernel launched before the high session existed, the
 #   unmarked Ctrl-C loop and the demo;  third_party: one interactive-latency run beside
@@ -34,7 +35,7 @@ third_party)
   ;;
 cost)
   timeout "${COST_S:-240}" python3 -m benchmarks.long_kernel_cost --out "$out/cost" --ways plain,alone \
-    --repeats 1 --launches 6 >"$out/cost.log" 2>&1
+    --repeats "${COST_REPEATS:-1}" --launches 6 >"$out/cost.log" 2>&1
   echo "long_kernel_cost rc=$?"; tail -12 "$out/cost.log"
   for only in ${STOPS:-gps_long_ew:300 gps_numba_relax:50}; do
     LD_PRELOAD=$shim CUPY_COMPILE_WITH_PTX=1 timeout "${STOP_S:-150}" python3 -m benchmarks.preemptible \
