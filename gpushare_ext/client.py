@@ -97,6 +97,20 @@ class BrokerError(GpushareError):
 
 
 class BrokerUnavailable(BrokerError):
+    """No broker to talk to now: the socket is missing or refuses, or the connection
+    dropped.  ``no_socket``: there was no socket file at all (a broker that restarts
+    leaves one, or makes its new one within moments)."""
+
+    def __init__(self, message: str, *, no_socket: bool = False) -> None:
+        super().__init__(ErrorCode.UNAVAILABLE, message)
+        self.no_socket = no_socket
+
+
+class BrokerNoAnswer(BrokerError):
+    """A request went out on a live connection and no answer came in time.  Unlike
+    :class:`BrokerUnavailable`, the broker may still act on it (and answer later), so
+    whoever sent it must not simply send it again."""
+
     def __init__(self, message: str) -> None:
         super().__init__(ErrorCode.UNAVAILABLE, message)
 
@@ -121,7 +135,9 @@ def trusted_socket_path(path: Path) -> Path:
     try:
         return check_socket(path, trusted=trusted_broker_uids(), hint=_TRUST_HINT)
     except (PathMissing, FileNotFoundError):
-        raise BrokerUnavailable(f"no broker is listening on {path} (no such file)") from None
+        raise BrokerUnavailable(
+            f"no broker is listening on {path} (no such file)", no_socket=True
+        ) from None
     except UnsafePathError as exc:
         raise UntrustedBroker(f"{exc}") from None
 
@@ -175,7 +191,8 @@ class BrokerClient:
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             self._sock.close()
             raise BrokerUnavailable(
-                f"no broker is listening on {self.socket_path} ({exc.strerror})"
+                f"no broker is listening on {self.socket_path} ({exc.strerror})",
+                no_socket=isinstance(exc, FileNotFoundError),
             ) from None
         except UntrustedBroker:
             self._sock.close()
@@ -295,9 +312,7 @@ class BrokerClient:
         except FutureTimeout:
             with self._lock:
                 self._pending.pop(message.seq, None)
-            raise BrokerError(
-                ErrorCode.UNAVAILABLE, f"the broker did not answer within {timeout:g} s"
-            ) from None
+            raise BrokerNoAnswer(f"the broker did not answer within {timeout:g} s") from None
         if isinstance(reply, Error):
             raise BrokerError(reply.code, reply.message)
         return reply

@@ -34,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from support import remove_sessions_left_by
+
 from gpushare_ext.broker import launch
 from gpushare_ext.client import BrokerClient
 from gpushare_ext.protocol import LeaseView, Snapshot
@@ -110,6 +112,7 @@ def start_broker_process(
 def dispose_broker(broker: BrokerProcess) -> None:
     with contextlib.suppress(AssertionError):
         broker.stop()
+    remove_sessions_left_by(broker.socket)  # a broker the test killed left its directory
     shutil.rmtree(broker.directory, ignore_errors=True)
 
 

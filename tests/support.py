@@ -30,6 +30,8 @@ from pathlib import Path
 import pytest
 
 from gpushare_ext.broker import launch
+from gpushare_ext.paths import SHM_DIR, sessions_prefix_for
+from gpushare_ext.safe_fs import remove_own_directory
 
 BROKER_START_TIMEOUT_S = 15.0
 _FORK = multiprocessing.get_context("fork")
@@ -46,6 +48,20 @@ class RunningBroker(launch.BrokerProcess):
             raise AssertionError(f"broker did not exit within {timeout} s after {sig}") from None
         assert status is not None, "the broker was never started"
         return status
+
+
+def remove_sessions_left_by(socket_path: Path) -> None:
+    """Remove the sessions directories a broker on ``socket_path`` left under /dev/shm.
+
+    A broker a test killed (``kill -9``) and never started again on its socket leaves
+    its directory: only the next broker on the same socket would remove it, and a test's
+    socket is never used again.  Only this user's directories named after that socket,
+    never through a link (``remove_own_directory``)."""
+    prefix = sessions_prefix_for(socket_path)
+    with contextlib.suppress(OSError):
+        for name in os.listdir(SHM_DIR):
+            if name.startswith(prefix):
+                remove_own_directory(SHM_DIR / name, ("*.cb",))
 
 
 def short_tempdir(prefix: str = "gps-") -> Path:
@@ -115,6 +131,7 @@ def start_broker() -> Iterator[Callable[..., RunningBroker]]:
         if running.process.poll() is None:
             with contextlib.suppress(AssertionError):
                 running.stop(signal.SIGTERM, timeout=10)
+        remove_sessions_left_by(running.socket)
         shutil.rmtree(running.directory, ignore_errors=True)
 
 

@@ -49,19 +49,49 @@ def user_and_groups(uid: int, gid: int) -> tuple[str, tuple[str, ...]]:
     return name, tuple(names)
 
 
-def process_start_ticks(pid: int) -> int | None:
-    """When ``pid`` started (clock ticks since boot), or None if it is gone or unreadable."""
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """``/proc/<pid>/stat`` from its third field on (the state), or None if unreadable."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat_file:
             raw = stat_file.read()
     except OSError:
         return None
     # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
-    fields = raw[raw.rfind(b")") + 2 :].split()
+    return raw[raw.rfind(b")") + 2 :].split()
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot), or None if it is gone or unreadable."""
+    fields = _stat_fields(pid)
     try:
-        return int(fields[19])  # field 22 of stat(5), counted from field 3
+        return int(fields[19]) if fields is not None else None  # field 22 of stat(5)
     except (IndexError, ValueError):
         return None
+
+
+def process_ended(pid: int, start_ticks: int | None = None) -> bool:
+    """Whether the process a session or lease belongs to is gone: no such pid, another
+    process that got the pid since (``start_ticks`` differ), or a zombie.  A zombie is
+    dead but not yet reaped by its parent; a child it forked may still hold its
+    connection open, so its end would otherwise wait for that child, or for ever under a
+    parent that never reaps (a container's first process that is no init)."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        try:  # no /proc to read: only whether the pid exists at all
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+    if fields[:1] in ([b"Z"], [b"X"]):  # zombie, or dead and being reaped
+        return True
+    if start_ticks is None:
+        return False
+    try:
+        return int(fields[19]) != start_ticks
+    except (IndexError, ValueError):
+        return False
 
 
 def pid_as_seen_by_itself(pid: int) -> int | None:

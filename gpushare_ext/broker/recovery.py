@@ -21,10 +21,10 @@ import time
 import msgspec
 
 from gpushare_ext.broker import core
-from gpushare_ext.broker.actuators import ActuatorError, pid_alive
+from gpushare_ext.broker.actuators import ActuatorError
 from gpushare_ext.broker.context import BrokerContext
 from gpushare_ext.broker.journal import JournaledLease
-from gpushare_ext.broker.peers import process_start_ticks, user_and_groups
+from gpushare_ext.broker.peers import process_ended, user_and_groups
 from gpushare_ext.protocol import Capabilities, LeaseState, SliceWish
 
 log = logging.getLogger("gpushare.broker")
@@ -36,9 +36,9 @@ def placeholder_session(pid: int) -> str:
 
 
 def same_process(pid: int, start_ticks: int | None) -> bool:
-    if not pid_alive(pid):
-        return False
-    return start_ticks is None or process_start_ticks(pid) in (start_ticks, None)
+    """Whether the process ``pid`` that started at ``start_ticks`` still lives (a zombie
+    does not: its leases end with it)."""
+    return not process_ended(pid, start_ticks)
 
 
 def undo_applied_actuators(ctx: BrokerContext) -> None:

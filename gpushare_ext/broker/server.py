@@ -44,7 +44,6 @@ from gpushare_ext.broker.actuators import (
     Ladder,
     SimulatedProcessControl,
     open_process_control,
-    pid_alive,
 )
 from gpushare_ext.broker.config import BrokerConfig
 from gpushare_ext.broker.context import NO_REPLY, BrokerContext, Reply
@@ -65,6 +64,7 @@ from gpushare_ext.broker.peers import (
     Connection,
     TokenBucket,
     peer_credentials,
+    process_ended,
     process_start_ticks,
     user_and_groups,
 )
@@ -327,8 +327,10 @@ class Broker:
         now = time.time()
         alive: dict[int, bool] = {}  # sessions of one process: one look at it
         for conn in list(self.ctx.connections.values()):
+            # Its connection may outlive it (a child it forked holds it open): the
+            # process itself is looked at, a zombie counting as ended.
             if conn.pid not in alive:
-                alive[conn.pid] = pid_alive(conn.pid)
+                alive[conn.pid] = not process_ended(conn.pid, conn.start_ticks)
             if not alive[conn.pid]:
                 self._session_gone(conn, "its process ended")
         self._reap_detached(now)

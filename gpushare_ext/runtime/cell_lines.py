@@ -81,7 +81,7 @@ def queue_line(queued: Queued | None, waited_s: float, estimate: str = "") -> st
 
 def queue_line_reconnecting(waited_s: float) -> str:
     return (
-        f"queued -- {waited_s:.0f} s; the broker went away, reconnecting "
+        f"queued -- {waited_s:.0f} s; the broker is restarting, reconnecting "
         "(interrupt the kernel to withdraw)"
     )
 
@@ -186,16 +186,18 @@ def broker_gone_words(where: object, waited_s: float, still_queued: bool) -> str
 
 
 def reconnecting_line(waited_s: float) -> str:
+    """The live line of a cell waiting for its broker to come back (``waited_s`` so far)."""
     return (
-        f"gpushare: the broker went away; reconnecting -- {waited_s:.0f} s "
+        f"gpushare: the broker is restarting; reconnecting -- {waited_s:.0f} s "
         "(interrupt the kernel to stop waiting)"
     )
 
 
 def reconnect_abandoned_line(waited_s: float, why: str) -> str:
     """The reconnecting line's last word when the cell stopped waiting (``why``:
-    interrupted, timed out): it must not keep saying "reconnecting"."""
-    return f"gpushare: the broker went away; stopped reconnecting after {waited_s:.0f} s ({why})"
+    interrupted, timed out, gave up, refused): it must not keep saying "restarting" or
+    "reconnecting", as if the wait went on."""
+    return f"gpushare: stopped waiting for the broker after {waited_s:.0f} s ({why})"
 
 
 def broker_away_timed_out_words(timeout_s: float, where: object) -> str:

@@ -255,18 +255,20 @@ class GpuSession:
         label: str = "",
         bind: bool = True,
     ) -> LeaseHandle:
-        """Ask for a lease and wait for it, showing the queue; raises on refusal/timeout."""
-        try:
-            self.connect()
-        except BrokerUnavailable:
-            if self.connection.connected_path is None:
-                raise  # never had a broker: nothing to wait for
+        """Ask for a lease and wait for it, showing the queue; raises on refusal/timeout.
+
+        The cell's timeout counts from here: a wait for a restarting broker is part of it.
+        """
+        started = time.monotonic()
+        # Connected first (waiting while the broker restarts), so that the request says
+        # what this connection's control block lets the broker do.
+        self.connection.reach(output, timeout_s=options.timeout_s, started=started)
         if output is not None:
             for line in self.connection.announcements:
                 output.show("gpushare-announce", line)
             self.connection.announcements.clear()
         request = options.request(self.capabilities(options, in_workers=not bind), label)
-        handle = self._ask(request, options, output)
+        handle = self._ask(request, options, output, started)
         asked_at = time.monotonic()
         try:
             self._wait_for_grant(handle)
@@ -277,17 +279,18 @@ class GpuSession:
             self._bind(handle)
         return handle
 
-    def _ask(self, request: Any, options: LeaseOptions, output: CellOutput | None) -> LeaseHandle:
+    def _ask(
+        self, request: Any, options: LeaseOptions, output: CellOutput | None, started: float
+    ) -> LeaseHandle:
         """The handle of the broker's answer, with the notices that came before it."""
-        requested_at = time.monotonic()
         while True:
             reply, generation = self.connection.ask_for_lease(
-                request, output, timeout_s=options.timeout_s
+                request, output, timeout_s=options.timeout_s, started=started
             )
             if isinstance(reply, Refused):
                 raise LeaseRefused(cell_lines.refused_words(reply.message))
             handle = LeaseHandle(lease_id=reply.lease_id, options=options, output=output)
-            handle.asked_at = requested_at
+            handle.asked_at = started
             if isinstance(reply, Granted):
                 record_grant(handle, reply)
             else:

@@ -2,9 +2,10 @@
 
 * Interrupting a queued cell: its queue line says the request was withdrawn, and the
   interrupt is one line, ``KeyboardInterrupt: the cell did not run``, within a second.
-* With the broker gone, ``timeout=2s`` is kept: the cell's live "reconnecting" line
-  becomes "stopped reconnecting after 2 s (timed out)" and the cell ends with one error
-  line; an interrupt ends the wait within a second, the line saying so.
+* With the broker gone, ``timeout=2s`` is kept: the cell's live "the broker is
+  restarting; reconnecting" line becomes "stopped waiting for the broker after 2 s (timed
+  out)" and the cell ends with one error line; an interrupt ends the wait within a
+  second, the line saying so.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def test_with_the_broker_gone_the_cells_timeout_is_kept(extra_broker, kernels, m
     assert 2.0 <= took < 3.5, f"{took:.1f} s\n{run.describe()}"
     assert run.status == "error", run.describe()
     stopped, error = lines_of(run)
-    assert stopped == "gpushare: the broker went away; stopped reconnecting after 2 s (timed out)"
+    assert stopped == "gpushare: stopped waiting for the broker after 2 s (timed out)"
     assert error == (
         f"UsageError: gpushare: no GPU within 2 s: the broker on {broker.socket} went away "
         "and was not back in time; the request was not made and the cell did not run"
@@ -91,12 +92,12 @@ def test_with_the_broker_gone_an_interrupt_ends_the_wait_in_one_line(
     kernel.run("%%gpu\nx = 1").ok()
     broker.stop()
     run = kernel.submit("%%gpu\nside_effect = 'the body ran'")
-    run.wait_shown("gpushare: the broker went away; reconnecting -- 1 s")
+    run.wait_shown("gpushare: the broker is restarting; reconnecting -- 1 s")
 
     interrupted_within_a_second(kernel, run)
 
     stopped, last = lines_of(run)
-    assert stopped.startswith("gpushare: the broker went away; stopped reconnecting after ")
+    assert stopped.startswith("gpushare: stopped waiting for the broker after ")
     assert stopped.endswith(" s (interrupted)"), run.describe()  # not left "reconnecting"
     assert last == INTERRUPTED
     assert "NameError" in kernel.run("side_effect").final_text()
