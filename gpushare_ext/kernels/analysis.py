@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import ParamSpec, TypeVar
 
+from gpushare_ext.kernels.callees import call_refusal
 from gpushare_ext.kernels.classification import NON_IDEMPOTENT_ATOMICS, atomic_op, classify
 from gpushare_ext.kernels.dataflow import (
     LOADED,
@@ -391,7 +392,8 @@ def _block_id_uses(
     module: PtxModule, instrs: list[Instruction]
 ) -> tuple[set[str], set[str], list[str]]:
     """Which of %ctaid/%nctaid x/y/z the kernel reads, and what the transform refuses
-    about them: vector reads, cluster registers, calls to functions that read them."""
+    about them: vector reads, cluster registers, and calls the analysis cannot step over
+    (``callees.py``: a callee that touches memory, reads them, or has no body)."""
     uses_ctaid: set[str] = set()
     uses_nctaid: set[str] = set()
     unsupported: list[str] = []
@@ -405,27 +407,10 @@ def _block_id_uses(
             if "%cluster" in op or "%is_explicit_cluster" in op:
                 unsupported.append(f"cluster register {op} at PTX line {ins.line}")
         if ins.base == "call":
-            refusal = _call_refusal(module, ins)
+            refusal = call_refusal(module, ins)
             if refusal:
                 unsupported.append(refusal)
     return uses_ctaid, uses_nctaid, unsupported
-
-
-def _call_refusal(module: PtxModule, ins: Instruction) -> str | None:
-    """Why a call keeps the kernel from being transformed, or None (vprintf is fine)."""
-    callee = ins.operands[1] if len(ins.operands) > 1 else ""
-    callee = callee if not callee.startswith("(") else (ins.operands[0] if ins.operands else "")
-    if not any(fn.name == callee for fn in module.functions) and callee == "vprintf":
-        return None
-    fn = next((f for f in module.functions if f.name == callee), None)
-    if fn is None or any(
-        "%ctaid" in o or "%nctaid" in o for x in fn.instructions for o in x.operands
-    ):
-        return (
-            f"call to {callee or 'a function'} at PTX line {ins.line}: device functions "
-            "are not instrumented (inline them)"
-        )
-    return None
 
 
 def _make_access(i, ins, kind, t, candidates, definite) -> MemoryAccess:

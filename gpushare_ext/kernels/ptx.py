@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from gpushare_ext.errors import GpushareError
 
 __all__ = [
+    "Declaration",
     "Entry",
     "Instruction",
     "KernelError",
@@ -25,6 +26,7 @@ __all__ = [
     "PtxModule",
     "Statement",
     "parse_ptx",
+    "return_params",
     "split_operands",
 ]
 
@@ -192,6 +194,20 @@ class Entry:
         return [s.instr for s in self.body if s.instr is not None]
 
 
+@dataclass(frozen=True)
+class Declaration:
+    """A function declared at module scope without a body (``.extern .func (.param .b32
+    r) f (.param .b32 x);``): defined in another module the linker brings in.
+    ``text[start:end]`` of the module is the whole declaration, ``;`` included."""
+
+    name: str
+    linkage: str
+    return_decl: str
+    params: tuple[Param, ...]
+    start: int
+    end: int
+
+
 @dataclass
 class PtxModule:
     """A parsed PTX module: header, module-scope chunks and entries, in text order."""
@@ -203,6 +219,7 @@ class PtxModule:
     chunks: list[str | Entry]  # raw module-level text or an entry, in order
     module_vars: dict[str, str]  # module-scope variable -> state space ("global", "shared"..)
     files: dict[int, str] = field(default_factory=dict)  # .file number -> source path
+    declarations: list[Declaration] = field(default_factory=list)  # bodiless functions
 
     @property
     def entries(self) -> list[Entry]:
@@ -325,6 +342,14 @@ def _parse_params(text: str, where: int) -> list[Param]:
         size = _SIZE_OF_TYPE[typ] * (count or 1)
         params.append(Param(m.group("name"), typ, size, align or _SIZE_OF_TYPE[typ], count))
     return params
+
+
+def return_params(return_decl: str) -> list[Param]:
+    """The values a function returns, from its ``(.param .b32 func_retval0)`` part."""
+    inner = return_decl.strip()
+    if not (inner.startswith("(") and inner.endswith(")")) or not inner[1:-1].strip():
+        return []
+    return _parse_params(inner[1:-1], 0)
 
 
 def find_matching(
@@ -467,6 +492,7 @@ def parse_ptx(text: str) -> PtxModule:
     if not version or not target:
         raise KernelError("bad-ptx", "not PTX: no .version/.target directive found", step="parse")
     chunks: list[str | Entry] = []
+    declarations: list[Declaration] = []
     pos = 0
     for m in _DECL_START.finditer(clean):
         if m.start() < pos:
@@ -477,7 +503,12 @@ def parse_ptx(text: str) -> PtxModule:
         semi = clean.find(";", head_end)
         # A prototype (".extern .func f(...);") has a ';' before any '{'.
         if brace < 0 or (0 <= semi < brace):
-            continue  # prototype only; stays in the raw text
+            if semi >= 0 and m.group("kind") == "func":  # it stays in the raw text
+                linkage = m.group("linkage").strip()
+                declarations.append(
+                    Declaration(name, linkage, return_decl, tuple(params), prefix_start, semi + 1)
+                )
+            continue
         perf = clean[head_end:brace].strip()
         body_end = _match_paren(clean, brace, "{", "}")
         chunks.append(text[pos:prefix_start])
@@ -506,6 +537,7 @@ def parse_ptx(text: str) -> PtxModule:
             int(m.group(1)): m.group(2)
             for m in re.finditer(r'^\s*\.file\s+(\d+)\s+"([^"]*)"', clean, re.M)
         },
+        declarations=declarations,
     )
 
 

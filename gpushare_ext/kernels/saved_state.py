@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from gpushare_ext.kernels.callees import call_refusal, call_target, callees
 from gpushare_ext.kernels.ptx import Instruction
 from gpushare_ext.kernels.rewrite import (
     BLOCK_COORDS,
@@ -49,8 +50,9 @@ def _save_refusal(state: TransformState, checks: dict[int, str]) -> str | None:
     """Why this kernel's threads cannot stop and go on from saved registers, or None.
 
     A thread's whole state must be its registers: no shared or local memory, no
-    barriers (threads of a block stop at different points), no warp collectives and no
-    calls (a callee's frame is not in the entry's registers)."""
+    barriers (threads of a block stop at different points), no warp collectives, and
+    calls only into functions the analysis steps over (``callees.py``: their frames
+    are gone by the time a back-edge check runs) that use no warp collective either."""
     if any(kind == "uniform" for kind in checks.values()):
         return "a loop has barriers"
     if needs_block_sync(state):
@@ -60,11 +62,26 @@ def _save_refusal(state: TransformState, checks: dict[int, str]) -> str | None:
             return "it uses local memory"
     for ins in state.entry.instructions:
         if ins.base == "call":
-            return "it calls a function"
+            why = _call_refusal(state, ins)
+            if why:
+                return why
         if ins.base in _WARP_COLLECTIVES:
             return f"it uses the warp collective {ins.opcode}"
         if ins.state_space == "local" or any("%SP" in o for o in ins.operands):
             return "it uses local memory"
+    return None
+
+
+def _call_refusal(state: TransformState, ins: Instruction) -> str | None:
+    """Why a thread that calls here cannot save its state, or None."""
+    callee = call_target(ins)
+    called = next((f for f in state.module.functions if f.name == callee), None)
+    if called is None or call_refusal(state.module, ins) is not None:
+        return "it calls a function"  # printf, or one the analysis cannot step over
+    for fn in (called, *callees(state.module, called)):
+        used = next((x for x in fn.instructions if x.base in _WARP_COLLECTIVES), None)
+        if used is not None:
+            return f"it calls {fn.name}, which uses the warp collective {used.opcode}"
     return None
 
 

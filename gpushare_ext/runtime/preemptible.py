@@ -23,7 +23,8 @@ transaction:
 * after ``MAX_ABORTS`` aborts that were undone (restart or rollback), a launch goes on
   with yields between logical blocks only, so one whose blocks outlast the gaps between
   preemptions still finishes;
-* unknown (a pointer loaded from memory, a call ...), or a kernel the transform refuses:
+* unknown (a pointer loaded from memory, a call into code that touches memory or whose
+  PTX it was not given ...), or a kernel the transform refuses:
   the original runs unmodified, under the shim and the checkpoint lock, and the cell
   says so once, with the reason.
 
@@ -53,7 +54,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +86,7 @@ class Twin:
     name: str
     module: int
     ptx: bytes = b""  # kept until the analysis has run
+    linked: tuple[str, ...] = ()  # the PTX it is linked with (Numba's link=), as long
     kernel: Any = None  # gpushare_ext.kernels.frontends.Kernel
     reason: str = ""  # why it runs unmodified (empty: it has a preemptible twin)
     said: bool = False
@@ -99,9 +101,9 @@ class Twin:
         """Analyse and transform now (once): sets ``kernel``, or ``reason``."""
         if self.ptx:
             began = time.perf_counter_ns()
-            self.kernel, self.reason = _analyse(self.ptx, self.name)
+            self.kernel, self.reason = _analyse(self.ptx, self.name, self.linked)
             self.analysis_ns = time.perf_counter_ns() - began
-            self.ptx = b""
+            self.ptx, self.linked = b"", ()
 
 
 @dataclass
@@ -144,11 +146,12 @@ class Registry:
                 function, Twin(name=name.decode("ascii", "replace"), module=int(module), ptx=text)
             )
 
-    def adopt(self, function: int, ptx: str, name: str) -> None:
+    def adopt(self, function: int, ptx: str, name: str, linked: Sequence[str] = ()) -> None:
         """A function whose PTX a framework hands over itself (Numba links to a cubin,
         so the shim never sees its PTX): analysed now (a Numba compile dwarfs it) and
-        tracked like one the shim saw."""
-        twin = Twin(name=name, module=0, ptx=ptx.encode("ascii", "replace"))
+        tracked like one the shim saw.  ``linked``: the PTX texts it is linked with
+        (Numba's ``link=``), where the device functions it declares have their bodies."""
+        twin = Twin(name=name, module=0, ptx=ptx.encode("ascii", "replace"), linked=tuple(linked))
         twin.analyse()
         self._track(function, twin)
 
@@ -301,15 +304,23 @@ def _reason_of(exc: Exception) -> str:
     return message.splitlines()[0][:300]
 
 
-def _analyse(ptx: bytes, name: str) -> tuple[Any, str]:
-    """(the analysed kernel for ``name`` in ``ptx``, "") or (None, why it has none)."""
+def _analyse(ptx: bytes, name: str, linked: Sequence[str] = ()) -> tuple[Any, str]:
+    """(the analysed kernel for ``name`` in ``ptx``, "") or (None, why it has none).
+    The device functions it declares and ``linked`` defines are put into its module
+    first (``kernels/linking.py``), so that the analysis sees their bodies and the twin
+    loads without a linker."""
     from gpushare_ext.kernels import Idempotence, Kernel, KernelError
+    from gpushare_ext.kernels.linking import link_device_functions
 
     try:
-        kernel = Kernel(ptx.decode("ascii", "replace"), name, origin="ptx")
+        text = ptx.decode("ascii", "replace")
+        linking = link_device_functions(text, linked) if linked else None
+        kernel = Kernel(linking.text if linking else text, name, origin="ptx")
         report = kernel.report
         if report.classification.verdict is Idempotence.UNKNOWN:
             why = report.classification.reasons[0] if report.classification.reasons else ""
+            if linking is not None and linking.notes:
+                why = "; ".join((why, *linking.notes))
             return None, f"the analysis cannot tell what it writes: {why}".rstrip(": ")
         kernel.preemptible(abort_checks=bool(report.loops))  # refused here, not at launch
     except KernelError as exc:

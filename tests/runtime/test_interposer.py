@@ -779,6 +779,72 @@ def test_numba_kernels_are_handed_over_from_its_code_library(fake_driver):
     assert out["state"] == interpose.TRACK_TIMING
 
 
+NUMBA_LINKED_SCRIPT = r"""
+import json, re, sys, tempfile
+from pathlib import Path
+from gpushare_ext.runtime import interpose, preemptible
+registry = preemptible.install()
+from numba import cuda, float32, types
+from numba.cuda.cudadrv.linkable_code import PTXSource
+from gpushare_ext.runtime.frameworks.numba import linked_ptx
+
+def relax_once(v):
+    return v * float32(0.999) + float32(0.25)
+
+def pair(abi):  # benchmarks/long_neighbours.py numba_linked, for cc 9.0
+    callee, _ = cuda.compile_ptx(relax_once, (types.float32,), device=True, abi=abi,
+                                 abi_info={"abi_name": "gps_relax"}, cc=(9, 0))
+    relax = cuda.declare_device("gps_relax", "float32(float32)", abi=abi)
+    def gps_numba_linked(x, iterations):
+        i = cuda.grid(1)
+        if i < x.size:
+            v = x[i]
+            for _ in range(iterations):
+                v = relax(v)
+            x[i] = v
+    ptx, _ = cuda.compile_ptx(gps_numba_linked, (types.float32[::1], types.int64), cc=(9, 0))
+    return ptx, re.search(r"\.entry\s+(\S+)\(", ptx).group(1), callee
+
+ptx, name, callee = pair("c")
+folder = Path(tempfile.mkdtemp())
+(folder / "relax.ptx").write_text(callee)
+
+class Library:  # what the hook reads of Numba's CUDACodeLibrary: its link= files
+    _linking_files = {str(folder / "relax.ptx"), str(folder / "absent.cubin"),
+                      PTXSource(b"// in memory\n", name="more")}
+
+texts = linked_ptx(Library())
+out = {"linked": [t.splitlines()[0] for t in texts]}
+registry.adopt(0x4242, ptx, name, linked=texts)
+registry.adopt(0x4243, ptx, name)
+numba_abi, numba_name, _ = pair("numba")
+registry.adopt(0x4244, numba_abi, numba_name, linked=[callee])
+for handle in (0x4242, 0x4243, 0x4244):
+    twin = registry.twins[handle]
+    out[hex(handle)] = {"twin": twin.kernel is not None, "reason": twin.reason,
+                        "state": interpose.function_state(handle)[0]}
+out["saves"] = registry.twins[0x4242].kernel.preemptible(abort_checks=True).saves_state
+print(json.dumps(out))
+"""
+
+
+def test_a_numba_kernel_is_handed_over_with_the_ptx_it_links(fake_driver):
+    out = run_preloaded(NUMBA_LINKED_SCRIPT, fake_driver)
+    # The PTX among its link= files, on disk or in memory; a cubin is not read.
+    assert sorted(out["linked"]) == ["//", "// in memory"]
+    # With its callee's body the kernel has a twin (and its threads save their state).
+    assert out["0x4242"] == {"twin": True, "reason": "", "state": interpose.TRACK_TIMING}
+    assert out["saves"] is True
+    # Without it, or with a callee it declares with another ABI, it runs unmodified and
+    # says why: the call it cannot see into.
+    alone = out["0x4243"]
+    assert not alone["twin"] and "call to gps_relax" in alone["reason"], alone
+    assert "no body" in alone["reason"]
+    mismatched = out["0x4244"]
+    assert not mismatched["twin"] and "call to gps_relax" in mismatched["reason"], mismatched
+    assert "Numba-ABI declaration of a C-ABI function" in mismatched["reason"]
+
+
 IPC_SCRIPT = r"""
 import ctypes, json
 from gpushare_ext.runtime import interpose

@@ -11,7 +11,7 @@ part of gpushare.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -19,8 +19,9 @@ from typing import Protocol
 class KernelAdopter(Protocol):
     """Where a framework hands a kernel it loaded itself (the preemptible registry)."""
 
-    def adopt(self, function: int, ptx: str, name: str) -> None:
-        """Track ``function`` (a CUDA function handle) from its ``ptx``, entry ``name``."""
+    def adopt(self, function: int, ptx: str, name: str, linked: Sequence[str] = ()) -> None:
+        """Track ``function`` (a CUDA function handle) from its ``ptx``, entry ``name``;
+        ``linked``: the PTX texts the framework links it with (their device functions)."""
 
 
 AdopterOf = Callable[[], KernelAdopter | None]  # the registry in force, asked at each load

@@ -4,7 +4,9 @@ quota, and its kernels' PTX handed to the preemptible-kernel registry.
 Numba's allocations go through :func:`numba_memory_manager`'s class, a Numba external
 memory manager (EMM) that counts them in the quota ledger.  Numba links its kernels to
 a cubin itself, so the launch shim never sees their PTX: a hook on Numba's code library
-hands each kernel's PTX and handle over as Numba loads it.
+hands each kernel's PTX and handle over as Numba loads it, with the text of the PTX
+files it links the kernel with (``@cuda.jit(link=[...])``: the bodies of the device
+functions the kernel declares with ``cuda.declare_device``).
 
 It must not import Numba until Numba is imported by the notebook (or a hook is called).
 """
@@ -87,9 +89,28 @@ def __getattr__(name: str) -> Any:
 # ---- its kernels, handed over as it loads them
 
 
+def linked_ptx(library: Any) -> tuple[str, ...]:
+    """The PTX texts among the files Numba links ``library``'s kernel with (its
+    ``_linking_files``: paths ending in ``.ptx`` and in-memory ``PTXSource`` objects),
+    in a stable order.  Others (CUDA C++, cubins, objects, LTO-IR) are not PTX the
+    analysis can read: a call into them stays unresolved and the kernel says so."""
+    texts: list[str] = []
+    for item in list(getattr(library, "_linking_files", ()) or ()):
+        with contextlib.suppress(Exception):  # an unreadable file: its calls stay unresolved
+            if isinstance(item, (str, os.PathLike)):
+                if os.fspath(item).endswith(".ptx"):
+                    with open(item, encoding="ascii", errors="replace") as f:
+                        texts.append(f.read())
+            elif type(item).__name__ == "PTXSource":
+                data = item.data
+                texts.append(data.decode("ascii", "replace") if isinstance(data, bytes) else data)
+    return tuple(sorted(texts))
+
+
 def _hook_code_library(codegen: Any, adopter_of: AdopterOf) -> None:
-    """Have Numba's code library hand each kernel's PTX and handle to the adopter when
-    it loads the kernel (``CUDACodeLibrary.get_cufunc``, once per kernel and device)."""
+    """Have Numba's code library hand each kernel's PTX, handle and linked PTX to the
+    adopter when it loads the kernel (``CUDACodeLibrary.get_cufunc``, once per kernel
+    and device)."""
     library_class = getattr(codegen, "CUDACodeLibrary", None)
     original = getattr(library_class, "get_cufunc", None)
     if original is None or getattr(original, "_gpushare", False):
@@ -102,7 +123,10 @@ def _hook_code_library(codegen: Any, adopter_of: AdopterOf) -> None:
         if adopter is not None and not cached:
             # If Numba's internals moved, its kernels just run as they are.
             with contextlib.suppress(Exception):
-                adopter.adopt(int(cufunc.handle), self.get_asm_str(), str(self._entry_name))
+                adopter.adopt(
+                    int(cufunc.handle), self.get_asm_str(), str(self._entry_name),
+                    linked=linked_ptx(self),
+                )  # fmt: skip
         return cufunc
 
     get_cufunc._gpushare = True  # type: ignore[attr-defined]
