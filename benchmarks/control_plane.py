@@ -22,8 +22,9 @@ Three parts, each optional:
 * **core** (``--core-leases 1,64,256,1000``): the scheduler core alone, in this
   process, with that many leases: µs per event for a release, a request and a tick,
   with every lease running (time-sliced on one GPU) and with 1 GiB leases, where ~140
-  run and the rest wait (each release lets the first waiter in, so every waiter behind
-  it is told its new place: the notices per event are reported too).
+  run and the rest wait (each release lets the first waiter in and moves every waiter
+  behind it up one; the first ten and those whose place, rounded up past 10, changes
+  are told: the notices per event are reported too).
 * **core, waiting** (``--core-waiters 1,64,256,1000``): the core alone on two simulated
   H200s, with that many requests waiting for GPU 0 (which one high lease fills) while
   GPU 1 serves 64 small time-sliced leases.  A cycle is five events that leave the

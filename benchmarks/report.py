@@ -189,8 +189,9 @@ def _control_section(doc: dict) -> list[str]:
             "",
             "*The scheduler core alone*, µs per event (a release, a request, a tick) on one "
             "GPU: every lease running time-sliced, and 1 GiB leases of which ~140 fit and "
-            "the rest wait (each release lets the first in, and every waiter behind it is "
-            "told its new place).  *waiting*: that many requests wait for GPU 0 of two "
+            "the rest wait (each release lets the first in and moves every waiter behind it "
+            "up one; the first ten and those whose place, rounded up past 10, changes are "
+            "told).  *waiting*: that many requests wait for GPU 0 of two "
             "while events on GPU 1 and at the back of the queue leave their places alone.",
             "",
             "| leases (waiting) | workload | running | µs per event | target | verdict |",

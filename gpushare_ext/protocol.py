@@ -370,9 +370,33 @@ class Granted(BrokerMessage, tag="granted"):
     ranks: list[RankPlacement] = []  # a gang's ranks in order; empty for one lease
 
 
+# Queue places a ``queued`` notice tells exactly; further back it tells a round number.
+EXACT_PLACES = 10
+
+
+def told_place(position: int) -> int:
+    """A queue place (1-based) as a ``queued`` notice tells it: exact up to
+    :data:`EXACT_PLACES`, further back rounded up to the next of 20, 50, 100, 200, 500,
+    1,000, 2,000 ..., so the request stands at that place or nearer.
+
+    Every grant moves every waiter behind it up one place; told exactly, that was a
+    notice to each of them.  Rounded, a waiter far back hears of it only when its place
+    crosses one of those numbers: a grant at the head of a thousand waiters tells the
+    first ten and five more.  A place past :data:`EXACT_PLACES` means "that place or
+    nearer", and is best worded so ("within the first 200")."""
+    if position <= EXACT_PLACES:
+        return position
+    scale = 10
+    while True:
+        for top in (scale, 2 * scale, 5 * scale):
+            if position <= top:
+                return top
+        scale *= 10
+
+
 class Queued(BrokerMessage, tag="queued"):
     lease_id: str
-    position: int
+    position: int  # as :func:`told_place` tells it: exact near the head, rounded up behind
     waiting_for: str  # who holds what it needs, anonymised unless it is you or you are admin
     holder_priority: int | None = None
     estimate_s: float | None = None

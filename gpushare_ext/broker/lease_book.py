@@ -41,6 +41,7 @@ class LeaseBook:
         self.ended: dict[str, Lease] = {}  # recently ended, for status and replay checks
         self.arrivals = 0
         self.hold_ema: dict[int, float] = {}  # uid -> typical hold time, for estimates
+        self.habits_version = 0  # changes whenever hold_ema does
         self.index = LeaseIndex(slots)
         self.session_of_pid: dict[int, str] = {}  # the sessions' processes, for parking
         self.parks_of_uid: dict[int, int] = {}  # park leases per user: not counted as leases
@@ -121,6 +122,7 @@ class LeaseBook:
         if lease.granted_at is not None and not lease.parks_session:
             previous = self.hold_ema.get(lease.identity.uid, held)
             self.hold_ema[lease.identity.uid] = 0.7 * previous + 0.3 * held
+            self.habits_version += 1
         del self.leases[lease.lease_id]
         if lease.parks_session:
             left = self.parks_of_uid.get(lease.identity.uid, 1) - 1

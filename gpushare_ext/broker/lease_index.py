@@ -66,7 +66,10 @@ class SlotLoad:
     bands: dict[int, int] = field(default_factory=dict)  # running leases per priority band
     base_priorities: dict[int, int] = field(default_factory=dict)  # running leases per base
     tops: dict[int, int] = field(default_factory=dict)  # per whole running priority
+    users: dict[tuple[int, str], int] = field(default_factory=dict)  # running, per (uid, user)
+    users_version: int = 0  # changes whenever a user comes to run here or no longer does
     granted: dict[int, dict[str, float]] = field(default_factory=dict)  # uid: {id: granted at}
+    latest_grant: dict[int, float] = field(default_factory=dict)  # uid: its latest granted at
     version: int = 0  # changes whenever the running leases do
     holders_version: int = 0  # changes whenever the running or paused leases do
 
@@ -88,7 +91,9 @@ class SlotLoad:
             sorted(self.bands.items()),
             sorted(self.base_priorities.items()),
             sorted(self.tops.items()),
+            sorted(self.users.items()),
             sorted((uid, sorted(grants.items())) for uid, grants in self.granted.items()),
+            sorted(self.latest_grant.items()),
         )
 
 
@@ -106,6 +111,7 @@ class _Entry:
     share: Fraction | None  # None: a whole share
     exclusive: bool
     uid: int
+    user: str
     pid: int
 
 
@@ -140,6 +146,7 @@ class LeaseIndex:
             share=None if whole else exact_share(lease.sm_share),
             exclusive=lease.slice == SliceWish.EXCLUSIVE,
             uid=lease.identity.uid,
+            user=lease.identity.user,
             pid=lease.identity.pid,
         )
         self._entries[lease.lease_id] = entry
@@ -169,8 +176,15 @@ class LeaseIndex:
         _count(load.bands, entry.band, 1)
         _count(load.base_priorities, entry.base_priority, 1)
         _count(load.tops, entry.top, 1)
+        user = (entry.uid, entry.user)
+        if user not in load.users:
+            load.users_version += 1
+        _count(load.users, user, 1)
         if entry.granted_at is not None:
             load.granted.setdefault(entry.uid, {})[lease.lease_id] = entry.granted_at
+            latest = load.latest_grant.get(entry.uid)
+            if latest is None or entry.granted_at > latest:
+                load.latest_grant[entry.uid] = entry.granted_at
 
     def drop(self, lease: Lease) -> None:
         """A lease leaves the system (or is about to be added again, changed)."""
@@ -202,11 +216,18 @@ class LeaseIndex:
         _count(load.bands, entry.band, -1)
         _count(load.base_priorities, entry.base_priority, -1)
         _count(load.tops, entry.top, -1)
+        user = (entry.uid, entry.user)
+        _count(load.users, user, -1)
+        if user not in load.users:
+            load.users_version += 1
         if entry.granted_at is not None:
             grants = load.granted[entry.uid]
             del grants[lease.lease_id]
             if not grants:
                 del load.granted[entry.uid]
+                del load.latest_grant[entry.uid]
+            elif entry.granted_at == load.latest_grant[entry.uid]:
+                load.latest_grant[entry.uid] = max(grants.values())
 
     # Around a change of a lease's state or slot (made by
     # lease_transitions.transition, checked before): the lease is taken out, and put
@@ -286,7 +307,7 @@ def rebuilt(slot_keys: Iterable[str], leases: Iterable[Lease]) -> LeaseIndex:
     return index
 
 
-def _count(counts: dict[int, int], key: int, change: int) -> None:
+def _count(counts: dict, key: Hashable, change: int) -> None:
     """Add ``change`` to a count, keeping no zero counts (so that max() of the keys and
     comparisons with a recomputed index mean what they say)."""
     count = counts.get(key, 0) + change
@@ -403,10 +424,13 @@ class WaitingLine:
     or a close pair has swapped, :meth:`in_order_at` says so and the core sorts the line
     afresh (:meth:`rebuild`).
 
-    ``first_change`` is the index into ``counted`` from which the places of the queued
-    requests may differ from what they were last told; the core moves it back to the end
-    once it has told them.  The core says who waits and in which group (:meth:`update`);
-    the line only keeps order.
+    A queued request that joins or leaves the line moves the places of those behind it
+    by one: ``moves`` keeps each such ``(ticket, +1 or -1)``, and a queued request behind
+    those tickets stands that many places further back than it was last told.
+    ``first_change`` is the index into ``counted`` from which places may have changed
+    otherwise (the line was sorted afresh).  The core forgets both once it has told
+    everyone (:meth:`told`).  The core says who waits and in which group
+    (:meth:`update`); the line only keeps order.
     """
 
     def __init__(self) -> None:
@@ -415,6 +439,7 @@ class WaitingLine:
         self.counted: list[int] = []  # the queued requests', in order
         self.groups: dict[Hashable, list[int]] = {}
         self.first_change = 0
+        self.moves: list[tuple[int, int]] = []  # (ticket, +1/-1), in the order they came
         self.ordered_until = math.inf
         self._at: dict[int, Place] = {}
         self._close: list[tuple[Place, Place]] = []  # neighbours compared at every event
@@ -449,6 +474,7 @@ class WaitingLine:
         self.places = {place.lease.lease_id: place for place in places}
         self._number(places)
         self.first_change = 0
+        self.moves = []
         self.ordered_until = math.inf
         self._close = []
         for first, second in pairwise(places):
@@ -477,7 +503,7 @@ class WaitingLine:
                 self.counted.insert(index, place.ticket)
             else:
                 del self.counted[index]
-            self.first_change = min(self.first_change, index)
+            self.moves.append((place.ticket, 1 if place.counted else -1))
 
     def remove(self, lease_id: str, now: float) -> None:
         place = self.places.pop(lease_id)
@@ -486,9 +512,8 @@ class WaitingLine:
         del self._at[place.ticket]
         _untake(self.groups, place.group, place.ticket)
         if place.counted:
-            counted = self.counted_before(place.ticket)
-            del self.counted[counted]
-            self.first_change = min(self.first_change, counted)
+            del self.counted[self.counted_before(place.ticket)]
+            self.moves.append((place.ticket, -1))
         if 0 < index < len(self.tickets):
             self._watch(self._at[self.tickets[index - 1]], self._at[self.tickets[index]], now)
 
@@ -505,9 +530,8 @@ class WaitingLine:
         self.places[place.lease.lease_id] = place
         bisect.insort(self.groups.setdefault(place.group, []), place.ticket)
         if place.counted:
-            counted = self.counted_before(place.ticket)
-            self.counted.insert(counted, place.ticket)
-            self.first_change = min(self.first_change, counted)
+            self.counted.insert(self.counted_before(place.ticket), place.ticket)
+            self.moves.append((place.ticket, 1))
         if index > 0:
             self._watch(at[tickets[index - 1]], place, now)
         if index + 1 < len(tickets):
@@ -524,8 +548,14 @@ class WaitingLine:
             return tickets[-1] + TICKET_GAP
         if tickets[index] - tickets[index - 1] < 2:  # no room left: number afresh
             self._number([self._at[ticket] for ticket in tickets])
+            self.moves = [(_renumbered(tickets, self.tickets, t), d) for t, d in self.moves]
             tickets = self.tickets
         return (tickets[index - 1] + tickets[index]) // 2
+
+    def told(self) -> None:
+        """Every queued request was told where it stands: changes count from here."""
+        self.first_change = len(self.counted)
+        self.moves = []
 
     def _number(self, places: list[Place]) -> None:
         """Give ``places`` (in order) tickets TICKET_GAP apart and file them."""
@@ -547,6 +577,14 @@ class WaitingLine:
             self._close.append((first, second))
         else:
             self.ordered_until = min(self.ordered_until, until)
+
+
+def _renumbered(old: list[int], new: list[int], ticket: int) -> int:
+    """A move's ``ticket`` after the line (``old``, in order) was numbered afresh as
+    ``new``: the new ticket of the last place at or before it, so the same places stand
+    behind it (one less than every new ticket if none)."""
+    before = bisect.bisect_right(old, ticket) - 1
+    return new[before] if before >= 0 else new[0] - 1
 
 
 def _untake(groups: dict[Hashable, list[int]], group: Hashable, ticket: int) -> None:

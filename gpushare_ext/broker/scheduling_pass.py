@@ -8,7 +8,10 @@ than a handful of waiters (``LINE_FROM``) the pass keeps them in a
 queued requests that want the same slots form a group: once all those slots are
 reserved or waited for by the waiters ahead, the rest of the group can neither be
 placed nor make room, so they are only told where they stand, and only if that may
-have changed (their place, how their slots look, or their notice was reset).
+have changed (their place as a notice tells it, how their slots look, or their notice
+was reset).  The requests that join or leave ahead of a waiter move its place; as a
+notice rounds places far back, only the waiters near the head and those whose place
+crosses a round number are looked at (:func:`places_told_anew`).
 
 What it must not do: decide fit, victims or levels (placement does), or word notices
 (queue notices do); it decides only who has a turn, in which order, and who is told.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from gpushare_ext.broker.actions import Action, GrantLease
@@ -31,11 +35,36 @@ from gpushare_ext.broker.policy import Policy
 from gpushare_ext.broker.queue_notices import QueueNotices
 from gpushare_ext.broker.scheduler_records import Lease
 from gpushare_ext.broker.slot_finder import SlotFinder
-from gpushare_ext.protocol import LeaseState
+from gpushare_ext.protocol import EXACT_PLACES, LeaseState, told_place
 
 # Waiters a pass serves one by one without a waiting line: for so few, sorting them and
 # serving each costs less than keeping the line.
 LINE_FROM = 4
+
+
+def places_told_anew(first: int, last: int, moved: int) -> Iterator[int]:
+    """The places in ``first..last`` of requests that stand ``moved`` places further
+    back (nearer the head, if negative) than they were last told, and whose place a
+    notice tells otherwise now (:func:`~gpushare_ext.protocol.told_place`): every place
+    near the head, and further back only those that crossed a round number."""
+    if not moved or first > last:
+        return
+    exact_to = min(last, EXACT_PLACES + max(moved, 0))
+    yield from range(first, exact_to + 1)
+    start, near = max(first, exact_to + 1), abs(moved)
+    if start > last:
+        return
+    # The places that crossed the round number ``top``: top-near+1..top (moved up) or
+    # top+1..top+near (moved back).  Rounded up, a place is told otherwise exactly when
+    # it crossed one.
+    top = told_place(max(EXACT_PLACES + 1, start if moved < 0 else start - near))
+    while start <= last:
+        low, high = (top - near + 1, top) if moved < 0 else (top + 1, top + near)
+        if low > last:
+            return
+        yield from range(max(start, low), min(last, high) + 1)
+        start = max(start, high + 1)
+        top = told_place(top + 1)
 
 
 @dataclass(kw_only=True)
@@ -62,7 +91,11 @@ class _Pass:
 
     now: float
     groups: list[_RequestGroup]
-    moved_from: int  # counted[moved_from:] may stand elsewhere than they were last told
+    changed_from: int  # counted[changed_from:] may stand anywhere (the line was sorted anew)
+    # Below it, places moved only by the requests that joined or left ahead: after
+    # move_tickets[i], each stands move_deltas[i] places further back (a grant: -1).
+    move_tickets: list[int]
+    move_deltas: list[int]
     reserved: set[str] = field(default_factory=set)
     waited_for: set[str] = field(default_factory=set)
     served: set[str] = field(default_factory=set)  # lease ids served in turn
@@ -136,7 +169,14 @@ class SchedulingPass:
             for wanted, tickets in line.groups.items()
             if wanted != OTHERS
         ]
-        state = _Pass(now=now, groups=groups, moved_from=line.first_change)
+        moves = sorted(line.moves)
+        state = _Pass(
+            now=now,
+            groups=groups,
+            changed_from=line.first_change,
+            move_tickets=[ticket for ticket, _ in moves],
+            move_deltas=[delta for _, delta in moves],
+        )
         self._pass = state
         try:
             self._close_groups(state)
@@ -170,10 +210,12 @@ class SchedulingPass:
         """A queued request was granted in this pass: the places behind it move up (the
         line itself drops it when the pass ends)."""
         place = self._line.places.get(lease_id)
-        if self._pass is not None and place is not None and place.counted:
-            bisect.insort(self._pass.granted, place.ticket)
-            index = self._line.counted_before(place.ticket)
-            self._pass.moved_from = min(self._pass.moved_from, index)
+        state = self._pass
+        if state is not None and place is not None and place.counted:
+            bisect.insort(state.granted, place.ticket)
+            at = bisect.bisect_right(state.move_tickets, place.ticket)
+            state.move_tickets.insert(at, place.ticket)
+            state.move_deltas.insert(at, -1)
 
     def line_mismatch(self, now: float) -> str:
         """How the kept waiting line differs from one recomputed ("" if it does not)."""
@@ -291,14 +333,18 @@ class SchedulingPass:
 
     def _tell_passed_over(self, state: _Pass, before: float) -> None:
         """Tell the requests passed over ahead of ticket ``before`` where they stand, where
-        that may have changed: their place, how their slots look, or a reset notice.
+        that may have changed: their place as a notice tells it, how their slots look, or
+        a reset notice.
 
         Nothing has changed since their turn: this runs before every turn (and at the end
         of the pass), and a turn is the only thing in a pass that changes anything."""
         line = self._line
         due: dict[int, int | None] = {}  # ticket: its index in line.counted, if known
         stop = line.counted_before(before)
-        for index in range(max(state.walked, state.moved_from), stop):
+        moved_to = min(stop, state.changed_from)
+        if state.walked < moved_to and state.move_tickets:
+            self._tell_moved(state, state.walked, moved_to, due)
+        for index in range(max(state.walked, state.changed_from), stop):
             ticket = line.counted[index]
             if line.at(ticket).lease.lease_id not in state.served:
                 due[ticket] = index
@@ -308,6 +354,36 @@ class SchedulingPass:
             self._tell_reset(state, before, due)
         if due:
             self._tell_due(state, due)
+
+    def _tell_moved(self, state: _Pass, start: int, stop: int, due: dict[int, int | None]) -> None:
+        """Add to ``due`` the passed-over requests in ``counted[start:stop]`` whose place,
+        as a notice tells it, the requests that joined or left ahead of them changed.
+
+        Between two moves every request stands the same number of places from where it
+        was last told, so only those whose place crosses a round number
+        (:func:`places_told_anew`) are looked at: a grant at the head of a thousand
+        waiters looks at a few dozen of them, not at every one."""
+        line = self._line
+        counted, tickets, deltas = line.counted, state.move_tickets, state.move_deltas
+        next_move = bisect.bisect_left(tickets, counted[start])
+        moved = sum(deltas[:next_move])  # how far those behind the moves so far stand back
+        index = start
+        while index < stop:
+            while next_move < len(tickets) and tickets[next_move] < counted[index]:
+                moved += deltas[next_move]
+                next_move += 1
+            end = stop
+            if next_move < len(tickets):
+                end = min(stop, bisect.bisect_right(counted, tickets[next_move], index))
+            if moved:
+                granted = bisect.bisect_left(state.granted, counted[index])
+                first, last = index + 1 - granted, end - granted  # their places, now
+                for place in places_told_anew(first, last, moved):
+                    at = place - 1 + granted
+                    ticket = counted[at]
+                    if line.at(ticket).lease.lease_id not in state.served:
+                        due[ticket] = at
+            index = end
 
     def _tell_changed_looks(self, state: _Pass, before: float, due: dict[int, int | None]) -> None:
         """Add to ``due`` the passed-over requests whose slots look otherwise than when
@@ -363,7 +439,7 @@ class SchedulingPass:
         line = self._line
         for ticket in state.granted:
             line.remove(line.at(ticket).lease.lease_id, state.now)
-        line.first_change = len(line.counted)
+        line.told()
         self._told_looks = {
             group.wanted: next(iter(group.looks)) if len(group.looks) == 1 else None
             for group in state.groups

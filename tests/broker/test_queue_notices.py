@@ -7,8 +7,9 @@ waiting line and on one that serves every waiter on every event
 (``recompute_every_waiter``): each event gives the same actions and leaves the same
 state.  After every event, what each waiting request last heard (place, what it waits
 for, their priority, the reason, the estimate) is what telling everyone anew would say.
-A long queue hears nothing of events that leave its places alone, and every request
-hears its new place when the queue moves.
+A long queue hears nothing of events that leave its places alone; when the queue moves,
+the requests near the head hear their new places, and those further back only when
+their place as a notice tells it (rounded up: "200") changes.
 """
 
 from __future__ import annotations
@@ -45,20 +46,23 @@ policies = st.builds(
     students_max=st.sampled_from(["normal", "high", 120]),
 )
 
-Told = tuple  # (position, waiting_for, holder_priority, reason, notice)
+Told = tuple  # (position, the holders' users, holder_priority, reason, notice)
 
 
-def _told(notice: core.NotifyQueued) -> Told:
+def _told(notice: core.NotifyQueued, scheduler: core.Scheduler) -> Told:
+    """What the request's session reads of ``notice``: the server names the holders'
+    users, not their leases (``scheduler``: the one that sent it, just after)."""
+    holders = [scheduler.lease_of(i) or scheduler.ended.get(i) for i in notice.waiting_for]
     return (
         notice.position,
-        notice.waiting_for,
+        sorted({(h.identity.uid, h.identity.user) for h in holders if h is not None}),
         notice.holder_priority,
         notice.reason,
         notice.notice,
     )
 
 
-def told_anew(scheduler: core.Scheduler) -> tuple[dict[str, core.NotifyQueued], list]:
+def told_anew(scheduler: core.Scheduler) -> tuple[dict[str, tuple[Told, core.NotifyQueued]], list]:
     """What every waiting request would hear if each were looked at and told anew now,
     and whatever else that pass would do (nothing, on a settled hub)."""
     fresh = copy.deepcopy(scheduler)
@@ -66,7 +70,9 @@ def told_anew(scheduler: core.Scheduler) -> tuple[dict[str, core.NotifyQueued], 
     for lease in fresh.leases.values():
         lease.last_queue_notice = None
     actions = fresh.handle(core.Tick(now=fresh.now))
-    notices = {a.lease_id: a for a in actions if isinstance(a, core.NotifyQueued)}
+    notices = {
+        a.lease_id: (_told(a, fresh), a) for a in actions if isinstance(a, core.NotifyQueued)
+    }
     return notices, [a for a in actions if not isinstance(a, core.NotifyQueued)]
 
 
@@ -265,26 +271,29 @@ def test_every_waiting_request_last_heard_what_telling_it_anew_would_say(day, po
     # after one more pass at the same moment, on a copy, when that pass has nothing else
     # to do.
     scheduler = core.Scheduler(DEVICES, policy, line_from=line_from)
-    last_heard: dict[str, core.NotifyQueued] = {}
+    last_heard: dict[str, tuple[Told, core.NotifyQueued]] = {}
     compared = 0
     for happened, (actions,) in BusyDay((scheduler,)).play(day):
         if not isinstance(actions, list):
             continue
-        last_heard.update({a.lease_id: a for a in actions if isinstance(a, core.NotifyQueued)})
+        last_heard.update(
+            {a.lease_id: (_told(a, scheduler), a) for a in of_type(actions, core.NotifyQueued)}
+        )
         anew, other_actions = told_anew(scheduler)
         if other_actions:
             continue  # the pass would still place or stop someone: not settled
-        settled = copy.deepcopy(scheduler).handle(core.Tick(now=scheduler.now))
+        once_more = copy.deepcopy(scheduler)
+        settled = once_more.handle(core.Tick(now=scheduler.now))
         heard = {
             **last_heard,
-            **{a.lease_id: a for a in settled if isinstance(a, core.NotifyQueued)},
+            **{a.lease_id: (_told(a, once_more), a) for a in of_type(settled, core.NotifyQueued)},
         }
-        told_now = {a.lease_id for a in actions + settled if isinstance(a, core.NotifyQueued)}
-        for lease_id, notice in anew.items():
+        told_now = {a.lease_id for a in of_type(actions + settled, core.NotifyQueued)}
+        for lease_id, (told, notice) in anew.items():
             assert lease_id in heard, f"{lease_id} waits and was never told"
-            assert _told(heard[lease_id]) == _told(notice), f"{lease_id} after {happened}"
+            assert heard[lease_id][0] == told, f"{lease_id} after {happened}"
             if lease_id in told_now:  # an estimate is worked out when the rest changes
-                assert heard[lease_id].estimate_s == notice.estimate_s
+                assert heard[lease_id][1].estimate_s == notice.estimate_s
             compared += 1
     note(f"compared {'some' if compared else 'no'} notices")
 
@@ -337,16 +346,36 @@ def test_a_request_joining_the_back_is_the_only_one_told():
     actions = line.hub.request(late, "LATE", memory=10 * GIB, device="0")
 
     [notice] = of_type(actions, core.NotifyQueued)
-    assert (notice.lease_id, notice.position, notice.waiting_for) == ("LATE", 201, ("FULL",))
+    # Place 201, told as the round number it is within.
+    assert (notice.lease_id, notice.position, notice.waiting_for) == ("LATE", 500, ("FULL",))
+    assert notice.estimate_s is None  # the GPU's likely free time is the head's, not its
 
 
-def test_when_the_queue_moves_every_request_behind_hears_its_new_place():
+def test_when_the_queue_moves_the_head_hears_its_places_and_the_rest_round_numbers():
     line = LongQueue(200)
 
     moved = of_type(line.hub.release(line.queue[5], "W5"), core.NotifyQueued)
 
-    assert [(n.lease_id, n.position) for n in moved] == [(f"W{n}", n) for n in range(6, 200)]
+    # W6..W10 stand at 6..10 (told exactly); W20 was within the first 50 and is 20th
+    # now, W50 within 100 and W100 within 200; the others read the same as before.
+    near = [(f"W{n}", n) for n in range(6, 11)]
+    assert [(n.lease_id, n.position) for n in moved] == [*near, ("W20", 20), ("W50", 50),
+                                                          ("W100", 100)]  # fmt: skip
     assert not of_type(line.hub.advance(1.0), core.NotifyQueued)
+
+
+def test_a_request_joining_ahead_moves_the_rest_back_and_tells_those_whose_place_reads_otherwise():
+    line = LongQueue(200)
+    early = line.hub.open("early")
+
+    actions = line.hub.request(early, "EARLY", priority=NORMAL + 20, memory=10 * GIB, device="0")
+
+    # W0..W9 stand at 2..11 (W9 told "20"), W19 at 21 ("50"), W49 at 51, W99 at 101,
+    # W199 at 201 ("500").
+    moved = [(n.lease_id, n.position) for n in of_type(actions, core.NotifyQueued)]
+    behind = [(f"W{n}", n + 2) for n in range(9)] + [("W9", 20), ("W19", 50), ("W49", 100),
+                                                      ("W99", 200), ("W199", 500)]  # fmt: skip
+    assert sorted(moved) == sorted([("EARLY", 1), *behind])
 
 
 def test_a_waiter_overtaken_by_faster_aging_hears_its_new_place():
