@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from gpushare_ext.plain_text import SENTENCE_LIMIT, plain_text
 from gpushare_ext.protocol import (
+    EXACT_PLACES,
     LEVEL_NAMES,
     Preempt,
     PreemptionLevel,
@@ -63,6 +64,14 @@ def estimate_text(
     return f", about {left:.0f} s left"
 
 
+def place_words(position: int | str) -> str:
+    """A queue place as a cell says it: exact near the head, and past
+    ``protocol.EXACT_PLACES`` (where the broker tells a rounded place) as the bound it is."""
+    if isinstance(position, int) and position > EXACT_PLACES:
+        return f"within the first {position}"
+    return f"position {position}"
+
+
 def queue_line(queued: Queued | None, waited_s: float, estimate: str = "") -> str:
     """The live line of a waiting request: where it stands, behind whom, for how long."""
     if queued is None:
@@ -74,7 +83,7 @@ def queue_line(queued: Queued | None, waited_s: float, estimate: str = "") -> st
         else ""
     )
     return (
-        f"queued: position {queued.position}, waiting for {holder}{priority}{estimate} -- "
+        f"queued: {place_words(queued.position)}, waiting for {holder}{priority}{estimate} -- "
         f"{waited_s:.0f} s ({queued.reason}; interrupt the kernel to withdraw)"
     )
 
@@ -96,8 +105,10 @@ def withdrawn_line(waited_s: float, why: str) -> str:
 
 
 def timed_out_words(timeout_s: float, position: int | str) -> str:
+    place = place_words(position)
+    where = place if place.startswith("within") else f"at {place}"
     return (
-        f"gpushare: no GPU within {timeout_s:g} s (still at position {position}); "
+        f"gpushare: no GPU within {timeout_s:g} s (still {where}); "
         "the request was withdrawn and the cell did not run"
     )
 

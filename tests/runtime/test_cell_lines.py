@@ -140,3 +140,18 @@ def test_names_and_reasons_from_others_stay_one_line_of_plain_text():
     )
     assert "\n" not in line and "\x1b" not in line and "\u202e" not in line, line
     assert "for eve␛[2J␤root (gate)" in line and "(cancelled␤by <U+202E>admin)" in line, line
+
+
+def test_a_far_back_place_reads_as_the_bound_the_broker_told():
+    # Past the exact places the broker tells a rounded place ("that place or nearer"),
+    # so a cell must not claim it stands exactly there.
+    from gpushare_ext.protocol import EXACT_PLACES, Queued, told_place
+    from gpushare_ext.runtime import cell_lines
+
+    far = told_place(EXACT_PLACES + 91)
+    queued = Queued(lease_id="L9", position=far, waiting_for="ada", reason="memory")
+    assert cell_lines.queue_line(queued, 3).startswith(f"queued: within the first {far}, ")
+    assert "(still within the first 200)" in cell_lines.timed_out_words(5, 200)
+    near = Queued(lease_id="L1", position=EXACT_PLACES, waiting_for="ada", reason="memory")
+    assert cell_lines.queue_line(near, 3).startswith(f"queued: position {EXACT_PLACES}, ")
+    assert "(still at position 3)" in cell_lines.timed_out_words(5, 3)
