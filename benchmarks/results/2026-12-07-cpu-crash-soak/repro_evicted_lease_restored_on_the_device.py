@@ -12,7 +12,7 @@ with SIGKILL and started again.  Recovery undoes the pending level-4 step
 evicted lease as *paused*, holding its memory on the device
 (gpushare_ext/broker/admission.py:357-358, ``_restored_lease``), beside the running high
 lease: 200 GiB leased on the device, and nothing evicts it again.  What it printed
-(2026-12-07, commit 9500820)::
+(2026-12-07, commits 9500820 and 28a797b)::
 
     before the kill: L1 evicted 100 GiB, L2 running 100 GiB; leased 102400 MiB
     journal: L1 evicted, L2 running; pending actuation: L1 level 4
