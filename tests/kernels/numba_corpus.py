@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from numba import cuda, float32
+import re
+from functools import cache
+
+from numba import cuda, float32, types
 
 
 def nb_add(a, b, out):
@@ -79,3 +82,32 @@ NUMBA_CASES = {
         nb_add_2d, "void(float32[:, :], float32[:, :])", "idempotent", {"a": "read", "out": "written"},
     ),
 }  # fmt: skip
+
+
+def relax_once(v):
+    return v * float32(0.999) + float32(0.25)
+
+
+@cache
+def linked_relax_pair(abi: str = "c") -> tuple[str, str, str]:
+    """(the kernel's PTX, its entry's name, the callee's PTX) as
+    ``benchmarks/long_neighbours.py`` ``numba_linked`` builds them, for cc 9.0: a kernel
+    calling ``gps_relax``, a device function compiled on its own; ``abi``: how both
+    sides declare it."""
+    callee, _ = cuda.compile_ptx(
+        relax_once, (types.float32,), device=True, abi=abi,
+        abi_info={"abi_name": "gps_relax"}, cc=(9, 0),
+    )  # fmt: skip
+    relax = cuda.declare_device("gps_relax", "float32(float32)", abi=abi)
+
+    def gps_numba_linked(x, iterations):
+        i = cuda.grid(1)
+        if i < x.size:
+            v = x[i]
+            for _ in range(iterations):
+                v = relax(v)
+            x[i] = v
+
+    kernel, _ = cuda.compile_ptx(gps_numba_linked, (types.float32[::1], types.int64), cc=(9, 0))
+    name = re.search(r"\.entry\s+(\S+)\(", kernel).group(1)
+    return kernel, name, callee

@@ -14,44 +14,16 @@ The Numba pair is the one ``benchmarks/long_neighbours.py`` ``numba_linked`` bui
 from __future__ import annotations
 
 import re
-from functools import cache
 from pathlib import Path
 
 import pytest
-from numba import cuda, float32, types
+from numba_corpus import linked_relax_pair
 
 from gpushare_ext.kernels import Idempotence, Kernel, KernelError, assemble
 from gpushare_ext.kernels.back_edges import UNROLL
 from gpushare_ext.kernels.callees import call_target
 from gpushare_ext.kernels.linking import link_device_functions
 from gpushare_ext.kernels.ptx import parse_instruction, parse_ptx
-
-
-def relax_once(v):
-    return v * float32(0.999) + float32(0.25)
-
-
-@cache
-def numba_pair(abi: str = "c") -> tuple[str, str, str]:
-    """(the kernel's PTX, its entry's name, the callee's PTX) as the benchmark builds
-    them, for cc 9.0; ``abi``: how both sides declare ``gps_relax``."""
-    callee, _ = cuda.compile_ptx(
-        relax_once, (types.float32,), device=True, abi=abi,
-        abi_info={"abi_name": "gps_relax"}, cc=(9, 0),
-    )  # fmt: skip
-    relax = cuda.declare_device("gps_relax", "float32(float32)", abi=abi)
-
-    def gps_numba_linked(x, iterations):
-        i = cuda.grid(1)
-        if i < x.size:
-            v = x[i]
-            for _ in range(iterations):
-                v = relax(v)
-            x[i] = v
-
-    kernel, _ = cuda.compile_ptx(gps_numba_linked, (types.float32[::1], types.int64), cc=(9, 0))
-    name = re.search(r"\.entry\s+(\S+)\(", kernel).group(1)
-    return kernel, name, callee
 
 
 def linked_kernel(ptx: str, name: str, *linked: str) -> Kernel:
@@ -62,7 +34,7 @@ def linked_kernel(ptx: str, name: str, *linked: str) -> Kernel:
 
 
 def test_alone_the_kernel_calls_a_body_it_does_not_have_and_stays_unknown():
-    ptx, name, _ = numba_pair()
+    ptx, name, _ = linked_relax_pair()
     classification = Kernel(ptx, name).report.classification
     assert classification.verdict is Idempotence.UNKNOWN
     reason = classification.reasons[0]
@@ -71,7 +43,7 @@ def test_alone_the_kernel_calls_a_body_it_does_not_have_and_stays_unknown():
 
 
 def test_with_its_linked_ptx_the_kernel_is_classified_by_its_own_accesses():
-    ptx, name, callee = numba_pair()
+    ptx, name, callee = linked_relax_pair()
     linked = link_device_functions(ptx, [callee])
     assert linked.resolved == ("gps_relax",) and linked.notes == ()
     report = Kernel(linked.text, name).report
@@ -82,7 +54,7 @@ def test_with_its_linked_ptx_the_kernel_is_classified_by_its_own_accesses():
 
 
 def test_the_twin_holds_the_callee_body_and_no_unresolved_declaration():
-    ptx, name, callee = numba_pair()
+    ptx, name, callee = linked_relax_pair()
     variant = linked_kernel(ptx, name, callee).preemptible(abort_checks=True)
     module = parse_ptx(variant.ptx)
     assert [f.name for f in module.functions] == ["gps_relax"]
@@ -101,7 +73,7 @@ def test_the_twin_holds_the_callee_body_and_no_unresolved_declaration():
 
 
 def test_a_call_into_a_pure_callee_still_lets_a_stopping_thread_save_its_state():
-    ptx, name, callee = numba_pair()
+    ptx, name, callee = linked_relax_pair()
     variant = linked_kernel(ptx, name, callee).preemptible(abort_checks=True)
     # The callee's frame is gone at every back-edge check: registers are the state.
     assert variant.saves_state, variant.save_refusal
@@ -110,7 +82,7 @@ def test_a_call_into_a_pure_callee_still_lets_a_stopping_thread_save_its_state()
 def test_a_numba_abi_callee_writes_its_result_through_a_pointer_and_stays_refused():
     # Numba's own ABI returns the value through a pointer into the caller's frame: a
     # store the analysis does not follow into a device function.
-    ptx, name, callee = numba_pair("numba")
+    ptx, name, callee = linked_relax_pair("numba")
     linked = link_device_functions(ptx, [callee])
     assert linked.resolved == ("gps_relax",)
     classification = Kernel(linked.text, name).report.classification
@@ -121,8 +93,8 @@ def test_a_numba_abi_callee_writes_its_result_through_a_pointer_and_stays_refuse
 
 
 def test_a_declaration_of_another_abi_is_not_linked_and_the_note_says_so():
-    ptx, _, _ = numba_pair("numba")  # the kernel declares the Numba ABI ...
-    _, _, c_callee = numba_pair("c")  # ... the linked PTX defines the C one
+    ptx, _, _ = linked_relax_pair("numba")  # the kernel declares the Numba ABI ...
+    _, _, c_callee = linked_relax_pair("c")  # ... the linked PTX defines the C one
     linked = link_device_functions(ptx, [c_callee])
     assert linked.resolved == () and linked.text == ptx
     assert "Numba-ABI declaration of a C-ABI function" in linked.notes[0]

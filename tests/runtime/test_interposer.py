@@ -788,22 +788,9 @@ from numba import cuda, float32, types
 from numba.cuda.cudadrv.linkable_code import PTXSource
 from gpushare_ext.runtime.frameworks.numba import linked_ptx
 
-def relax_once(v):
-    return v * float32(0.999) + float32(0.25)
-
-def pair(abi):  # benchmarks/long_neighbours.py numba_linked, for cc 9.0
-    callee, _ = cuda.compile_ptx(relax_once, (types.float32,), device=True, abi=abi,
-                                 abi_info={"abi_name": "gps_relax"}, cc=(9, 0))
-    relax = cuda.declare_device("gps_relax", "float32(float32)", abi=abi)
-    def gps_numba_linked(x, iterations):
-        i = cuda.grid(1)
-        if i < x.size:
-            v = x[i]
-            for _ in range(iterations):
-                v = relax(v)
-            x[i] = v
-    ptx, _ = cuda.compile_ptx(gps_numba_linked, (types.float32[::1], types.int64), cc=(9, 0))
-    return ptx, re.search(r"\.entry\s+(\S+)\(", ptx).group(1), callee
+import os
+sys.path.insert(0, os.path.join(os.environ["PYTHONPATH"], "tests", "kernels"))
+from numba_corpus import linked_relax_pair as pair  # the benchmark's numba_linked
 
 ptx, name, callee = pair("c")
 folder = Path(tempfile.mkdtemp())
