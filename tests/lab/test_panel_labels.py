@@ -29,13 +29,17 @@ LABEL = "\x1b[2J\x07 " + ("train.py--lr=3e-4--batch=512--" * 9)[:249]
 SHOWN = "␛[2J␇ " + LABEL[6:]
 
 
-def glyphs_drawn(node) -> dict:
+def glyphs_drawn(panel) -> dict:
     """How the label's font draws "␛" and "␇", compared on a canvas with the theme's own
     font (without the control pictures' one) and with a character no font has (U+E000,
-    drawn as the font's empty box), once the page's fonts have loaded."""
-    return node.evaluate(
-        """async label => {
-          const style = getComputedStyle(label);
+    drawn as the font's empty box), once the page's fonts have loaded.
+
+    The label is looked up inside the page, in the same tick as its style is read: the
+    panel redraws every second, and a node fetched before may be detached by then (its
+    computed style is then empty)."""
+    return panel.evaluate(
+        """async panel => {
+          const style = getComputedStyle(panel.querySelector(".gpushare-own-label"));
           const font = `${style.fontSize} ${style.fontFamily}`;
           const themeFont = `${style.fontSize} ${style.fontFamily
             .split(",").filter(f => !f.includes("gpushare control pictures")).join(",")}`;
@@ -102,7 +106,7 @@ def test_a_long_own_label_ends_in_an_ellipsis_and_its_controls_show(page, sessio
     assert seen["ellipsis"] == "ellipsis" and not seen["panelScrolls"], seen
     assert seen["title"] == SHOWN  # the whole label, as plain text
 
-    drawn = glyphs_drawn(label)
+    drawn = glyphs_drawn(panel)
     assert drawn["loaded"], drawn
     assert not drawn["escapeIsABox"] and not drawn["bellIsABox"], drawn
     assert not drawn["escapeAsTheThemeDrawsIt"] and drawn["escapeIsNotBell"], drawn
