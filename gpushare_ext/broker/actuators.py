@@ -470,6 +470,13 @@ class Ladder:
                 target.control_block.publish(gate_closed=False, state=after)
             return True
 
+    def keep_eviction(self, pid: int) -> None:
+        """Crash recovery: a process an earlier broker evicted stays so under this one
+        (checkpointed and locked), to be restored by the usual undo when it resumes or
+        its lease ends."""
+        self._checkpointed.add(pid)
+        self._locked.add(pid)
+
     def undo_blocking(self, pid: int, device_index: int, level: int) -> None:
         """Crash recovery (no event loop yet): undo what the journal says was applied."""
         if not pid_alive(pid):

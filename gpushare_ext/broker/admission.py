@@ -45,6 +45,7 @@ from gpushare_ext.lease_state import StopState
 from gpushare_ext.protocol import (
     ErrorCode,
     LeaseState,
+    PreemptionLevel,
     RequestLease,
     SliceWish,
     describe_priority,
@@ -257,18 +258,20 @@ class Admission:
         return self._stop_again(lease, now)
 
     def _stop_again(self, lease: Lease, now: float) -> list[Action]:
-        """A reclaimed lease that was paused (or evicted while detached).  If it may run
-        now, the queue resumes it.  Otherwise stop it again: the new control block must
-        show it paused, and what was applied before the restart was undone."""
+        """A reclaimed lease that was paused or evicted.  If it may run now, the queue
+        resumes it.  Otherwise stop it again: the new control block must show it paused,
+        and what was applied before the restart was undone (but an eviction kept in
+        force, which is asked again as it is).  A paused lease whose memory came back
+        onto a slot that cannot hold it all is evicted again."""
         stop = lease.stop
         applied = stop.highest
-        if (
-            applied is None
-            and lease.slot is not None
-            and self._placer.fits_now(lease, lease.slot, now)
-        ):
+        placer = self._placer
+        if applied is None and lease.slot is not None and placer.fits_now(lease, lease.slot, now):
             return []
-        level = ladder_level(StopCause.MAKE_ROOM, [traits(lease)], applied)
+        cause = StopCause.MAKE_ROOM
+        if lease.evictable and placer.overfills(lease):
+            cause = StopCause.FREE_MEMORY
+        level = ladder_level(cause, [traits(lease)], applied)
         if level is None:  # nothing can stop it: it time-slices
             transition(
                 lease,
@@ -354,8 +357,13 @@ def _gang_refusal(
 
 def _restored_lease(event: LeaseRestored, arrival: int, now: float) -> Lease:
     """The lease the journal kept, detached, in the state it had."""
-    # An eviction was undone when the broker stopped: its memory is on the device again.
-    state = LeaseState.PAUSED if event.state == LeaseState.EVICTED else event.state
+    state = event.state
+    stop = StopState(detached=True)
+    if event.eviction_kept:  # still checkpointed: the actuators hold it evicted
+        stop = StopState(detached=True, applied_level=PreemptionLevel.EVICT)
+    elif state == LeaseState.EVICTED:
+        # The eviction was undone when the broker stopped: its memory is on the device.
+        state = LeaseState.PAUSED
     return Lease(
         lease_id=event.lease_id,
         session_id=event.session_id,
@@ -381,5 +389,5 @@ def _restored_lease(event: LeaseRestored, arrival: int, now: float) -> Lease:
         lockable=event.capabilities.lockable,
         reason=event.reason,
         paused_for=event.paused_for,
-        stop=StopState(detached=True),
+        stop=stop,
     )

@@ -68,8 +68,11 @@ class LeaseRestored:
     It comes back *detached*, in the state it had, under a placeholder session of its
     process: it keeps its slot and memory, is neither granted nor resumed while
     detached, and waits for its process to reconnect (:class:`LeaseReclaimed`) or for
-    its placeholder session to close.  Nothing is applied to it: the broker undid every
-    actuator before (shutdown) or at (crash recovery) this start.
+    its placeholder session to close.  Nothing is applied to it, with one exception: the
+    broker undid every actuator before (shutdown) or at (crash recovery) this start,
+    except the eviction of an evicted lease found at crash recovery, which the new broker
+    keeps in force (``eviction_kept``): its memory stays off the device, where the lease
+    it was evicted for may now be using it.
     """
 
     now: float
@@ -90,6 +93,7 @@ class LeaseRestored:
     aging_bonus: float = 0.0
     paused_for: str = ""
     reason: str = ""
+    eviction_kept: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

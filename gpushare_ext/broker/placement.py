@@ -159,6 +159,15 @@ class Placer:
             return False
         return self.compatible_with_slot(lease, load, now)
 
+    def overfills(self, lease: Lease) -> bool:
+        """Whether the memory held on ``lease``'s slot, its own included, is more than the
+        slot has (a lease paused again after a restart whose memory came back)."""
+        if lease.slot is None:
+            return False
+        load = self._book.index.slots[lease.slot]
+        held = load.held + self._memory.unleased_memory(lease.slot, lease)
+        return held > self._slots[lease.slot].memory_bytes
+
     def slot_preference(self, lease: Lease, key: str) -> tuple:
         """Sort key of the slots ``lease`` could use: the smallest is taken."""
         slot = self._slots[key]

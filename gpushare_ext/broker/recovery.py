@@ -2,7 +2,9 @@
 
 1. Every actuator step the journal says was applied and never undone is undone (the
    process is restored and unlocked), so no process stays paused by a broker that is no
-   more.
+   more.  Except an eviction whose lease comes back evicted: its memory stays off the
+   device (the lease it was evicted for may be using that memory now), and this broker
+   restores it as any other when the lease resumes or ends.
 2. Every open lease (queued, running, paused) whose process still lives, the same
    process and not a reused pid, comes back into the scheduler *detached*, in the
    state it had, until its session reconnects and names it in ``hello`` or the grace
@@ -25,7 +27,7 @@ from gpushare_ext.broker.actuators import ActuatorError
 from gpushare_ext.broker.context import BrokerContext
 from gpushare_ext.broker.journal import JournaledLease
 from gpushare_ext.broker.peers import process_ended, user_and_groups
-from gpushare_ext.protocol import Capabilities, LeaseState, SliceWish
+from gpushare_ext.protocol import Capabilities, LeaseState, PreemptionLevel, SliceWish
 
 log = logging.getLogger("gpushare.broker")
 
@@ -41,8 +43,28 @@ def same_process(pid: int, start_ticks: int | None) -> bool:
     return not process_ended(pid, start_ticks)
 
 
-def undo_applied_actuators(ctx: BrokerContext) -> None:
+def kept_evictions(ctx: BrokerContext, leases: list[JournaledLease]) -> frozenset[str]:
+    """The evicted leases of live processes whose eviction the journal says is in force:
+    they come back evicted, and their steps are not undone."""
+    evicted = {
+        record.lease_id: record
+        for record in leases
+        if LeaseState(record.state) == LeaseState.EVICTED
+        and same_process(record.pid, record.start_ticks)
+    }
+    kept: set[str] = set()
     for step in ctx.journal.pending_actuations():
+        record = evicted.get(step.lease_id)
+        if record is not None and step.level >= PreemptionLevel.EVICT and step.pid == record.pid:
+            kept.add(step.lease_id)
+    return frozenset(kept)
+
+
+def undo_applied_actuators(ctx: BrokerContext, kept: frozenset[str] = frozenset()) -> None:
+    for step in ctx.journal.pending_actuations():
+        if step.lease_id in kept:
+            ctx.ladder.keep_eviction(step.pid)
+            continue
         log.warning(
             "recovery: undoing level %s on pid %s (lease %s)", step.level, step.pid, step.lease_id
         )
@@ -53,7 +75,7 @@ def undo_applied_actuators(ctx: BrokerContext) -> None:
         ctx.record.step_undone(step.id)
 
 
-def _restored_event(record: JournaledLease) -> core.LeaseRestored:
+def _restored_event(record: JournaledLease, eviction_kept: bool) -> core.LeaseRestored:
     user, groups = user_and_groups(record.uid, record.gid)
     identity = core.Identity(
         uid=record.uid,
@@ -82,18 +104,21 @@ def _restored_event(record: JournaledLease) -> core.LeaseRestored:
         aging_bonus=record.aging_bonus,
         paused_for=record.paused_for,
         reason=record.reason,
+        eviction_kept=eviction_kept,
     )
 
 
-def restore_open_leases(ctx: BrokerContext) -> int:
+def restore_open_leases(
+    ctx: BrokerContext, leases: list[JournaledLease], kept: frozenset[str] = frozenset()
+) -> int:
     """Open leases of live processes back into the scheduler; returns how many."""
     restored = 0
-    for record in ctx.journal.open_leases():
+    for record in leases:
         if not same_process(record.pid, record.start_ticks):
             ctx.record.ended(record.lease_id, "its process ended while the broker was down")
             continue
         try:
-            ctx.events.post(_restored_event(record))
+            ctx.events.post(_restored_event(record, record.lease_id in kept))
         except (core.SchedulerError, ValueError, msgspec.ValidationError) as exc:
             reason = getattr(exc, "message", str(exc))
             log.warning("recovery: lease %s not restored: %s", record.lease_id, reason)
@@ -105,8 +130,10 @@ def restore_open_leases(ctx: BrokerContext) -> int:
 
 
 def recover(ctx: BrokerContext) -> None:
-    undo_applied_actuators(ctx)
-    restored = restore_open_leases(ctx)
+    leases = ctx.journal.open_leases()
+    kept = kept_evictions(ctx, leases)
+    undo_applied_actuators(ctx, kept)
+    restored = restore_open_leases(ctx, leases, kept)
     if restored:
         log.info(
             "recovery: %d lease(s) wait %g s for their notebooks to reconnect",
