@@ -4,6 +4,8 @@ runtime_helpers.py); each folder whose tests need them imports them in its conft
 * ``broker`` -- one ``gpushare broker --simulate h200`` subprocess per test module;
 * ``gpu_broker`` -- one user-mode broker on the real GPUs (NVML inventory, real
   actuators) per test module, for the GPU tests;
+* ``on_gpu_broker`` -- the module's GPU broker, with ``GPUSHARE_SOCKET`` set for the whole
+  module (restored afterwards), for notebooks that find it without being told;
 * ``on_broker`` -- the module's broker, with ``GPUSHARE_SOCKET`` set for the kernels the test
   starts (they inherit ``os.environ``; restored afterwards) and no lease left from before;
 * ``extra_broker`` -- a factory for brokers with their own config, stopped after the test;
@@ -43,6 +45,16 @@ def gpu_broker() -> Iterator[BrokerProcess]:
     running = BrokerProcess(short_tempdir("gps-gpu-"), simulate=None).start()
     yield running
     running.stop()
+
+
+@pytest.fixture(scope="module")
+def on_gpu_broker(gpu_broker: BrokerProcess) -> Iterator[BrokerProcess]:
+    """The module's GPU broker, named by ``GPUSHARE_SOCKET`` while the module runs: a
+    module-scoped fixture that needs it (a notebook run once for the module) runs before
+    any test's ``monkeypatch`` could set it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GPUSHARE_SOCKET", str(gpu_broker.socket))
+        yield gpu_broker
 
 
 @pytest.fixture

@@ -39,6 +39,7 @@ from local_install import (
     failure,
     prepare,
 )
+from support import free_port
 
 SYSTEM_RUNTIME_DIR = Path("/run/gpushare")
 SYSTEM_SOCKET = SYSTEM_RUNTIME_DIR / "broker.sock"
@@ -196,12 +197,6 @@ def system_broker(install, kernel_config, workdir) -> Iterator[SystemBroker]:
 
 
 # ------------------------------------------------------------------ the hub
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @dataclass

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import time
 
 import pytest
@@ -24,7 +23,6 @@ from runtime_helpers import (
     example_cells,
     gpu_missing_reason,
     run_example,
-    short_tempdir,
     wait_for,
 )
 
@@ -42,21 +40,7 @@ HIGH = {"use_gpu": True, "repeats": 40, "size": SIZE}
 
 
 @pytest.fixture(scope="module")
-def gpu_broker():
-    """A user-mode broker on the real GPUs (NVML inventory, real actuators)."""
-    running = BrokerProcess(short_tempdir("gps-gpu-"), simulate=None).start()
-    previous = os.environ.get("GPUSHARE_SOCKET")
-    os.environ["GPUSHARE_SOCKET"] = str(running.socket)
-    yield running
-    if previous is None:
-        os.environ.pop("GPUSHARE_SOCKET", None)
-    else:
-        os.environ["GPUSHARE_SOCKET"] = previous
-    running.stop()
-
-
-@pytest.fixture(scope="module")
-def undisturbed_checksum(gpu_broker) -> str:
+def undisturbed_checksum(on_gpu_broker) -> str:
     """The low-priority loop alone on the GPU: the result every preempted run must match."""
     alone = run_example("training_low.ipynb", LOW).wait(180)
     checksum = alone.value("checksum")
@@ -168,17 +152,17 @@ def wait_until_looping(low, broker: BrokerProcess, *, need_nvml: bool) -> int:
 
 
 def test_a_high_priority_cell_locks_the_low_loop_and_keeps_its_latency(
-    gpu_broker, undisturbed_checksum, kernels
+    on_gpu_broker, undisturbed_checksum, kernels
 ):
     (high,) = kernels(1)
     alone = run_high_notebook(high)  # the baseline: the same kernel, the GPU to itself
 
     low = run_example("training_low.ipynb", LOW)
-    wait_until_looping(low, gpu_broker, need_nvml=False)
+    wait_until_looping(low, on_gpu_broker, need_nvml=False)
     contended = run_high_notebook(high)
     low.wait(180)
 
-    report = diagnostics(gpu_broker, low)
+    report = diagnostics(on_gpu_broker, low)
     final = low.cell_text()
     assert "paused for a higher-priority session" in final, report
     assert "ladder level 3" in final, report  # a CuPy loop is locked: cuCheckpointProcessLock
@@ -192,13 +176,13 @@ def test_a_high_priority_cell_locks_the_low_loop_and_keeps_its_latency(
 
 
 def test_eviction_frees_the_low_loops_memory_and_restore_brings_it_back_intact(
-    gpu_broker, undisturbed_checksum, kernels, tmp_path
+    on_gpu_broker, undisturbed_checksum, kernels, tmp_path
 ):
     # 100 GiB + 60 GiB do not fit on a 140 GiB H200: the high lease needs an eviction.
     (high,) = kernels(1)
     high.run("%load_ext gpushare_ext").ok()
     low = run_example("training_low.ipynb", LOW, gpu_line="%%gpu priority=low mem=100GiB")
-    pid = wait_until_looping(low, gpu_broker, need_nvml=True)
+    pid = wait_until_looping(low, on_gpu_broker, need_nvml=True)
     before = nvml_used_mib(pid)
     release = tmp_path / "release"
 
@@ -225,7 +209,7 @@ def test_eviction_frees_the_low_loops_memory_and_restore_brings_it_back_intact(
         time.sleep(0.05)
     low.wait(180)
 
-    report = diagnostics(gpu_broker, low, cell) + f"\nNVML MiB: {before} -> {during} -> {after}"
+    report = diagnostics(on_gpu_broker, low, cell) + f"\nNVML MiB: {before} -> {during} -> {after}"
     assert before and before > 64, report
     assert after >= before * 0.9, report
     final = low.cell_text()
@@ -233,7 +217,7 @@ def test_eviction_frees_the_low_loops_memory_and_restore_brings_it_back_intact(
     assert low.value("checksum") == undisturbed_checksum, report
 
 
-def test_a_cupy_allocation_over_the_lease_raises_memory_error(gpu_broker, kernels):
+def test_a_cupy_allocation_over_the_lease_raises_memory_error(on_gpu_broker, kernels):
     (kernel,) = kernels(1)
     kernel.run("%load_ext gpushare_ext").ok()
 
@@ -250,7 +234,7 @@ def test_a_cupy_allocation_over_the_lease_raises_memory_error(gpu_broker, kernel
     ).ok()
 
     text = run.final_text()
-    assert "refused QuotaExceeded" in text, run.describe() + diagnostics(gpu_broker)
+    assert "refused QuotaExceeded" in text, run.describe() + diagnostics(on_gpu_broker)
     assert "CuPy allocation of 2.0 GiB refused: the lease allows 1.0 GiB" in text, text
     assert "is already in use" in text, text
     # outside a lease the quota is gone again
