@@ -20,8 +20,10 @@ keeps all the work done, whatever the kernel's idempotence. A snapshot is still 
 for what Ctrl-C must roll back.
 
 The mode comes from the classification (idempotent -> resume, otherwise snapshot) and
-can be forced. :class:`LaunchTransaction` is one launch (plan, snapshot, slices, roll
-back); the runtime's :class:`LaunchHooks` are passed to it (``before_launch`` with the
+can be forced; :func:`decide_launch` holds that rule for every caller, the launch
+shim's launches too (idempotent -> restart there, see its docstring).
+:class:`LaunchTransaction` is one launch (plan, snapshot, slices, roll back); the
+runtime's :class:`LaunchHooks` are passed to it (``before_launch`` with the
 stream handle before every launch, e.g. to enqueue ``cuStreamWaitValue32`` on the gate;
 ``wait_for_resume`` after a yield), by default the ones the session registered with
 :func:`set_session_hooks`.
@@ -58,6 +60,7 @@ from gpushare_ext.kernels.transform import PreemptibleKernel
 from gpushare_ext.kernels.yield_flags import YieldFlag, resume_without_owner
 
 __all__ = [
+    "FINISH_BOUND_US",
     "LaunchDecision",
     "LaunchHooks",
     "LaunchMode",
@@ -172,6 +175,12 @@ class LaunchReport:
     notes: list[str] = field(default_factory=list)
 
 
+#: Launches at least this long (microseconds per launch, as the launch shim timed them)
+#: get a snapshot even when idempotent, so that a Ctrl-C rolls one back at once instead
+#: of waiting for the rest of it to run.
+FINISH_BOUND_US = 250_000
+
+
 @dataclass(frozen=True)
 class LaunchDecision:
     """How one launch runs, decided once before it starts: the classification of the
@@ -187,28 +196,45 @@ def decide_launch(
     mode: LaunchMode | str | None = None,
     *,
     preemptible: bool = True,
+    for_shim: bool = False,
+    longest_us: float | None = None,
 ) -> LaunchDecision:
-    """Classify the launch with these buffers and choose its mode: ``off`` when it is not
-    to be preemptible, else ``mode`` when forced (restart only for an idempotent launch),
-    else resume for an idempotent launch and snapshot for any other."""
+    """Classify the launch with these buffers and choose its mode, the one rule for every
+    launch: ``off`` when it is not to be preemptible, else ``mode`` when forced (restart
+    only for an idempotent launch), else snapshot for a launch that is not idempotent, and
+    for an idempotent one resume (restart ``for_shim``) or, where its kernel's launches
+    took ``longest_us`` of at least ``FINISH_BOUND_US``, snapshot.
+
+    ``for_shim``: a launch the launch shim took from a framework. It is stopped by abort
+    checks at back-edges, not only between logical blocks, so an idempotent launch
+    restarts where a plain one resumes; and the shim has the original kernel to fall
+    back on, so a launch the analysis cannot tell about gets ``off`` (run as it is)
+    where a plain one gets a snapshot of every buffer it may write."""
     classification = classify_launch(kernel.report, extents)
     if not preemptible or mode in (LaunchMode.OFF, "off"):
         return LaunchDecision(classification, LaunchMode.OFF)
-    return LaunchDecision(classification, _choose_mode(kernel, classification, mode))
+    if mode is not None:
+        return LaunchDecision(classification, _forced_mode(kernel, classification, mode))
+    verdict = classification.verdict
+    if verdict is Idempotence.UNKNOWN and for_shim:
+        return LaunchDecision(classification, LaunchMode.OFF)
+    if verdict is not Idempotence.IDEMPOTENT:
+        return LaunchDecision(classification, LaunchMode.SNAPSHOT)
+    if longest_us is not None and longest_us >= FINISH_BOUND_US:
+        return LaunchDecision(classification, LaunchMode.SNAPSHOT)
+    return LaunchDecision(classification, LaunchMode.RESTART if for_shim else LaunchMode.RESUME)
 
 
-def _choose_mode(kernel: Any, cls: Classification, forced: Any) -> LaunchMode:
-    if forced is not None:
-        mode = LaunchMode(forced)
-        if mode is LaunchMode.RESTART and cls.verdict is not Idempotence.IDEMPOTENT:
-            raise KernelError(
-                "not-idempotent",
-                f"restart mode needs an idempotent kernel; {kernel.entry.name} is "
-                f"{cls.verdict.value}: {cls.reasons[0] if cls.reasons else ''}",
-                step="launch",
-            )
-        return mode
-    return LaunchMode.RESUME if cls.verdict is Idempotence.IDEMPOTENT else LaunchMode.SNAPSHOT
+def _forced_mode(kernel: Any, cls: Classification, forced: LaunchMode | str) -> LaunchMode:
+    mode = LaunchMode(forced)
+    if mode is LaunchMode.RESTART and cls.verdict is not Idempotence.IDEMPOTENT:
+        raise KernelError(
+            "not-idempotent",
+            f"restart mode needs an idempotent kernel; {kernel.entry.name} is "
+            f"{cls.verdict.value}: {cls.reasons[0] if cls.reasons else ''}",
+            step="launch",
+        )
+    return mode
 
 
 def launch_kernel(

@@ -28,14 +28,19 @@ transaction:
   the original runs unmodified, under the shim and the checkpoint lock, and the cell
   says so once, with the reason.
 
+The mode is chosen by the one rule every launch goes by,
+:func:`gpushare_ext.kernels.launch.decide_launch` (``for_shim``: its restart and its
+"run as it is"); this module only gives it the buffers and the kernel's timing.
+
 Only while the session holds a lease: outside one nobody could ever end a yield, so
 the shim runs the original (held while paused, like every launch).
 
 The launch returns when the kernel is done (paused meanwhile, perhaps): the caller's
 stream order is kept because nothing is launched behind it until then.  A Ctrl-C during
 it ends it whole at once: rolled back where it has a snapshot (every launch that is not
-idempotent, and idempotent ones of kernels that run ``FINISH_BOUND_US`` or more), else
-run to its end without stopping; the shim raises the Ctrl-C once the hook has returned.
+idempotent, and idempotent ones of kernels that run ``kernels.launch.FINISH_BOUND_US``,
+250 ms, or more), else run to its end without stopping; the shim raises the Ctrl-C once
+the hook has returned.
 So a buffer is either untouched or fully written, and the cell gets control back.
 
 What it must not do: decide when to preempt (the broker raises the session's yield flag
@@ -74,9 +79,6 @@ MAX_MODULES = 4096  # PTX texts kept; older ones are forgotten (their kernels ru
 # Aborts of one launch before it goes on with yields between logical blocks only: a
 # launch whose logical blocks outlast the gaps between preemptions must still finish.
 MAX_ABORTS = 3
-# Kernels at least this long (microseconds per launch, as the shim timed them) get a
-# snapshot even when idempotent, so that a Ctrl-C never waits for the rest of one.
-FINISH_BOUND_US = 250_000
 
 
 @dataclass
@@ -364,28 +366,6 @@ def raw_arguments(kernel: Any, params: Any) -> Any:
     return BoundArgs(values, extents, {})
 
 
-def decide_mode(kernel: Any, extents: dict[str, tuple[int, int]], longest_us: float = 0.0) -> Any:
-    """The launch's classification and mode (a ``LaunchDecision``), decided once here and
-    passed to the launch, or None when it must run as it is (the analysis cannot tell
-    what it writes): restart for a launch that is idempotent with these buffers, else
-    snapshot.  An
-    idempotent launch of a kernel whose launches take ``FINISH_BOUND_US`` or more gets a
-    snapshot too: a Ctrl-C during it is then rolled back at once, where without one the
-    rest of the kernel would have to run before the cell got control back."""
-    from gpushare_ext.kernels import Idempotence, classify_launch
-    from gpushare_ext.kernels.launch import LaunchDecision, LaunchMode
-
-    classification = classify_launch(kernel.report, extents)
-    verdict = classification.verdict
-    if verdict is Idempotence.IDEMPOTENT:
-        mode = LaunchMode.RESTART if longest_us < FINISH_BOUND_US else LaunchMode.SNAPSHOT
-    elif verdict is Idempotence.NON_IDEMPOTENT:
-        mode = LaunchMode.SNAPSHOT
-    else:
-        return None
-    return LaunchDecision(classification, mode)
-
-
 def run_launch(
     kernel: Any, grid: tuple, block: tuple, shared: int, stream: int, params: Any,
     *, interrupted: Callable[[], bool] | None = None, longest_us: float = 0.0,
@@ -394,13 +374,21 @@ def run_launch(
     ``interrupted()`` says a Ctrl-C came: the launch then ends whole at once."""
     from dataclasses import replace
 
-    from gpushare_ext.kernels.launch import launch_kernel, session_hooks
+    from gpushare_ext.kernels.launch import (
+        LaunchMode,
+        decide_launch,
+        launch_kernel,
+        session_hooks,
+    )
 
     bound = raw_arguments(kernel, params)
     if bound is None:
         return None
-    decision = decide_mode(kernel, bound.extents, longest_us)
-    if decision is None:
+    # The shim's launches are stopped at back-edges and have the original to fall back
+    # on: restart for an idempotent launch, and "off" (run as it is) where the analysis
+    # cannot tell what it writes.
+    decision = decide_launch(kernel, bound.extents, for_shim=True, longest_us=longest_us)
+    if decision.mode is LaunchMode.OFF:
         return None
     hooks = session_hooks()
     if interrupted is not None:

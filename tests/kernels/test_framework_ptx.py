@@ -15,8 +15,8 @@ import pytest
 
 from gpushare_ext.kernels import Idempotence, Kernel, TransformOptions, assemble
 from gpushare_ext.kernels.dataflow import struct_pointer_fields
+from gpushare_ext.kernels.launch import FINISH_BOUND_US, LaunchMode, decide_launch
 from gpushare_ext.kernels.rewrite import RecordLayout
-from gpushare_ext.runtime.preemptible import FINISH_BOUND_US, decide_mode
 
 CUPY = Path(__file__).with_name("fixtures") / "cupy"
 
@@ -78,30 +78,36 @@ def test_an_abort_records_the_lowest_block_it_left_for_a_restart():
     assert f"red.global.min.u32 [%gs_prog+{RecordLayout.LOWEST_ABORTED}], %gs_id;" in abort
 
 
+def shim_mode(kernel: Kernel, extents: dict, longest_us: float = 0.0) -> LaunchMode:
+    """The mode a launch the shim took gets (timed at ``longest_us`` per launch)."""
+    return decide_launch(kernel, extents, for_shim=True, longest_us=longest_us).mode
+
+
 def test_the_launch_mode_follows_the_buffers_actually_passed():
     kernel = cupy_kernel("loopy")
     x, y = "loopy_param_0@0", "loopy_param_2@0"
     apart = {x: (0x1000, 4096), y: (0x9000, 4096)}
     same = {x: (0x1000, 4096), y: (0x1000, 4096)}  # loopy(a, out=a): in place
-    assert decide_mode(kernel, apart).mode.value == "restart"
-    assert decide_mode(kernel, same).mode.value == "snapshot"
+    assert shim_mode(kernel, apart) is LaunchMode.RESTART
+    assert shim_mode(kernel, same) is LaunchMode.SNAPSHOT
     # A kernel long enough that finishing it after a Ctrl-C would keep the user waiting
     # gets a snapshot even where it is idempotent: the Ctrl-C rolls it back at once.
-    assert decide_mode(kernel, apart, longest_us=FINISH_BOUND_US).mode.value == "snapshot"
-    assert decide_mode(kernel, apart, longest_us=FINISH_BOUND_US - 1).mode.value == "restart"
-    assert (
-        decide_mode(
-            cupy_kernel("inplace_loopy"), {"inplace_loopy_param_1@0": (0x1000, 64)}
-        ).mode.value
-        == "snapshot"
-    )
+    assert shim_mode(kernel, apart, longest_us=FINISH_BOUND_US) is LaunchMode.SNAPSHOT
+    assert shim_mode(kernel, apart, longest_us=FINISH_BOUND_US - 1) is LaunchMode.RESTART
+    inplace = cupy_kernel("inplace_loopy")
+    assert shim_mode(inplace, {"inplace_loopy_param_1@0": (0x1000, 64)}) is LaunchMode.SNAPSHOT
+    # Outside the shim the same rule resumes an idempotent launch rather than restarting it.
+    assert decide_launch(kernel, apart).mode is LaunchMode.RESUME
+    assert decide_launch(kernel, apart, longest_us=FINISH_BOUND_US).mode is LaunchMode.SNAPSHOT
 
 
-def test_a_kernel_the_analysis_cannot_follow_gets_no_mode():
+def test_a_kernel_the_analysis_cannot_follow_runs_as_it_is_under_the_shim():
     ptx = (CUPY / "rawk.ptx").read_text()
     # Take the input pointer from memory instead of a parameter: unknown.
     original = "ld.param.u64 \t%rd2, [rawk_param_0];"
     assert original in ptx
     kernel = Kernel(ptx.replace(original, "ld.global.u64 \t%rd2, [%rd3];", 1), "rawk")
     assert kernel.report.classification.verdict is Idempotence.UNKNOWN
-    assert decide_mode(kernel, {"rawk_param_1": (0x1000, 64)}) is None
+    assert shim_mode(kernel, {"rawk_param_1": (0x1000, 64)}) is LaunchMode.OFF
+    # A launch asked for as preemptible outside the shim snapshots what it may write.
+    assert decide_launch(kernel, {"rawk_param_1": (0x1000, 64)}).mode is LaunchMode.SNAPSHOT
