@@ -1,7 +1,10 @@
 """Clients of the broker: a thread-based one for notebook kernels and the CLI, an asyncio one
 for the Jupyter server extension.
 
-Both speak :mod:`gpushare_ext.protocol`.  Replies are matched to requests by ``seq``;
+Both speak :mod:`gpushare_ext.protocol`, through one core of plain functions (the hello,
+the requests they share, reading frames and answers, the errors a connect ends in, the
+pauses of a retry), each face doing its own I/O around it: threads and blocking sockets
+for one, asyncio streams for the other.  Replies are matched to requests by ``seq``;
 notices the broker sends on its own (grants after queueing, preemptions, resumes,
 state updates) go to listeners.  Neither client decides anything: the session layer
 (:mod:`gpushare_ext.runtime.session`) does.
@@ -24,7 +27,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -166,6 +169,93 @@ def expect(reply: BrokerMessage, kind: object, path: Path) -> None:
         )
 
 
+# ---- the core both faces share: the messages they build and how they read what comes
+# back, with no I/O of its own (each face connects, sends and receives in its own way)
+
+
+def hello(
+    client: str,
+    *,
+    kernel_id: str = "",
+    notebook: str = "",
+    reclaim: list[str] | None = None,
+    visible_devices: list[str] | None = None,
+) -> Hello:
+    """A connection's first message: who this process is, and the leases it reclaims."""
+    return Hello(
+        version=PROTOCOL_VERSION,
+        pid=os.getpid(),
+        client=client,  # type: ignore[arg-type]
+        kernel_id=kernel_id,
+        notebook=notebook,
+        reclaim=list(reclaim or []),
+        visible_devices=visible_devices,
+    )
+
+
+def nobody_listening(path: Path, exc: OSError, *, no_socket: bool = False) -> BrokerUnavailable:
+    """A connect to ``path`` that found no socket file there, or nobody accepting."""
+    return BrokerUnavailable(
+        f"no broker is listening on {path} ({exc.strerror})", no_socket=no_socket
+    )
+
+
+def cannot_connect(path: Path, exc: BaseException) -> BrokerUnavailable:
+    """A connect to ``path`` that failed in any other way."""
+    return BrokerUnavailable(f"cannot connect to {path}: {exc}")
+
+
+def next_message(frames: FrameReader) -> BrokerMessage | None:
+    """The next whole message among the bytes fed to ``frames``; None until one is in."""
+    body = frames.next_body()
+    return None if body is None else decode_broker_message(body)
+
+
+def answer(reply: BrokerMessage) -> BrokerMessage:
+    """``reply``, unless the broker answered with an error: then that error, raised."""
+    if isinstance(reply, Error):
+        raise BrokerError(reply.code, reply.message)
+    return reply
+
+
+def admin_request(
+    action: AdminAction | str,
+    *,
+    device: int | None = None,
+    lease_id: str | None = None,
+    policy_toml: str | None = None,
+) -> Admin:
+    return Admin(
+        action=AdminAction(action), device=device, lease_id=lease_id, policy_toml=policy_toml
+    )
+
+
+def snapshot_in(reply: BrokerMessage, path: Path) -> Snapshot:
+    """The snapshot a status request's answer carries."""
+    expect(reply, StatusReply, path)
+    return reply.snapshot  # type: ignore[attr-defined]
+
+
+def history_in(reply: BrokerMessage, path: Path) -> GpuHistory:
+    """The history a history request's answer carries."""
+    expect(reply, HistoryReply, path)
+    return reply.history  # type: ignore[attr-defined]
+
+
+def detail_in(reply: BrokerMessage) -> str:
+    """The one-line answer to an admin request ("" where it has none)."""
+    return getattr(reply, "detail", "")
+
+
+def doubling_pauses(first: float, most: float) -> Iterator[float]:
+    """The pauses of a retry with backoff: ``first``, then twice the last, up to ``most``
+    (a caller whose many peers retry at once adds jitter to each)."""
+    pause = first
+    while True:
+        yield pause
+        pause = min(pause * 2, most)
+
+
 class BrokerClient:
     """A blocking client with a reader thread; safe to call from any thread."""
 
@@ -190,16 +280,15 @@ class BrokerClient:
             check_peer(self._sock, self.socket_path)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             self._sock.close()
-            raise BrokerUnavailable(
-                f"no broker is listening on {self.socket_path} ({exc.strerror})",
-                no_socket=isinstance(exc, FileNotFoundError),
+            raise nobody_listening(
+                self.socket_path, exc, no_socket=isinstance(exc, FileNotFoundError)
             ) from None
         except UntrustedBroker:
             self._sock.close()
             raise
         except OSError as exc:
             self._sock.close()
-            raise BrokerUnavailable(f"cannot connect to {self.socket_path}: {exc}") from None
+            raise cannot_connect(self.socket_path, exc) from None
         self._sock.settimeout(None)
         self._seq = itertools.count(1)
         self._pending: dict[int, Future] = {}
@@ -218,13 +307,11 @@ class BrokerClient:
         self._reader.start()
         try:
             welcome = self._call(
-                Hello(
-                    version=PROTOCOL_VERSION,
-                    pid=os.getpid(),
-                    client=client,  # type: ignore[arg-type]
+                hello(
+                    client,
                     kernel_id=kernel_id,
                     notebook=notebook,
-                    reclaim=list(reclaim or []),
+                    reclaim=reclaim,
                     visible_devices=visible_devices,
                 ),
                 timeout=connect_timeout,
@@ -254,8 +341,8 @@ class BrokerClient:
                     self.close_reason = "the broker closed the connection"
                     break
                 frames.feed(data)
-                while (body := frames.next_body()) is not None:
-                    self._deliver(decode_broker_message(body))
+                while (message := next_message(frames)) is not None:
+                    self._deliver(message)
         except (OSError, ProtocolError) as exc:
             self.close_reason = f"connection to the broker lost: {exc}"
         finally:
@@ -313,9 +400,7 @@ class BrokerClient:
             with self._lock:
                 self._pending.pop(message.seq, None)
             raise BrokerNoAnswer(f"the broker did not answer within {timeout:g} s") from None
-        if isinstance(reply, Error):
-            raise BrokerError(reply.code, reply.message)
-        return reply
+        return answer(reply)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -420,15 +505,11 @@ class BrokerClient:
         expect(reply, Ok, self.socket_path)
 
     def status(self) -> Snapshot:
-        reply = self._call(StatusRequest())
-        expect(reply, StatusReply, self.socket_path)
-        return reply.snapshot  # type: ignore[attr-defined]
+        return snapshot_in(self._call(StatusRequest()), self.socket_path)
 
     def history(self, device: int | None = None) -> GpuHistory:
         """The last hour of every GPU (or of ``device``), as the dashboard draws it."""
-        reply = self._call(HistoryRequest(device=device))
-        expect(reply, HistoryReply, self.socket_path)
-        return reply.history  # type: ignore[attr-defined]
+        return history_in(self._call(HistoryRequest(device=device)), self.socket_path)
 
     def watch(self, interval_s: float = 1.0) -> None:
         """Start the stream of StateUpdate notices (delivered to listeners)."""
@@ -457,20 +538,16 @@ class BrokerClient:
         lease_id: str | None = None,
         policy_toml: str | None = None,
     ) -> str:
-        reply = self._call(
-            Admin(
-                action=AdminAction(action),
-                device=device,
-                lease_id=lease_id,
-                policy_toml=policy_toml,
-            )
-        )
-        return getattr(reply, "detail", "")
+        request = admin_request(action, device=device, lease_id=lease_id, policy_toml=policy_toml)
+        return detail_in(self._call(request))
 
 
 #: How long a connect that nobody answers (a socket there, no broker behind it yet) is
 #: tried again: a broker restarting listens again within this; a gone one is said soon.
 _REFUSED_RETRY_S = 1.0
+#: The pauses between connects while the broker's queue of connections is full.
+_BACKLOG_PAUSE_FIRST_S = 0.01
+_BACKLOG_PAUSE_MOST_S = 0.25
 
 
 def _connected(writer: asyncio.StreamWriter) -> bool:
@@ -500,7 +577,7 @@ class AsyncBrokerClient:
         try:
             check_peer(self._writer.get_extra_info("socket"), self.socket_path)
             reply = await asyncio.wait_for(
-                self._call(Hello(version=PROTOCOL_VERSION, pid=os.getpid(), client=self.client)),  # type: ignore[arg-type]
+                self._call(hello(self.client)),
                 timeout,
             )
         except asyncio.TimeoutError:
@@ -532,26 +609,23 @@ class AsyncBrokerClient:
         the peer is asked for: a socket that has none was never connected."""
         deadline = time.monotonic() + timeout
         refused_until = time.monotonic() + min(timeout, _REFUSED_RETRY_S)
-        backoff = 0.01
+        pauses = doubling_pauses(_BACKLOG_PAUSE_FIRST_S, _BACKLOG_PAUSE_MOST_S)
         while True:
+            backoff = next(pauses)
             remaining = deadline - time.monotonic()
             try:
                 reader, writer = await asyncio.wait_for(
                     asyncio.open_unix_connection(str(resolved)), max(remaining, 0.001)
                 )
             except FileNotFoundError as exc:
-                raise BrokerUnavailable(
-                    f"no broker is listening on {self.socket_path} ({exc.strerror})"
-                ) from None
+                raise nobody_listening(self.socket_path, exc) from None
             except ConnectionRefusedError as exc:
                 if time.monotonic() + backoff >= refused_until:
-                    raise BrokerUnavailable(
-                        f"no broker is listening on {self.socket_path} ({exc.strerror})"
-                    ) from None
+                    raise nobody_listening(self.socket_path, exc) from None
             except BlockingIOError:
                 pass  # the queue is full: try again
             except (OSError, asyncio.TimeoutError) as exc:
-                raise BrokerUnavailable(f"cannot connect to {self.socket_path}: {exc}") from None
+                raise cannot_connect(self.socket_path, exc) from None
             else:
                 if _connected(writer):
                     self._reader, self._writer = reader, writer
@@ -563,7 +637,6 @@ class AsyncBrokerClient:
                     f"connection within {timeout:g} s (too many at once)"
                 )
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 0.25)
 
     async def __aenter__(self) -> AsyncBrokerClient:
         await self.connect()
@@ -575,9 +648,9 @@ class AsyncBrokerClient:
     async def _next_message(self) -> BrokerMessage:
         assert self._reader is not None
         while True:
-            body = self._frames.next_body()
-            if body is not None:
-                return decode_broker_message(body)
+            message = next_message(self._frames)
+            if message is not None:
+                return message
             data = await self._reader.read(65536)
             if not data:
                 raise BrokerUnavailable("the broker closed the connection")
@@ -592,19 +665,13 @@ class AsyncBrokerClient:
         while True:
             reply = await self._next_message()
             if reply.reply_to == message.seq:
-                if isinstance(reply, Error):
-                    raise BrokerError(reply.code, reply.message)
-                return reply
+                return answer(reply)
 
     async def status(self) -> Snapshot:
-        reply = await self._call(StatusRequest())
-        expect(reply, StatusReply, self.socket_path)
-        return reply.snapshot  # type: ignore[attr-defined]
+        return snapshot_in(await self._call(StatusRequest()), self.socket_path)
 
     async def history(self, device: int | None = None) -> GpuHistory:
-        reply = await self._call(HistoryRequest(device=device))
-        expect(reply, HistoryReply, self.socket_path)
-        return reply.history  # type: ignore[attr-defined]
+        return history_in(await self._call(HistoryRequest(device=device)), self.socket_path)
 
     async def watch(self, interval_s: float = 1.0) -> AsyncIterator[Snapshot]:
         await self._call(Watch(interval_s=interval_s))
@@ -621,12 +688,5 @@ class AsyncBrokerClient:
         lease_id: str | None = None,
         policy_toml: str | None = None,
     ) -> str:
-        reply = await self._call(
-            Admin(
-                action=AdminAction(action),
-                device=device,
-                lease_id=lease_id,
-                policy_toml=policy_toml,
-            )
-        )
-        return getattr(reply, "detail", "")
+        request = admin_request(action, device=device, lease_id=lease_id, policy_toml=policy_toml)
+        return detail_in(await self._call(request))

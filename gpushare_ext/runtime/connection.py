@@ -25,7 +25,13 @@ import uuid
 from pathlib import Path
 from typing import NoReturn, Protocol
 
-from gpushare_ext.client import BrokerClient, BrokerError, BrokerNoAnswer, BrokerUnavailable
+from gpushare_ext.client import (
+    BrokerClient,
+    BrokerError,
+    BrokerNoAnswer,
+    BrokerUnavailable,
+    doubling_pauses,
+)
 from gpushare_ext.paths import default_socket_path, system_socket
 from gpushare_ext.protocol import (
     BrokerMessage,
@@ -215,7 +221,7 @@ class BrokerConnection:
         """Try until connected (True) or there is nothing to wait for any more."""
         started = time.monotonic()
         deadline = started + deadline_s
-        pause = BACKOFF_FIRST_S
+        pauses = doubling_pauses(BACKOFF_FIRST_S, BACKOFF_MOST_S)
         while not self.closed:
             if self._try_to_connect(time.monotonic() - started):
                 return self.last_failure is None
@@ -225,8 +231,7 @@ class BrokerConnection:
                 return False
             # Backoff with jitter: a hub's kernels, all cut off at once, do not all knock
             # at the same moment while the new broker starts.
-            time.sleep(min(pause * random.uniform(0.75, 1.25), deadline - now))
-            pause = min(pause * 2, BACKOFF_MOST_S)
+            time.sleep(min(next(pauses) * random.uniform(0.75, 1.25), deadline - now))
         return False
 
     def _try_to_connect(self, tried_for_s: float) -> bool:
