@@ -2,7 +2,7 @@
 
 ``gpushare broker`` on the real GPUs (NVML inventory), its socket, journal, log and
 config in one working folder.  The command line is the one
-:class:`gpushare_ext.broker.launch.BrokerProcess` builds, so that it is written in one
+:class:`gpushare_ext.broker.edges.launch.BrokerProcess` builds, so that it is written in one
 place; :func:`start_broker` runs it as a plain child process the caller terminates
 (``broker.terminate(); broker.wait(...)``), and it is tracked so that a benchmark ended
 by a signal stops it too.
@@ -46,7 +46,7 @@ def broker_argv(
 ) -> list[str]:
     """``gpushare broker --inventory nvml`` with its socket and journal in ``workdir``;
     ``config``, when given, is written to ``workdir/broker.toml`` and passed."""
-    from gpushare_ext.broker.launch import BrokerProcess
+    from gpushare_ext.broker.edges.launch import BrokerProcess
 
     return BrokerProcess(
         workdir,

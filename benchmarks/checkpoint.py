@@ -1,7 +1,7 @@
 """Lock, evict (checkpoint), restore and unlock times against resident device memory.
 
 A tenant process holds ``size`` GiB of CuPy arrays and keeps a kernel stream busy; the
-broker's own actuator (:class:`gpushare_ext.broker.actuators.CudaProcessControl`, the
+broker's own actuator (:class:`gpushare_ext.broker.hands.actuators.CudaProcessControl`, the
 code that preempts real sessions) locks it, checkpoints it, restores and unlocks it.
 NVML confirms the memory left the device and came back; the tenant's checksum
 confirms the data is intact.
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.stopping import exit_on_signals
 
     exit_on_signals()  # ended by a signal, it still stops the tenant
-    from gpushare_ext.broker.actuators import CudaProcessControl
+    from gpushare_ext.broker.hands.actuators import CudaProcessControl
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

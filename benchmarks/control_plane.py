@@ -67,7 +67,7 @@ from pathlib import Path
 
 from benchmarks.environment import describe
 from benchmarks.stopping import exit_on_signals, stop, track
-from gpushare_ext.broker.launch import BrokerProcess
+from gpushare_ext.broker.edges.launch import BrokerProcess
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
@@ -387,7 +387,7 @@ def measure_open_loop(
 
 def _h200s(count: int) -> list:
     """``count`` simulated H200s (the fixture's device, numbered and named anew)."""
-    from gpushare_ext.broker.inventory import fixture_path, parse_inventory
+    from gpushare_ext.broker.hands.inventory import fixture_path, parse_inventory
 
     document = json.loads(fixture_path("h200").read_text())
     first = document["devices"][0]
@@ -398,22 +398,22 @@ def _h200s(count: int) -> list:
 
 
 def _scheduler(devices: list):
-    from gpushare_ext.broker import core
-    from gpushare_ext.broker.policy import parse_policy
+    from gpushare_ext.broker.scheduler import core
+    from gpushare_ext.broker.settings.policy import parse_policy
 
     return core.Scheduler(devices, parse_policy("[defaults]\nmax_leases = 10000\n"))
 
 
 def _notices(actions: list) -> int:
-    from gpushare_ext.broker import core
+    from gpushare_ext.broker.scheduler import core
 
     return sum(isinstance(action, core.NotifyQueued) for action in actions)
 
 
 def _core_run(leases: int, memory: int, cycles: int) -> dict:
     """µs per event of the scheduler core with ``leases`` leases on one simulated H200."""
-    from gpushare_ext.broker import core
-    from gpushare_ext.broker.inventory import fixture_path, parse_inventory
+    from gpushare_ext.broker.hands.inventory import fixture_path, parse_inventory
+    from gpushare_ext.broker.scheduler import core
     from gpushare_ext.protocol import LeaseState, RequestLease
 
     devices = parse_inventory(json.loads(fixture_path("h200").read_text()), simulated=True)
@@ -474,7 +474,7 @@ def _core_run(leases: int, memory: int, cycles: int) -> dict:
 def _waiting_run(waiters: int, cycles: int) -> dict:
     """µs per event while ``waiters`` requests wait for GPU 0 and events happen on GPU 1
     (and at the back of the queue) that leave the waiters' places alone."""
-    from gpushare_ext.broker import core
+    from gpushare_ext.broker.scheduler import core
     from gpushare_ext.protocol import RequestLease
 
     scheduler = _scheduler(_h200s(2))

@@ -733,7 +733,7 @@ def main() -> int:
     # The clients' code is imported once, here: each forked client runs what this run
     # started with, not whatever an edit of the tree left on disk when it was forked.
     import gpushare_ext.runtime.session  # noqa: F401
-    from gpushare_ext.broker.launch import BrokerProcess
+    from gpushare_ext.broker.edges.launch import BrokerProcess
 
     directory = Path(tempfile.mkdtemp(prefix="gps-soak-", dir="/tmp"))
     broker = track(BrokerProcess(directory, config_toml=CONFIG, log_level="info")).start()

@@ -202,7 +202,7 @@ def mps_running() -> bool:
 
 @contextlib.contextmanager
 def _broker(mps: bool) -> Iterator[Path]:
-    from gpushare_ext.broker.launch import BrokerProcess
+    from gpushare_ext.broker.edges.launch import BrokerProcess
 
     directory = Path(tempfile.mkdtemp(prefix="gps-dist-"))
     config = "[broker]\nmps = true\n" if mps else None

@@ -39,7 +39,7 @@ from benchmarks.environment import describe
 from benchmarks.stopping import exit_on_signals, track
 
 if TYPE_CHECKING:
-    from gpushare_ext.broker.launch import BrokerProcess
+    from gpushare_ext.broker.edges.launch import BrokerProcess
 
 CONFIG = """
 [broker]
@@ -323,7 +323,7 @@ def _passed(summary: dict) -> bool:
 def main() -> int:
     args = _parse_args()
 
-    from gpushare_ext.broker.launch import BrokerProcess
+    from gpushare_ext.broker.edges.launch import BrokerProcess
 
     exit_on_signals()  # ended by a signal (or an error), it still stops the broker and clients
     directory = Path(tempfile.mkdtemp(prefix="gps-fuzz-", dir="/tmp"))

@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     args.launches += 1  # the first launch is reported on its own
     args.out.mkdir(parents=True, exist_ok=True)
     exit_on_signals()
-    from gpushare_ext.broker.launch import BrokerProcess
+    from gpushare_ext.broker.edges.launch import BrokerProcess
 
     workdir = Path(tempfile.mkdtemp(prefix="gpushare-cost-", dir="/tmp"))
     broker = track(BrokerProcess(workdir, simulate=None).start())

@@ -210,7 +210,7 @@ def _add_rates(result: dict) -> None:
 def measure(notebooks: int, idle_gib: int, ask_gib: int, log_dir: Path) -> dict:
     import cupy  # noqa: F401 - first, so that a missing CuPy fails before a broker starts
 
-    from gpushare_ext.broker.launch import BrokerProcess
+    from gpushare_ext.broker.edges.launch import BrokerProcess
     from gpushare_ext.runtime.interpose import shim_path
 
     broker = track(BrokerProcess(Path(tempfile.mkdtemp(prefix="gps-park-")), simulate=None))

@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown way {bad[0]!r}; choose from {', '.join(WAYS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     exit_on_signals()  # SIGTERM (timeout) too stops the broker and the kernels below
-    from gpushare_ext.broker.launch import BrokerProcess
+    from gpushare_ext.broker.edges.launch import BrokerProcess
 
     workdir = Path(tempfile.mkdtemp(prefix="gpushare-peer-", dir="/tmp"))
     broker = None

@@ -55,7 +55,7 @@ def _exit(signum: int, frame: object) -> None:
 
 def track(child: Child) -> Child:
     """Stop ``child`` (a ``subprocess.Popen``, a ``multiprocessing.Process`` or a
-    :class:`~gpushare_ext.broker.launch.BrokerProcess`) when this process exits, if it
+    :class:`~gpushare_ext.broker.edges.launch.BrokerProcess`) when this process exits, if it
     still runs then."""
     global _owner
     if _owner != os.getpid():  # the first child of this process (a fork starts afresh)

@@ -23,8 +23,8 @@ from gpushare_ext.errors import GpushareError
 from gpushare_ext.plain_text import plain_text
 
 if TYPE_CHECKING:  # the commands import what they run when they run, to start quickly
-    from gpushare_ext.broker.config import BrokerConfig
-    from gpushare_ext.broker.inventory import InventoryBackend
+    from gpushare_ext.broker.hands.inventory import InventoryBackend
+    from gpushare_ext.broker.settings.config import BrokerConfig
     from gpushare_ext.paths import BrokerPaths
 
 
@@ -332,8 +332,8 @@ def _broker_config_file(
 ) -> tuple[BrokerConfig, str | None]:
     """The configuration (``--config``, else the mode's file where there is one) and its
     path."""
-    from gpushare_ext.broker.config import load_config
-    from gpushare_ext.broker.policy import PolicyError
+    from gpushare_ext.broker.settings.config import load_config
+    from gpushare_ext.broker.settings.policy import PolicyError
 
     config_path = args.config or (
         str(paths.config) if paths.config and paths.config.exists() else None
@@ -360,7 +360,7 @@ def _broker_inventory(
 ) -> tuple[InventoryBackend, str | None]:
     """The GPUs to serve (``--simulate``, ``--inventory``, else the config's), and a note
     about them; what is opened is said on stderr when it is not the real host's."""
-    from gpushare_ext.broker.inventory import InventoryError, open_inventory
+    from gpushare_ext.broker.hands.inventory import InventoryError, open_inventory
 
     spec = args.simulate or args.inventory or config.inventory
     try:
@@ -377,7 +377,7 @@ def _broker_inventory(
 
 
 def _cmd_broker(args: argparse.Namespace) -> int:
-    from gpushare_ext.broker.server import run_broker
+    from gpushare_ext.broker.edges.server import run_broker
     from gpushare_ext.paths import broker_paths
 
     logging.basicConfig(

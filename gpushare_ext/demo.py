@@ -43,7 +43,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from gpushare_ext.broker.launch import BrokerProcess, BrokerStartError
+from gpushare_ext.broker.edges.launch import BrokerProcess, BrokerStartError
 from gpushare_ext.errors import GpushareError
 from gpushare_ext.plain_text import SENTENCE_LIMIT, plain_text
 from gpushare_ext.protocol import LeaseState
@@ -338,7 +338,7 @@ class Timeline:
 
 def inventory_problem(simulate: str) -> str | None:
     """Why ``--simulate`` names no inventory the broker could serve, or None."""
-    from gpushare_ext.broker.inventory import InventoryError, SimulatedInventory
+    from gpushare_ext.broker.hands.inventory import InventoryError, SimulatedInventory
 
     try:
         SimulatedInventory(simulate)

@@ -5,7 +5,7 @@ mode, its GPU-instance profiles and instances) and a reading of what it is doing
 (``DeviceReading``).  The broker's inventory fills them in; they travel in protocol
 messages unchanged, and the runtime and the status views read them.
 
-What it must not do: read a device (``broker/inventory.py`` does, through NVML or a
+What it must not do: read a device (``broker/hands/inventory.py`` does, through NVML or a
 simulated twin) or import anything from gpushare_ext: it is the ground floor.
 """
 

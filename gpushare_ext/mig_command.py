@@ -1,4 +1,4 @@
-"""``gpushare mig plan``: the thin command around the MIG planner (``broker/mig.py``).
+"""``gpushare mig plan``: the thin command around the MIG planner (``broker/scheduler/mig.py``).
 
 What it is for: reading the arguments, asking the broker for the inventory and the
 leases (or loading a simulated inventory), printing the plan or its JSON, and with
@@ -17,13 +17,13 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from gpushare_ext.broker.inventory import (
+from gpushare_ext.broker.hands.inventory import (
     DeviceInfo,
     InventoryError,
     SimulatedInventory,
     shipped_fixtures,
 )
-from gpushare_ext.broker.mig import (
+from gpushare_ext.broker.scheduler.mig import (
     MigPlanError,
     Plan,
     check_can_apply,

@@ -24,7 +24,7 @@ same limit or a larger one, changes nothing, so the broker applies it where text
 a snapshot and a viewer may apply it again to a snapshot from any broker.
 
 What it must not do: import anything of gpushare (it is the ground floor), drop a
-character without a trace, or decide who may see what (``broker/views.py`` does).
+character without a trace, or decide who may see what (``broker/edges/views.py`` does).
 """
 
 from __future__ import annotations

@@ -284,7 +284,7 @@ class Admin(ClientMessage, tag="admin"):
 class Chaos(ClientMessage, tag="chaos"):
     """Admins (and tests): pause the session of ``pid`` at random moments, every
     ``every_ms`` for ``pause_ms`` (each a [low, high] range) at one of ``levels``, for
-    ``duration_s`` (None: until stopped); ``stop`` ends it.  See broker/chaos.py."""
+    ``duration_s`` (None: until stopped); ``stop`` ends it.  See broker/hands/chaos.py."""
 
     pid: int
     every_ms: tuple[float, float] = (5.0, 50.0)

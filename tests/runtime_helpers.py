@@ -36,7 +36,7 @@ from pathlib import Path
 
 from support import remove_sessions_left_by
 
-from gpushare_ext.broker import launch
+from gpushare_ext.broker.edges import launch
 from gpushare_ext.client import BrokerClient
 from gpushare_ext.protocol import LeaseView, Snapshot
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from gpushare_ext.broker import launch
+from gpushare_ext.broker.edges import launch
 from gpushare_ext.paths import SHM_DIR, sessions_prefix_for
 from gpushare_ext.safe_fs import remove_own_directory
 

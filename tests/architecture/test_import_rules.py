@@ -10,7 +10,11 @@ Rooms, lowest first:
   else of gpushare;
 * ``kernels`` (the kernel compiler): the ground floor;
 * ``broker`` and ``runtime``, side by side: the ground floor and ``kernels``, never
-  each other;
+  each other.  The broker stands in wings, lowest first, each importing only the wings
+  below it: its error base (``broker/errors.py``, the ground floor alone), ``settings``
+  (the TOML schema, the config, the policy), ``scheduler`` (the pure core and its parts;
+  no ``kernels``), ``hands`` (what touches the machine) and ``edges`` (what the server
+  runs); no other module stands loose in ``broker/``;
 * the rooms at the top (``magics``, ``widgets``, ``status_view``, ``server_ext``,
   ``cli``, ``demo`` and the package itself): anything below.
 """
@@ -35,10 +39,22 @@ GROUND = {
     "lease_state",
     "plain_text",
 }
+# The broker's wings, lowest first; its own root holds the error base alone ("broker").
+BROKER_WINGS = ("settings", "scheduler", "hands", "edges")
 ALLOWED: dict[str, set[str]] = {
     "ground": {"ground"},
     "kernels": {"ground", "kernels"},
-    "broker": {"ground", "kernels", "broker"},
+    "broker": {"ground", "broker"},
+    "broker.settings": {"ground", "broker", "broker.settings"},
+    "broker.scheduler": {"ground", "broker", "broker.settings", "broker.scheduler"},
+    "broker.hands": {
+        *("ground", "kernels", "broker", "broker.settings", "broker.scheduler"),
+        "broker.hands",
+    },
+    "broker.edges": {
+        *("ground", "kernels", "broker", "broker.settings", "broker.scheduler"),
+        *("broker.hands", "broker.edges"),
+    },
     "runtime": {"ground", "kernels", "runtime"},
 }
 
@@ -54,6 +70,8 @@ def room(module: str) -> str:
         return "top"
     if parts[1] in GROUND:
         return "ground"
+    if parts[1] == "broker" and len(parts) > 2 and parts[2] in BROKER_WINGS:
+        return f"broker.{parts[2]}"
     return parts[1] if parts[1] in ALLOWED else "top"
 
 
@@ -104,17 +122,55 @@ def test_every_room_imports_only_from_below():
 
 def test_the_rules_see_an_arrow_up_and_between_peers():
     edges = {
-        "gpushare_ext.protocol": [("gpushare_ext.broker.inventory", True)],
+        "gpushare_ext.protocol": [("gpushare_ext.broker.hands.inventory", True)],
         "gpushare_ext.kernels.launch": [("gpushare_ext.runtime.gate", False)],
-        "gpushare_ext.runtime.session": [("gpushare_ext.broker.policy", True)],
-        "gpushare_ext.broker.actuators": [("gpushare_ext.kernels.launch", False)],
+        "gpushare_ext.runtime.session": [("gpushare_ext.broker.settings.policy", True)],
+        "gpushare_ext.broker.hands.actuators": [("gpushare_ext.kernels.launch", False)],
         "gpushare_ext.magics.gpu": [("gpushare_ext.runtime.session", True)],
     }
     assert upward_arrows(edges) == [
         "gpushare_ext.kernels.launch -> gpushare_ext.runtime.gate",
-        "gpushare_ext.protocol -> gpushare_ext.broker.inventory",
-        "gpushare_ext.runtime.session -> gpushare_ext.broker.policy",
+        "gpushare_ext.protocol -> gpushare_ext.broker.hands.inventory",
+        "gpushare_ext.runtime.session -> gpushare_ext.broker.settings.policy",
     ]
+
+
+def test_the_rules_see_an_arrow_up_between_the_broker_s_wings():
+    edges = {
+        "gpushare_ext.broker.scheduler.core": [
+            ("gpushare_ext.broker.hands.inventory", True),
+            ("gpushare_ext.broker.settings.policy", True),
+            ("gpushare_ext.broker.errors", True),
+        ],
+        "gpushare_ext.broker.scheduler.mig": [("gpushare_ext.kernels.ptx", False)],
+        "gpushare_ext.broker.settings.policy": [("gpushare_ext.broker.scheduler.core", False)],
+        "gpushare_ext.broker.hands.journal": [("gpushare_ext.broker.edges.records", False)],
+        "gpushare_ext.broker.hands.history": [("gpushare_ext.broker.scheduler.core", True)],
+        "gpushare_ext.broker.edges.server": [("gpushare_ext.broker.hands.journal", True)],
+        "gpushare_ext.broker.errors": [("gpushare_ext.broker.settings.schema", True)],
+        "gpushare_ext.broker.loose": [("gpushare_ext.broker.scheduler.core", True)],
+    }
+    assert upward_arrows(edges) == [
+        "gpushare_ext.broker.errors -> gpushare_ext.broker.settings.schema",
+        "gpushare_ext.broker.hands.journal -> gpushare_ext.broker.edges.records",
+        "gpushare_ext.broker.loose -> gpushare_ext.broker.scheduler.core",
+        "gpushare_ext.broker.scheduler.core -> gpushare_ext.broker.hands.inventory",
+        "gpushare_ext.broker.scheduler.mig -> gpushare_ext.kernels.ptx",
+        "gpushare_ext.broker.settings.policy -> gpushare_ext.broker.scheduler.core",
+    ]
+
+
+def test_every_broker_module_stands_in_a_wing():
+    broker = PACKAGE / "broker"
+    loose = sorted(
+        p.name for p in broker.glob("*.py") if p.name not in {"__init__.py", "errors.py"}
+    )
+    folders = sorted(p.parent.name for p in broker.glob("*/__init__.py"))
+    assert not loose, f"broker modules outside a wing: {loose}"
+    assert folders == sorted(BROKER_WINGS), (
+        f"broker/ holds {folders}, the rules know {BROKER_WINGS}"
+    )
+    assert all(list((broker / wing).glob("*.py")) for wing in BROKER_WINGS)
 
 
 def import_cycles(edges: dict[str, list[str]]) -> list[list[str]]:

@@ -1,4 +1,4 @@
-"""Helpers for driving :class:`gpushare_ext.broker.core.Scheduler` in tests.
+"""Helpers for driving :class:`gpushare_ext.broker.scheduler.core.Scheduler` in tests.
 
 :class:`Hub` is a scheduler plus a clock and named sessions, so a test reads like a
 story: ``hub.open("alice")``, ``hub.request(alice, "L1", priority=HIGH)``,
@@ -12,9 +12,9 @@ import copy
 import json
 from collections.abc import Iterable
 
-from gpushare_ext.broker import core
-from gpushare_ext.broker.inventory import DeviceInfo, fixture_path, parse_inventory
-from gpushare_ext.broker.policy import Policy
+from gpushare_ext.broker.hands.inventory import DeviceInfo, fixture_path, parse_inventory
+from gpushare_ext.broker.scheduler import core
+from gpushare_ext.broker.settings.policy import Policy
 from gpushare_ext.protocol import (
     Capabilities,
     LeaseState,

@@ -15,7 +15,7 @@ import time
 import pytest
 from support import is_root, run_as
 
-from gpushare_ext.broker.chaos import ChaosError, ChaosSchedule, ChaosSpec
+from gpushare_ext.broker.hands.chaos import ChaosError, ChaosSchedule, ChaosSpec
 from gpushare_ext.client import BrokerClient, BrokerError
 from gpushare_ext.control_block import ControlBlock
 from gpushare_ext.protocol import ErrorCode, Granted, PreemptionLevel

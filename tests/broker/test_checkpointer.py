@@ -18,7 +18,7 @@ from pathlib import Path
 from broker_wire import wait_for
 
 import gpushare_ext
-from gpushare_ext.broker.journal import Journal, JournaledLease
+from gpushare_ext.broker.hands.journal import Journal, JournaledLease
 
 ROUNDS = 8
 MAX_FRAMES_PER_COMMIT = 8  # one lease row: its table, two indexes, a page split at worst
@@ -113,7 +113,7 @@ def test_closing_the_journal_stops_a_round_that_waits_for_the_loop(tmp_path):
 
 CHILD = """
 import asyncio, sys
-from gpushare_ext.broker.journal import Journal, JournaledLease
+from gpushare_ext.broker.hands.journal import Journal, JournaledLease
 
 async def main():
     journal = Journal(sys.argv[1])

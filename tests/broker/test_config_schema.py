@@ -13,9 +13,21 @@ from pathlib import Path
 
 import pytest
 
-from gpushare_ext.broker import schema
-from gpushare_ext.broker.config import BrokerConfig, load_config, parse_config, restart_needed
-from gpushare_ext.broker.policy import GIB, HostShare, Limits, Policy, PolicyError, parse_policy
+from gpushare_ext.broker.settings import schema
+from gpushare_ext.broker.settings.config import (
+    BrokerConfig,
+    load_config,
+    parse_config,
+    restart_needed,
+)
+from gpushare_ext.broker.settings.policy import (
+    GIB,
+    HostShare,
+    Limits,
+    Policy,
+    PolicyError,
+    parse_policy,
+)
 from gpushare_ext.protocol import SliceWish
 
 REPO = Path(__file__).resolve().parents[2]

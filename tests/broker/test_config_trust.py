@@ -30,9 +30,9 @@ from pathlib import Path
 import pytest
 from support import is_root, launch_broker, run_as, short_tempdir
 
-from gpushare_ext.broker.config import CONFIG_MAX_BYTES, load_config, parse_config
-from gpushare_ext.broker.config_text import MAX_NESTING
-from gpushare_ext.broker.schema import PolicyError
+from gpushare_ext.broker.settings.config import CONFIG_MAX_BYTES, load_config, parse_config
+from gpushare_ext.broker.settings.config_text import MAX_NESTING
+from gpushare_ext.broker.settings.schema import PolicyError
 from gpushare_ext.client import BrokerClient, BrokerError
 from gpushare_ext.protocol import ErrorCode
 from gpushare_ext.safe_fs import UnsafePathError, read_trusted_file

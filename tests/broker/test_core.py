@@ -20,8 +20,8 @@ from scheduler_helpers import (
     only,
 )
 
-from gpushare_ext.broker import core
-from gpushare_ext.broker.policy import Limits, Policy, parse_policy
+from gpushare_ext.broker.scheduler import core
+from gpushare_ext.broker.settings.policy import Limits, Policy, parse_policy
 from gpushare_ext.protocol import Capabilities, ErrorCode, LeaseState, PreemptionLevel, SliceWish
 
 # ------------------------------------------------------------------ preemption

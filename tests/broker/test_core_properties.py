@@ -32,11 +32,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from scheduler_helpers import GIB, LOW, NORMAL, fingerprint, h200_document, may_ask_band
 
-from gpushare_ext.broker import core
-from gpushare_ext.broker.gangs import split_member_id
-from gpushare_ext.broker.inventory import parse_inventory
-from gpushare_ext.broker.parking import HostMemory
-from gpushare_ext.broker.policy import Limits, Policy
+from gpushare_ext.broker.hands.inventory import parse_inventory
+from gpushare_ext.broker.scheduler import core
+from gpushare_ext.broker.scheduler.gangs import split_member_id
+from gpushare_ext.broker.scheduler.parking import HostMemory
+from gpushare_ext.broker.settings.policy import Limits, Policy
 from gpushare_ext.protocol import Capabilities, LeaseState, PreemptionLevel, RequestLease, SliceWish
 from gpushare_ext.units import priority_band
 
@@ -676,7 +676,7 @@ def test_aging_bounds_the_wait_of_a_low_request(aging):
 def test_the_core_and_policy_import_no_io_and_no_gpu_library():
     code = (
         "import sys, json\n"
-        "import gpushare_ext.broker.core, gpushare_ext.broker.policy\n"
+        "import gpushare_ext.broker.scheduler.core, gpushare_ext.broker.settings.policy\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
     result = subprocess.run(

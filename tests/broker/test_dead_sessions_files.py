@@ -21,7 +21,7 @@ import time
 from contextlib import suppress
 from pathlib import Path
 
-from gpushare_ext.broker.views import DETACHED_NOTE
+from gpushare_ext.broker.edges.views import DETACHED_NOTE
 from gpushare_ext.client import BrokerClient
 from gpushare_ext.paths import SHM_DIR, sessions_prefix_for
 

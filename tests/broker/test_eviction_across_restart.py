@@ -18,7 +18,7 @@ from pathlib import Path
 from broker_wire import status_of, wait_for
 from support import launch_broker
 
-from gpushare_ext.broker.views import DETACHED_NOTE
+from gpushare_ext.broker.edges.views import DETACHED_NOTE
 from gpushare_ext.protocol import LeaseState, priority_value
 from gpushare_ext.runtime.session import GpuSession
 

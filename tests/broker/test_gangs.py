@@ -17,9 +17,9 @@ from scheduler_helpers import (
     only,
 )
 
-from gpushare_ext.broker import core
-from gpushare_ext.broker.gangs import assign_ranks, member_id, most_ranks, split_member_id
-from gpushare_ext.broker.policy import Limits, Policy
+from gpushare_ext.broker.scheduler import core
+from gpushare_ext.broker.scheduler.gangs import assign_ranks, member_id, most_ranks, split_member_id
+from gpushare_ext.broker.settings.policy import Limits, Policy
 from gpushare_ext.protocol import ErrorCode, LeaseState, PreemptionLevel
 
 SEVEN_SMALL = [{"profile_id": 0, "start": i, "gpu_instance_id": 7 + i} for i in range(7)]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from broker_wire import RawClient
 
-from gpushare_ext.broker.context import Outbox
-from gpushare_ext.broker.inventory import fixture_path
+from gpushare_ext.broker.edges.context import Outbox
+from gpushare_ext.broker.hands.inventory import fixture_path
 from gpushare_ext.protocol import Granted, Preempt, RequestLease
 
 GIB = 1024**3

@@ -7,8 +7,9 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from gpushare_ext.broker.core import Identity
-from gpushare_ext.broker.history import (
+from gpushare_ext.broker.edges.history_view import REPLY_BUDGET_BYTES, history_for
+from gpushare_ext.broker.edges.views import OTHER_PROCESSES, anonymous_name, display_user
+from gpushare_ext.broker.hands.history import (
     MAX_SAMPLES,
     OTHER_PROCESSES_UID,
     History,
@@ -17,9 +18,8 @@ from gpushare_ext.broker.history import (
     Sample,
     history_path,
 )
-from gpushare_ext.broker.history_view import REPLY_BUDGET_BYTES, history_for
-from gpushare_ext.broker.timeline import Timeline
-from gpushare_ext.broker.views import OTHER_PROCESSES, anonymous_name, display_user
+from gpushare_ext.broker.hands.timeline import Timeline
+from gpushare_ext.broker.scheduler.core import Identity
 from gpushare_ext.client import BrokerClient
 from gpushare_ext.devices import DeviceInfo
 from gpushare_ext.protocol import encode_json

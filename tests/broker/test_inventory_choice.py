@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpushare_ext.broker import inventory
-from gpushare_ext.broker.inventory import InventoryError, NvmlInventory, open_inventory
+from gpushare_ext.broker.hands import inventory
+from gpushare_ext.broker.hands.inventory import InventoryError, NvmlInventory, open_inventory
 
 
 def _nvml_fails(*_: object) -> None:

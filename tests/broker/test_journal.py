@@ -16,7 +16,7 @@ from dataclasses import replace
 from broker_wire import start_holder, status_of, wait_for
 from support import launch_broker, run_as
 
-from gpushare_ext.broker.journal import LEASE_NUMBER_BLOCK, Journal, JournaledLease
+from gpushare_ext.broker.hands.journal import LEASE_NUMBER_BLOCK, Journal, JournaledLease
 from gpushare_ext.client import BrokerClient
 from gpushare_ext.protocol import Granted, LeaseState, Preempt
 
@@ -267,7 +267,7 @@ def test_an_open_lease_of_a_version_1_journal_is_carried_over(tmp_path):
 
 
 def test_pruning_forgets_what_no_recovery_needs_and_keeps_open_leases(tmp_path, monkeypatch):
-    import gpushare_ext.broker.journal as journal_module
+    import gpushare_ext.broker.hands.journal as journal_module
 
     monkeypatch.setattr(journal_module, "MAX_ENDED_LEASES", 50)
     monkeypatch.setattr(journal_module, "MAX_HISTORY_ROWS", 50)

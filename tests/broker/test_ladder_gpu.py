@@ -34,7 +34,7 @@ def _env() -> dict:
 
 
 def test_nvml_inventory_reads_the_real_device_without_changing_it():
-    from gpushare_ext.broker.inventory import NvmlInventory
+    from gpushare_ext.broker.hands.inventory import NvmlInventory
 
     inventory = NvmlInventory()
     try:
@@ -84,7 +84,7 @@ TENANT = textwrap.dedent(
 
 
 def test_lock_pauses_and_eviction_frees_memory_then_everything_comes_back(tmp_path):
-    from gpushare_ext.broker.actuators import CudaProcessControl
+    from gpushare_ext.broker.hands.actuators import CudaProcessControl
 
     ready, done = tmp_path / "ready", tmp_path / "done"
     tenant = subprocess.Popen(

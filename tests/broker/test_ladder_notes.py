@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 from scheduler_helpers import HIGH, LOW, YIELDING, Hub, h200_devices, only
 
-from gpushare_ext.broker import core
-from gpushare_ext.broker.actuators import (
+from gpushare_ext.broker.hands.actuators import (
     Applied,
     Ladder,
     SimulatedProcessControl,
     Target,
     _what_stopped,
 )
+from gpushare_ext.broker.scheduler import core
 from gpushare_ext.control_block import ControlBlock
 from gpushare_ext.protocol import LeaseState, PreemptionLevel, applied_level
 

@@ -7,9 +7,9 @@ import time
 
 from scheduler_helpers import GIB, HIGH, LOW, MIB, NORMAL, Hub, of_type
 
-from gpushare_ext.broker import core
-from gpushare_ext.broker.lease_index import exact_share
-from gpushare_ext.broker.policy import parse_policy
+from gpushare_ext.broker.scheduler import core
+from gpushare_ext.broker.scheduler.lease_index import exact_share
+from gpushare_ext.broker.settings.policy import parse_policy
 from gpushare_ext.protocol import LeaseState, PreemptionLevel, SliceWish
 
 MANY = parse_policy("[defaults]\nmax_leases = 10000\n")

@@ -14,8 +14,8 @@ import pytest
 from scheduler_helpers import GIB, Hub
 
 from gpushare_ext import lease_state
-from gpushare_ext.broker import core
-from gpushare_ext.broker.lease_transitions import transition
+from gpushare_ext.broker.scheduler import core
+from gpushare_ext.broker.scheduler.lease_transitions import transition
 from gpushare_ext.control_block import ControlBlock
 from gpushare_ext.lease_state import (
     ACTIVE,
@@ -125,10 +125,10 @@ def test_the_core_moves_a_lease_in_one_place_checked():
     places = [
         name
         for module in CORE_MODULES
-        for name in _assignments_of_state(PACKAGE / "broker" / f"{module}.py")
+        for name in _assignments_of_state(PACKAGE / "broker" / "scheduler" / f"{module}.py")
     ]
     assert places == ["_place"]
-    source = (PACKAGE / "broker" / "lease_transitions.py").read_text()
+    source = (PACKAGE / "broker" / "scheduler" / "lease_transitions.py").read_text()
     body = source[source.index("def transition(") :]
     body = body[: body.index("_place(")]
     assert "check_move(" in body and "check_stop(" in body, "the state is set before the checks"

@@ -11,8 +11,8 @@ import pwd
 from broker_wire import wait_for
 from scheduler_helpers import GIB, HIGH, LOW, Hub, of_type, only
 
-from gpushare_ext.broker import core
-from gpushare_ext.broker.inventory import fixture_path
+from gpushare_ext.broker.hands.inventory import fixture_path
+from gpushare_ext.broker.scheduler import core
 from gpushare_ext.client import BrokerClient
 from gpushare_ext.protocol import Granted, LeaseState, PreemptionLevel, Queued
 from gpushare_ext.status_view import status_text

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from support import free_port, short_tempdir
 
-from gpushare_ext.broker.metrics import BrokerMetrics, read_token_file
-from gpushare_ext.broker.policy import PolicyError
+from gpushare_ext.broker.edges.metrics import BrokerMetrics, read_token_file
+from gpushare_ext.broker.settings.policy import PolicyError
 
 TOKEN = "s3cret-scrape-token"
 # No proxy: an http_proxy in the environment must not carry loopback requests away.

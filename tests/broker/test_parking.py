@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 from scheduler_helpers import GIB, HIGH, LOW, NORMAL, Hub, h200_devices, mig_devices, of_type, only
 from test_core_properties import PROPERTY_SETTINGS, Run
 
-from gpushare_ext.broker import core
-from gpushare_ext.broker.parking import HOST_MARGIN, HostMemory, IdleSession, plan_parks
-from gpushare_ext.broker.policy import HostShare, Limits, Policy, parse_policy
-from gpushare_ext.broker.schema import PolicyError
+from gpushare_ext.broker.scheduler import core
+from gpushare_ext.broker.scheduler.parking import HOST_MARGIN, HostMemory, IdleSession, plan_parks
+from gpushare_ext.broker.settings.policy import HostShare, Limits, Policy, parse_policy
+from gpushare_ext.broker.settings.schema import PolicyError
 from gpushare_ext.protocol import LeaseState, PreemptionLevel, RequestLease
 
 BIG_HOST = HostMemory(available_bytes=900 * GIB, total_bytes=1024 * GIB)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpushare_ext.broker.config import load_config, parse_config
-from gpushare_ext.broker.policy import (
+from gpushare_ext.broker.settings.config import load_config, parse_config
+from gpushare_ext.broker.settings.policy import (
     GIB,
     Limits,
     PolicyError,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from scheduler_helpers import GIB, LOW, NORMAL, Hub, h200_devices, of_type
 
-from gpushare_ext.broker import core
+from gpushare_ext.broker.scheduler import core
 
 
 def hold_for(hub: Hub, session: str, lease_id: str, seconds: float) -> None:

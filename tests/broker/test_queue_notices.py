@@ -26,10 +26,10 @@ from hypothesis import strategies as st
 from scheduler_helpers import GIB, HIGH, LOW, MIB, NORMAL, Hub, fingerprint, h200_devices, of_type
 from test_core_properties import CAPABILITIES, DEVICES, PROPERTY_SETTINGS, play, scripts
 
-from gpushare_ext.broker import core
-from gpushare_ext.broker.lease_index import NEAR, TOP_PRIORITY, Trajectory, ahead_until
-from gpushare_ext.broker.parking import HostMemory
-from gpushare_ext.broker.policy import Limits, Policy, parse_policy
+from gpushare_ext.broker.scheduler import core
+from gpushare_ext.broker.scheduler.lease_index import NEAR, TOP_PRIORITY, Trajectory, ahead_until
+from gpushare_ext.broker.scheduler.parking import HostMemory
+from gpushare_ext.broker.settings.policy import Limits, Policy, parse_policy
 from gpushare_ext.protocol import LeaseState, PreemptionLevel, RequestLease, SliceWish
 
 # The property tests' policies, with students aging at a rate of their own.

@@ -4,10 +4,10 @@ A session told ``unrivalled=True`` runs its long kernels unmodified, so a stop m
 for a whole kernel; it must be told so only while nobody could preempt it.  Generated
 days of a hub (sessions opening and closing, some reaching only some GPUs, requests of
 random priority, releases, confirmed or failed stops, ticks, an admin's chaos mode)
-are fed to the real core, the :class:`~gpushare_ext.broker.actions.RivalryChanged`
+are fed to the real core, the :class:`~gpushare_ext.broker.scheduler.actions.RivalryChanged`
 actions replayed into ``told[session]``, and after every event the last word told is
 compared with a rule computed here from the scheduler's public state (never by asking
-:mod:`~gpushare_ext.broker.rivals`):
+:mod:`~gpushare_ext.broker.scheduler.rivals`):
 
 * a lease is *placed* while it holds a slot: running, paused, or evicted (an evicted
   lease keeps its slot and comes back there);
@@ -25,7 +25,7 @@ particular no request of a higher band waits in the queue for a slot it holds a 
 on.  LIVENESS: a session with placed leases none of which has a rival was last told
 ``unrivalled=True`` (so the event that removed its last rival told it).
 
-The second property checks :class:`~gpushare_ext.broker.rivals.Rivals` alone: fed
+The second property checks :class:`~gpushare_ext.broker.scheduler.rivals.Rivals` alone: fed
 opens, closes, requests, queued requests, chaos and placed leases at random, and asked
 only about the sessions an event names or the band it answered may concern, its word
 matches the same rule for every session.
@@ -39,10 +39,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from scheduler_helpers import GIB, HIGH, LOW, NORMAL, h200_document, may_ask_band, mig_document
 
-from gpushare_ext.broker import core
-from gpushare_ext.broker.inventory import parse_inventory
-from gpushare_ext.broker.policy import Limits, Policy
-from gpushare_ext.broker.rivals import PlacedLease, Rivals
+from gpushare_ext.broker.hands.inventory import parse_inventory
+from gpushare_ext.broker.scheduler import core
+from gpushare_ext.broker.scheduler.rivals import PlacedLease, Rivals
+from gpushare_ext.broker.settings.policy import Limits, Policy
 from gpushare_ext.protocol import Capabilities, LeaseState, RequestLease
 from gpushare_ext.units import priority_band
 

@@ -1,7 +1,7 @@
 """A session's long kernels run as they are while nobody could preempt it.
 
 The core tells each session with a lease on a GPU whether another live session may ask
-for a higher band there (:mod:`gpushare_ext.broker.rivals`); the broker writes that into
+for a higher band there (:mod:`gpushare_ext.broker.scheduler.rivals`); the broker writes that into
 the session's control block, where the launch shim reads it before each long launch.
 The property that it is always right after every event is in ``test_core_properties``;
 here: the cases by name, and the word in a real broker's control blocks.
@@ -13,7 +13,7 @@ import time
 
 from scheduler_helpers import GIB, HIGH, LOW, NORMAL, Hub, h200_devices, of_type
 
-from gpushare_ext.broker import core
+from gpushare_ext.broker.scheduler import core
 from gpushare_ext.client import BrokerClient
 from gpushare_ext.control_block import ControlBlock
 from gpushare_ext.protocol import Granted

@@ -2,7 +2,7 @@
 
 A lease's stop (the ladder level asked of the actuators, the level they confirmed, and
 the watchdog, detached and restore flags) moves along ``STOP_MOVES`` and ``FLAG_MOVES``;
-:func:`~gpushare_ext.broker.lease_transitions.transition` checks both tables and the
+:func:`~gpushare_ext.broker.scheduler.lease_transitions.transition` checks both tables and the
 main state's before it changes anything.  Generated sequences of moves (hypothesis)
 keep the invariants when allowed, and change nothing when refused."""
 
@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpushare_ext.broker.lease_index import LeaseIndex
-from gpushare_ext.broker.lease_transitions import transition
-from gpushare_ext.broker.scheduler_records import Identity, Lease
+from gpushare_ext.broker.scheduler.lease_index import LeaseIndex
+from gpushare_ext.broker.scheduler.lease_transitions import transition
+from gpushare_ext.broker.scheduler.scheduler_records import Identity, Lease
 from gpushare_ext.lease_state import (
     ENDED,
     FLAG_MOVES,

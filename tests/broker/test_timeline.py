@@ -6,8 +6,8 @@ import re
 
 from broker_wire import RawClient, evict_low_for_high, status_of
 
-from gpushare_ext.broker.core import Identity
-from gpushare_ext.broker.timeline import Timeline
+from gpushare_ext.broker.hands.timeline import Timeline
+from gpushare_ext.broker.scheduler.core import Identity
 from gpushare_ext.client import BrokerClient
 from gpushare_ext.protocol import Granted, Release, Released
 from gpushare_ext.status_view import status_text

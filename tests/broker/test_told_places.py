@@ -18,11 +18,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from scheduler_helpers import GIB, NORMAL, Hub, h200_devices, of_type
 
-from gpushare_ext.broker import core
-from gpushare_ext.broker.lease_index import OTHERS, Place, Trajectory, WaitingLine
-from gpushare_ext.broker.policy import parse_policy
-from gpushare_ext.broker.queue_notices import QueueNotices
-from gpushare_ext.broker.scheduling_pass import places_told_anew
+from gpushare_ext.broker.scheduler import core
+from gpushare_ext.broker.scheduler.lease_index import OTHERS, Place, Trajectory, WaitingLine
+from gpushare_ext.broker.scheduler.queue_notices import QueueNotices
+from gpushare_ext.broker.scheduler.scheduling_pass import places_told_anew
+from gpushare_ext.broker.settings.policy import parse_policy
 from gpushare_ext.protocol import EXACT_PLACES, LeaseState, told_place
 
 # ------------------------------------------------------------------ places as told

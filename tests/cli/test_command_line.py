@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpushare_ext.broker.inventory import shipped_fixtures
+from gpushare_ext.broker.hands.inventory import shipped_fixtures
 
 
 def gpushare(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

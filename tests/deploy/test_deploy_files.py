@@ -28,7 +28,7 @@ import pytest
 import yaml
 from traitlets.config.loader import PyFileConfigLoader
 
-from gpushare_ext.broker.config import load_config, parse_config
+from gpushare_ext.broker.settings.config import load_config, parse_config
 from gpushare_ext.paths import SYSTEM_RUNTIME_DIR, SYSTEM_SOCKET
 from gpushare_ext.protocol import priority_value
 

@@ -490,7 +490,7 @@ class LocalInstall:
             [
                 str(self.bin / "python"),
                 "-c",
-                "import sys; from gpushare_ext.broker.config import load_config; "
+                "import sys; from gpushare_ext.broker.settings.config import load_config; "
                 "load_config(sys.argv[1])",
                 str(self.choices.config),
             ],

@@ -291,7 +291,7 @@ def training_progress() -> int:
 
 
 def assert_nothing_pending(journal_path: Path) -> None:
-    from gpushare_ext.broker.journal import Journal
+    from gpushare_ext.broker.hands.journal import Journal
 
     journal = Journal(journal_path)
     try:

@@ -308,7 +308,7 @@ def test_yield_flag_written_from_another_process_through_ipc():
 
 
 def test_the_actuator_opens_a_registered_flag_ahead_and_a_pause_then_writes_it():
-    from gpushare_ext.broker.actuators import CudaProcessControl
+    from gpushare_ext.broker.hands.actuators import CudaProcessControl
     from gpushare_ext.kernels.yield_flags import YieldFlag
 
     flag = YieldFlag()

@@ -32,9 +32,9 @@ from test_browser import (  # noqa: F401 - the fixtures of the browser tests
     page,
 )
 
-from gpushare_ext.broker.core import Identity
-from gpushare_ext.broker.history import HistoryStore, Holding, Sample, history_path
-from gpushare_ext.broker.timeline import Timeline
+from gpushare_ext.broker.hands.history import HistoryStore, Holding, Sample, history_path
+from gpushare_ext.broker.hands.timeline import Timeline
+from gpushare_ext.broker.scheduler.core import Identity
 
 pytestmark = pytest.mark.browser
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import itertools
 
-from gpushare_ext.broker import core
-from gpushare_ext.broker.inventory import DeviceInfo, SimulatedInventory
+from gpushare_ext.broker.hands.inventory import DeviceInfo, SimulatedInventory
+from gpushare_ext.broker.scheduler import core
 from gpushare_ext.protocol import Placement, RequestLease, SliceWish
 
 GIB = 1024**3

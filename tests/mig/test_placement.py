@@ -12,7 +12,7 @@ import json
 import pytest
 from mig_helpers import GIB, HIGH, Hub, device_of, devices_of
 
-from gpushare_ext.broker.inventory import fixture_path, shipped_fixtures
+from gpushare_ext.broker.hands.inventory import fixture_path, shipped_fixtures
 from gpushare_ext.protocol import DeviceView, LeaseState, LeaseView, SliceWish, Snapshot
 from gpushare_ext.status_view import status_text
 

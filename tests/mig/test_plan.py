@@ -17,8 +17,8 @@ from mig_helpers import GIB, device_of, devices_of
 from msgspec.structs import replace
 
 from gpushare_ext import mig_command
-from gpushare_ext.broker import mig
-from gpushare_ext.broker.mig import Demand, check_layout, plan_layout
+from gpushare_ext.broker.scheduler import mig
+from gpushare_ext.broker.scheduler.mig import Demand, check_layout, plan_layout
 from gpushare_ext.mig_command import plan_main
 from gpushare_ext.protocol import DeviceView, LeaseState, LeaseView, Snapshot
 

@@ -61,7 +61,7 @@ def test_a_notebook_that_opened_another_processs_memory_is_never_parked():
     import time
 
     from benchmarks.parking import Notebook
-    from gpushare_ext.broker.launch import BrokerProcess
+    from gpushare_ext.broker.edges.launch import BrokerProcess
     from gpushare_ext.client import BrokerClient, BrokerError
     from gpushare_ext.runtime.interpose import shim_path
 

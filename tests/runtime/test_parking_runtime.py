@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 from runtime_helpers import BrokerProcess, NotebookKernel, short_tempdir, wait_for
 
-from gpushare_ext.broker.inventory import fixture_path
+from gpushare_ext.broker.hands.inventory import fixture_path
 from gpushare_ext.client import BrokerClient, BrokerError
 from gpushare_ext.protocol import Granted, Queued
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from gpushare_ext.broker.actuators import Ladder, Target
+from gpushare_ext.broker.hands.actuators import Ladder, Target
 from gpushare_ext.control_block import SESSION_NOTE_SIZE, ControlBlock
 from gpushare_ext.protocol import LeaseState, PreemptionLevel
 from gpushare_ext.runtime import interpose, preemptible

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpushare_ext.broker.launch import BrokerProcess
+from gpushare_ext.broker.edges.launch import BrokerProcess
 from gpushare_ext.client import BrokerClient
 from gpushare_ext.protocol import priority_value
 from gpushare_ext.runtime.session import GpuSession

@@ -1,0 +1,170 @@
+"""Carrying out placement's decisions on the core's state: start, resume, pause, evict, park.
+
+What it is for: :class:`LeaseMoves` starts a lease on a slot (a :class:`GrantLease` for a
+request, a :class:`ResumeLease` for a paused or evicted lease, with the aging it earned
+kept), and carries out a room plan: parks the idle sessions, pauses the victims at the
+level that stops them (a rank stops its whole gang), evicts what must leave, and either
+starts the lease or leaves it waiting for the evictions.
+
+What it must not do: choose slots or victims (:mod:`~gpushare_ext.broker.scheduler.placement`
+does), or read a clock; it moves leases only through
+:func:`~gpushare_ext.broker.scheduler.lease_transitions.transition`.
+"""
+
+from __future__ import annotations
+
+from gpushare_ext.broker.scheduler import reasons
+from gpushare_ext.broker.scheduler.actions import Action, GrantLease, ResumeLease
+from gpushare_ext.broker.scheduler.idle_parking import IdleParking
+from gpushare_ext.broker.scheduler.lease_book import LeaseBook
+from gpushare_ext.broker.scheduler.lease_transitions import transition
+from gpushare_ext.broker.scheduler.placement import RoomPlan
+from gpushare_ext.broker.scheduler.queue_notices import QueueNotices
+from gpushare_ext.broker.scheduler.scheduler_records import Lease, Slot
+from gpushare_ext.broker.settings.policy import (
+    StopCause,
+    effective_priority,
+)
+from gpushare_ext.protocol import (
+    LeaseState,
+    Placement,
+    PreemptionLevel,
+    describe_priority,
+)
+
+
+class LeaseMoves:
+    """Starts, resumes and stops leases, and says so in actions."""
+
+    def __init__(
+        self,
+        book: LeaseBook,
+        slots: dict[str, Slot],
+        parking: IdleParking,
+        notices: QueueNotices,
+    ) -> None:
+        self._book = book
+        self._slots = slots
+        self._parking = parking
+        self._notices = notices
+
+    def start(self, lease: Lease, key: str, now: float) -> list[Action]:
+        """Run ``lease`` on ``key``: granted if it was queued, else resumed."""
+        slot = self._slots[key]
+        waited = now - lease.state_since
+        limits = self._book.policy.limits_for(lease.identity.user, lease.identity.groups)
+        lease.aging_bonus = min(
+            299.0 - lease.base_priority,
+            lease.aging_bonus + effective_priority(0, waited, limits.aging_per_minute),
+        )
+        previous = lease.state
+        if previous == LeaseState.QUEUED:
+            lease.granted_at = now  # before the move: the index keeps when holders were granted
+            lease.waited_s = now - lease.requested_at
+        stop = lease.stop
+        transition(
+            lease,
+            now,
+            state=LeaseState.RUNNING,
+            slot=key,
+            stop=stop.cleared(),
+            reason="",
+            index=self._book.index,
+        )
+        lease.paused_for = ""
+        lease.last_queue_notice = None
+        if previous == LeaseState.QUEUED:
+            return [self._grant(lease, slot)]
+        undo = stop.applied_level if stop.applied_level is not None else PreemptionLevel.GATE
+        return [
+            ResumeLease(
+                session_id=lease.session_id,
+                lease_id=lease.lease_id,
+                pid=lease.identity.pid,
+                device_index=slot.device_index,
+                undo_level=undo,
+                paused_s=waited,
+                restores_park=lease.parks_session,
+            )
+        ]
+
+    def _grant(self, lease: Lease, slot: Slot) -> GrantLease:
+        blocks = max(1, round(lease.sm_share * slot.multiprocessor_count))
+        placement = Placement(
+            device_index=slot.device_index,
+            device_uuid=slot.device_uuid,
+            mig_uuid=slot.mig_uuid,
+            mig_profile=slot.mig_profile,
+            memory_bytes=lease.memory_bytes,
+            sm_share=lease.sm_share,
+            max_blocks_per_sm_share=blocks if lease.sm_share < 1.0 else None,
+            mps=self._book.policy.mps and slot.mig_uuid is None,
+        )
+        return GrantLease(
+            session_id=lease.session_id,
+            lease_id=lease.lease_id,
+            placement=placement,
+            priority=lease.base_priority,
+            notice=lease.notice,
+        )
+
+    def preempt_for(
+        self, lease: Lease, key: str, plan: RoomPlan, now: float, ahead: int
+    ) -> list[Action]:
+        """Carry out ``plan`` for ``lease`` on ``key``; start it if nothing must leave."""
+        actions, awaited = self.stop_victims(lease, key, plan, now)
+        if awaited:
+            self.await_room(lease, awaited, bool(plan.evictions), now)
+            lease.target_slot = key
+            actions.extend(
+                self._notices.queue_notice(lease, [key], now, ahead, force_reason=lease.reason)
+            )
+            return actions
+        actions.extend(self.start(lease, key, now))
+        return actions
+
+    def await_room(self, lease: Lease, victims: frozenset[str], evicting: bool, now: float) -> None:
+        """``lease`` waits until ``victims`` have left (evicted, or parked)."""
+        self._book.index.await_evictions(lease, victims)
+        transition(
+            lease,
+            now,
+            reason=reasons.WAITING_FOR_EVICTIONS if evicting else reasons.WAITING_FOR_PARKS,
+        )
+
+    def stop_victims(
+        self, lease: Lease, key: str, plan: RoomPlan, now: float
+    ) -> tuple[list[Action], frozenset[str]]:
+        """Carry out ``plan``'s stops for ``lease`` on ``key`` as placement decided them;
+        the actions, and the victims whose memory must leave before ``lease`` fits."""
+        who = f"{describe_priority(lease.base_priority)} lease {lease.gang or lease.lease_id}"
+        parks = [
+            self._parking.park(idle, key, reasons.parked_for(who), lease.lease_id, now)
+            for idle in plan.parks
+        ]
+        actions: list[Action] = list(parks)
+        for victim, level, cause in plan.stops():
+            evicting = cause is StopCause.FREE_MEMORY
+            reason = reasons.evicted_for(who) if evicting else reasons.paused_for(who)
+            before = victim.state
+            if before == LeaseState.RUNNING:
+                transition(
+                    victim,
+                    now,
+                    state=LeaseState.PAUSED,
+                    stop=victim.stop.asked(level),
+                    reason=reason,
+                    index=self._book.index,
+                )
+            elif evicting:  # already paused: escalate to eviction
+                transition(victim, now, stop=victim.stop.asked(level), reason=reason)
+            else:
+                continue  # a rank another slot's plan of the same gang stopped already
+            victim.paused_for = lease.lease_id
+            actions.append(
+                self._book.pause_action(
+                    victim, level, before=before, for_lease=lease.lease_id, reason=reason
+                )
+            )
+        awaited = frozenset(row.victim.lease_id for row in plan.evictions)
+        return actions, awaited | {park.lease_id for park in parks}

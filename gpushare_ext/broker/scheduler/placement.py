@@ -1,0 +1,283 @@
+"""Whether a lease fits a slot, which slot it prefers, and what stopping whom makes room.
+
+What it is for: :class:`Placer` answers placement's questions from the lease index and
+the memory seen: may a lease run on a slot now (memory, then time-slicing or spatial
+sharing with what runs there), which of several slots it prefers, and, when it may not,
+the plan that makes room -- running leases to pause, holders to evict, idle sessions to
+park -- as rows that each name a victim, the ladder level that stops it and why
+(:meth:`Placer.stopping_level_of`, through
+:func:`~gpushare_ext.broker.settings.policy.ladder_level`): the stop is decided here, once, and
+carried out as it is.
+
+What it must not do: change any lease (carrying a plan out is
+:mod:`~gpushare_ext.broker.scheduler.lease_moves`'s job), or tell anyone anything.  Asking it for
+a plan may note why no idle session could be parked (:class:`IdleParking`'s refusals).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from gpushare_ext.broker.scheduler.idle_parking import IdleParking
+from gpushare_ext.broker.scheduler.lease_book import LeaseBook
+from gpushare_ext.broker.scheduler.lease_index import SPATIAL_LIMIT, SlotLoad, exact_share
+from gpushare_ext.broker.scheduler.memory_seen import MemorySeen
+from gpushare_ext.broker.scheduler.parking import IdleSession
+from gpushare_ext.broker.scheduler.scheduler_records import Lease, Slot
+from gpushare_ext.broker.settings.policy import (
+    StopCause,
+    VictimTraits,
+    ladder_level,
+    priority_band,
+    victim_order_key,
+)
+from gpushare_ext.protocol import LeaseState, PreemptionLevel, SliceWish
+
+
+class VictimStop(NamedTuple):
+    """One victim of a room plan, with the level that stops it and why."""
+
+    victim: Lease
+    level: PreemptionLevel
+    cause: StopCause  # MAKE_ROOM: paused; FREE_MEMORY: its memory must leave the GPU
+
+
+@dataclass(frozen=True)
+class RoomPlan:
+    """What making room on a slot takes: running leases to pause, holders to evict, the
+    running ranks of the victims' gangs (a gang never runs in part), idle sessions to
+    park."""
+
+    pauses: tuple[VictimStop, ...]
+    evictions: tuple[VictimStop, ...]
+    companions: tuple[VictimStop, ...]
+    parks: tuple[IdleSession, ...]
+
+    def stops(self) -> list[VictimStop]:
+        """Every lease stop in the order it is carried out: pauses (at the eviction's level
+        for a victim whose memory must leave too), the gangs' other ranks, then the
+        evictions of leases not paused here."""
+        evicted = {row.victim.lease_id: row.level for row in self.evictions}
+        paused = [
+            row._replace(level=evicted.get(row.victim.lease_id, row.level)) for row in self.pauses
+        ]
+        named = {row.victim.lease_id for row in self.pauses}
+        rest = [row for row in self.evictions if row.victim.lease_id not in named]
+        return [*paused, *self.companions, *rest]
+
+
+def traits(lease: Lease) -> VictimTraits:
+    """What the policy reads of a lease to choose the level that stops it."""
+    return VictimTraits(
+        gate=lease.capabilities.gate,
+        yield_flag=lease.capabilities.yield_flag,
+        instrumented_only=lease.capabilities.instrumented_only,
+        lockable=lease.lockable,
+        evictable=lease.evictable,
+    )
+
+
+def plan_cost(plan: RoomPlan) -> tuple:
+    """How much a plan disturbs: evictions and parks first, then their memory, then pauses."""
+    return (
+        len(plan.evictions) + len(plan.parks),
+        sum(row.victim.memory_bytes for row in plan.evictions)
+        + sum(park.held_bytes for park in plan.parks),
+        len(plan.pauses),
+    )
+
+
+class Placer:
+    """Fit, preference and room plans for a lease on a slot."""
+
+    def __init__(
+        self,
+        book: LeaseBook,
+        slots: dict[str, Slot],
+        memory: MemorySeen,
+        parking: IdleParking,
+    ) -> None:
+        self._book = book
+        self._slots = slots
+        self._memory = memory
+        self._parking = parking
+
+    def stopping_level_of(self, victim: Lease) -> PreemptionLevel | None:
+        """The ladder level that stops ``victim`` (for a rank: that stops every running
+        rank of its gang, the highest any needs); None if one of them cannot be stopped."""
+        stopping = [
+            traits(mate)
+            for mate in self._book.gang_mates(victim)
+            if mate is victim or mate.state == LeaseState.RUNNING
+        ]
+        return ladder_level(StopCause.MAKE_ROOM, stopping)
+
+    def compute_compatible(self, lease: Lease, running: list[Lease], now: float) -> bool:
+        """Whether ``lease`` may run beside ``running`` (time-slicing or spatial sharing)."""
+        if not running:
+            return True
+        if lease.slice == SliceWish.EXCLUSIVE or any(
+            r.slice == SliceWish.EXCLUSIVE for r in running
+        ):
+            return False
+        spatial = lease.sm_share < 1.0 and all(r.sm_share < 1.0 for r in running)
+        if spatial and lease.sm_share + sum(r.sm_share for r in running) <= 1.0 + 1e-9:
+            return True
+        if self._book.policy.sharing == "exclusive":
+            return False
+        band = priority_band(self._book.effective(lease, now))
+        return all(priority_band(r.running_priority()) == band for r in running)
+
+    def compatible_with_slot(self, lease: Lease, load: SlotLoad, now: float) -> bool:
+        """:meth:`compute_compatible` with every lease running on a slot, read from the
+        slot's aggregates instead of its leases."""
+        count = len(load.running)
+        if not count:
+            return True
+        if lease.slice == SliceWish.EXCLUSIVE or load.exclusive:
+            return False
+        if (
+            lease.sm_share < 1.0
+            and not load.whole
+            and exact_share(lease.sm_share) + load.shares <= SPATIAL_LIMIT
+        ):
+            return True
+        if self._book.policy.sharing == "exclusive":
+            return False
+        band = priority_band(self._book.effective(lease, now))
+        return load.bands.get(band, 0) == count
+
+    def fits_now(self, lease: Lease, key: str, now: float) -> bool:
+        """Whether ``lease`` may run on ``key`` now, with nobody stopped."""
+        slot = self._slots[key]
+        load = self._book.index.slots[key]
+        held = load.held + self._memory.unleased_memory(key, lease)
+        if lease.state in (LeaseState.PAUSED,):
+            held -= lease.memory_bytes  # it already holds its memory there
+        if held + lease.memory_bytes > slot.memory_bytes:
+            return False
+        return self.compatible_with_slot(lease, load, now)
+
+    def overfills(self, lease: Lease) -> bool:
+        """Whether the memory held on ``lease``'s slot, its own included, is more than the
+        slot has (a lease paused again after a restart whose memory came back)."""
+        if lease.slot is None:
+            return False
+        load = self._book.index.slots[lease.slot]
+        held = load.held + self._memory.unleased_memory(lease.slot, lease)
+        return held > self._slots[lease.slot].memory_bytes
+
+    def slot_preference(self, lease: Lease, key: str) -> tuple:
+        """Sort key of the slots ``lease`` could use: the smallest is taken."""
+        slot = self._slots[key]
+        load = self._book.index.slots[key]
+        # Least loaded first.  Then an idle MIG instance before a whole GPU (AUTO means "a
+        # MIG instance where MIG is on"), best fit among instances (keeps big ones free for
+        # big requests), and the whole GPU with the most memory free.
+        if slot.mig_uuid:
+            return (len(load.running), 0, slot.memory_bytes, key)
+        free = slot.memory_bytes - load.held - self._memory.unleased_memory(key, lease)
+        return (len(load.running), 1, -free, key)
+
+    def preemption_plan(self, lease: Lease, key: str, now: float) -> RoomPlan | None:
+        """Victims to pause and to evict so ``lease`` can run on ``key``; None if impossible."""
+        slot = self._slots[key]
+        load = self._book.index.slots[key]
+        band = priority_band(self._book.effective(lease, now))
+        pauses = self._victims_to_pause(lease, load, band, now)
+        if pauses is None:
+            return None
+        # Memory: evict lower-band leases (paused ones first) until the request fits.
+        own = lease.memory_bytes if lease.state == LeaseState.PAUSED else 0
+        # Memory no lease declares is freed by parking idle sessions, not by evictions.
+        need = (
+            load.held + self._memory.unleased_memory(key, lease) - own + lease.memory_bytes
+        ) - slot.memory_bytes
+        to_park: list[IdleSession] = []
+        if need > 0:  # idle sessions first, before any lease is evicted
+            parks = self._parking.parks_for(lease, key, band, need)
+            if parks is not None:
+                to_park = list(parks.chosen)
+                need -= parks.freed_bytes
+        evictions: list[VictimStop] = []
+        if need > 0:
+            if not self._book.policy.evict_when_memory_needed:
+                return None
+            evicted = self._victims_to_evict(lease, load, band, need)
+            if evicted is None:
+                return None
+            evict = ladder_level(StopCause.FREE_MEMORY, [])
+            assert evict is not None  # memory is always freed by the same rung
+            evictions = [VictimStop(victim, evict, StopCause.FREE_MEMORY) for victim in evicted]
+        companions = self._gang_companions([*pauses, *evictions])
+        return RoomPlan(tuple(pauses), tuple(evictions), tuple(companions), tuple(to_park))
+
+    def _gang_companions(self, rows: list[VictimStop]) -> list[VictimStop]:
+        """The running ranks of the victims' gangs that are not victims already, each
+        paused at the level that stops its whole gang."""
+        chosen = {row.victim.lease_id for row in rows}
+        companions: list[VictimStop] = []
+        for row in rows:
+            if row.victim.gang is None:
+                continue
+            for mate in self._book.gang_mates(row.victim):
+                if mate.lease_id not in chosen and mate.state == LeaseState.RUNNING:
+                    level = self.stopping_level_of(mate)
+                    assert level is not None  # the victim's gang was found stoppable
+                    chosen.add(mate.lease_id)
+                    companions.append(VictimStop(mate, level, StopCause.MAKE_ROOM))
+        return companions
+
+    def _victims_to_pause(
+        self, lease: Lease, load: SlotLoad, band: int, now: float
+    ) -> list[VictimStop] | None:
+        """The running leases in ``lease``'s way, in arrival order, each with the level
+        that stops it; None if one of them may not be stopped for it (then the others
+        need no look)."""
+        everyone = self._book.policy.sharing == "exclusive" or lease.slice == SliceWish.EXCLUSIVE
+        if not everyone and not load.exclusive and load.bands.get(band, 0) == len(load.running):
+            return []  # all of them time-slice with it: nobody is in its way
+        to_pause: list[VictimStop] = []
+        for victim in load.running.values():
+            if not everyone and self.compute_compatible(lease, [victim], now):
+                continue
+            if priority_band(victim.running_priority()) >= band:
+                return None
+            if any(member.pending_level is not None for member in self._book.gang_mates(victim)):
+                return None  # already being stopped; wait for that
+            level = self.stopping_level_of(victim)
+            if level is None:
+                continue  # cannot be stopped: it will time-slice with us (said in status)
+            to_pause.append(VictimStop(victim, level, StopCause.MAKE_ROOM))
+        to_pause.sort(key=lambda row: row.victim.arrival)
+        return to_pause
+
+    def _victims_to_evict(
+        self, lease: Lease, load: SlotLoad, band: int, need: int
+    ) -> list[Lease] | None:
+        """Lower-band holders of the slot to evict for ``need`` bytes; None if too few."""
+        if load.lower_band_memory(band) < need:
+            return None  # evicting every lower band would not be enough
+        candidates = [
+            other
+            for other in load.holders.values()
+            if other.lease_id != lease.lease_id
+            and not (lease.gang is not None and other.gang == lease.gang)
+            and priority_band(other.running_priority()) < band
+            and other.evictable
+            and (other.lockable or other.state == LeaseState.PAUSED)
+            and other.pending_level is None
+            # A rank is evicted only if the rest of its gang can be stopped with it.
+            and (other.gang is None or self.stopping_level_of(other) is not None)
+        ]
+        candidates.sort(
+            key=lambda o: victim_order_key(o.running_priority(), o.memory_bytes, o.arrival)
+        )
+        to_evict: list[Lease] = []
+        for other in candidates:
+            if need <= 0:
+                break
+            to_evict.append(other)
+            need -= other.memory_bytes
+        return to_evict if need <= 0 else None
