@@ -14,40 +14,33 @@ import tempfile
 import time
 from pathlib import Path
 
+from gpushare_ext.broker.edges.launch import BrokerProcess
 from gpushare_ext.client import BrokerClient
 from gpushare_ext.runtime import embedded
 
 
-def _start(folder: Path, idle: str) -> subprocess.Popen:
-    socket = folder / "broker.sock"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gpushare_ext.cli", "broker", "--simulate", "h200",
-         "--socket", str(socket), "--journal", str(folder / "journal.db"),
-         "--exit-when-idle", idle],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + 30
-    while not socket.exists():
-        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
-        time.sleep(0.05)
-    return process
+def _start(folder: Path, idle: str) -> BrokerProcess:
+    return BrokerProcess(
+        folder, journal=folder / "journal.db", extra_args=("--exit-when-idle", idle)
+    ).start()
 
 
 def test_the_broker_stays_while_a_session_is_there_and_exits_after_the_last_left():
     folder = Path(tempfile.mkdtemp(prefix="gps-idle-", dir="/tmp"))
-    process = _start(folder, "2s")
+    broker = _start(folder, "2s")
+    assert broker.process is not None
     try:
-        with BrokerClient(folder / "broker.sock"):
+        with BrokerClient(broker.socket):
             time.sleep(3.5)  # past the idle time: a session is there
-            assert process.poll() is None
+            assert broker.alive()
         left = time.monotonic()
-        process.wait(timeout=15)
+        broker.process.wait(timeout=15)
         took = time.monotonic() - left
     finally:
-        if process.poll() is None:
-            process.kill()
-    log = process.stdout.read()
-    assert process.returncode == 0, log
+        if broker.alive():
+            broker.process.kill()
+    log = broker.output()
+    assert broker.process.returncode == 0, log
     assert 1.5 <= took <= 6, (took, log)
     assert "no notebook session for 2.0 s: exiting (--exit-when-idle); the next %%gpu" in log
     assert not (folder / "broker.sock").exists()  # nothing left behind

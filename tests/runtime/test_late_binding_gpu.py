@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.broker_process import broker_argv
+from gpushare_ext.broker.edges.launch import BrokerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,27 +74,18 @@ def _same_gpu(lease_uuid: str, cuda_uuid_hex: str) -> bool:
 @pytest.fixture
 def broker():
     folder = Path(tempfile.mkdtemp(prefix="gps-lb-"))
-    socket_path = folder / "b.sock"
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     )
     env.pop("GPUSHARE_DEVICES", None)
-    log = open(folder / "broker.log", "wb")  # noqa: SIM115
-    process = subprocess.Popen(
-        broker_argv(folder, socket_name=socket_path.name, journal_name="j.sqlite"),
-        stdout=log,
-        stderr=log,
-        env=env,
-    )
-    deadline = time.monotonic() + 60
-    while not socket_path.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    env["GPUSHARE_SOCKET"] = str(socket_path)
+    running = BrokerProcess(
+        folder, simulate=None, socket_name="b.sock", journal=folder / "j.sqlite", env=env
+    ).start(timeout=60)
+    env["GPUSHARE_SOCKET"] = str(running.socket)
     yield env
-    process.terminate()
-    process.wait(timeout=30)
-    print((folder / "broker.log").read_text()[-2000:])
+    running.stop(timeout=30)
+    print(running.output()[-2000:])
 
 
 def _session(env: dict, *cells: str) -> subprocess.Popen:
