@@ -34,6 +34,8 @@ class RivalryWatch:
         self._below: int | None = None  # this event's band change (Rivals' answer)
         # Sessions with a lease on a GPU, by the lowest band among those leases.
         self._placed_band: dict[str, int] = {}
+        # Per slot key: the slot and what sessions' reachable GPUs may call it.
+        self._names: dict[str, tuple[Slot, frozenset[str]]] = {}
 
     def note_band_change(self, below: int | None) -> None:
         """What :class:`Rivals` answered to a session opened, closed or asking: sessions
@@ -49,12 +51,14 @@ class RivalryWatch:
         names, and, when a session may now ask for another band, every session with a
         lease on a GPU in a band below the one that changed (the waiters are never looked
         at)."""
-        touched = {a.session_id for a in actions if not isinstance(a, NotifyQueued)}
+        touched = {a.session_id for a in actions if type(a) is not NotifyQueued}
         named = getattr(event, "session_id", None)
-        if isinstance(event, ChaosChanged):
+        if type(event) is ChaosChanged:
             named = self._book.session_of_pid.get(event.pid)
         if named is not None:
             touched.add(named)
+        if not touched and self._below is None:
+            return []  # most ticks: nobody named, no band changed
         placed: dict[str, list[PlacedLease]] = {}
         for session_id in touched:  # their requests may have entered or left the queue
             queued_top, placed[session_id] = self._leases_of(session_id)
@@ -68,7 +72,9 @@ class RivalryWatch:
             return []
         return [
             RivalryChanged(session_id=session_id, unrivalled=unrivalled)
-            for session_id, unrivalled in self.rivals.changes(dict(sorted(placed.items())))
+            for session_id, unrivalled in self.rivals.changes(
+                placed if len(placed) == 1 else dict(sorted(placed.items()))
+            )
         ]
 
     def _leases_of(self, session_id: str) -> tuple[int | None, list[PlacedLease]]:
@@ -78,25 +84,30 @@ class RivalryWatch:
         record = self._book.sessions.get(session_id)
         queued_top: int | None = None
         on_gpu: list[PlacedLease] = []
+        lowest: int | None = None
+        leases, slots = self._book.leases, self._slots
         for lease_id in () if record is None else record.leases:
-            lease = self._book.leases.get(lease_id)
+            lease = leases.get(lease_id)
             if lease is None:
                 continue
-            if lease.state == LeaseState.QUEUED and (
-                queued_top is None or lease.base_priority > queued_top
-            ):
-                queued_top = lease.base_priority
-            if lease.state in ACTIVE_STATES and lease.slot in self._slots:
-                on_gpu.append(
-                    PlacedLease(
-                        lease_id=lease_id,
-                        session_id=session_id,
-                        priority=lease.base_priority,
-                        gpu_names=names_of(self._slots[lease.slot]),
-                    )
-                )
-        if on_gpu:
-            self._placed_band[session_id] = min(priority_band(p.priority) for p in on_gpu)
+            state, priority = lease.state, lease.base_priority
+            if state == LeaseState.QUEUED and (queued_top is None or priority > queued_top):
+                queued_top = priority
+            slot = slots.get(lease.slot) if lease.slot is not None else None
+            if slot is not None and state in ACTIVE_STATES:
+                on_gpu.append(PlacedLease(lease_id, session_id, priority, self._names_of(slot)))
+                band = priority_band(priority)
+                if lowest is None or band < lowest:
+                    lowest = band
+        if lowest is not None:
+            self._placed_band[session_id] = lowest
         else:
             self._placed_band.pop(session_id, None)
         return queued_top, on_gpu
+
+    def _names_of(self, slot: Slot) -> frozenset[str]:
+        """:func:`names_of` ``slot``, kept while the slot is the same object."""
+        kept = self._names.get(slot.key)
+        if kept is None or kept[0] is not slot:
+            kept = self._names[slot.key] = (slot, names_of(slot))
+        return kept[1]

@@ -23,13 +23,14 @@ Pure: no I/O, no clock, no import of the core (the core feeds it what changed).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from gpushare_ext.units import priority_band
 
 
-@dataclass(frozen=True, kw_only=True)
-class PlacedLease:
-    """What the rivalry of one placed lease depends on."""
+class PlacedLease(NamedTuple):
+    """What the rivalry of one placed lease depends on (a tuple: the watch makes one per
+    placed lease of every session an event names)."""
 
     lease_id: str
     session_id: str
@@ -119,7 +120,7 @@ class Rivals:
                 if session_id == lease.session_id:
                     continue
                 reach = self._reach.get(session_id)
-                if reach is None or lease.gpu_names.intersection(reach):
+                if reach is None or not lease.gpu_names.isdisjoint(reach):
                     return session_id
         return None
 
@@ -130,7 +131,11 @@ class Rivals:
         for session_id, leases in placed.items():
             if session_id not in self._band:
                 continue  # closed meanwhile: nothing to tell
-            unrivalled = all(self.rival_of(lease) is None for lease in leases)
+            unrivalled = True
+            for lease in leases:
+                if self.rival_of(lease) is not None:
+                    unrivalled = False
+                    break
             if self._told.get(session_id) != unrivalled:
                 self._told[session_id] = unrivalled
                 changed.append((session_id, unrivalled))
