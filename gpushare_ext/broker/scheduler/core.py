@@ -53,8 +53,9 @@ events (a release of an unknown lease) raise :class:`SchedulerError` and change 
 
 The parts
 ---------
-:class:`Scheduler` owns one object per job and routes each event to its handler through
-one table (an event of another type is refused with :class:`SchedulerError`):
+:class:`Scheduler` owns one object per job, put together in one place
+(:func:`wire_parts`, no part handed one that asks it back), and routes each event to
+its handler through one table (an event of another type is refused with :class:`SchedulerError`):
 :class:`~gpushare_ext.broker.scheduler.lease_book.LeaseBook` (leases, sessions, gangs, the index),
 :class:`~gpushare_ext.broker.scheduler.slot_finder.SlotFinder` (slots a request may use, drains),
 :class:`~gpushare_ext.broker.scheduler.memory_seen.MemorySeen` (NVML readings),
@@ -74,7 +75,7 @@ a clock or import the server.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gpushare_ext.broker.scheduler import reasons
@@ -190,6 +191,53 @@ CONTEXT_ALLOWANCE = 1024 * 1024 * 1024
 Handler = Callable[[Any, float], list[Action]]
 
 
+@dataclass(frozen=True)
+class SchedulerParts:
+    """The core's parts, one object per job, each handed the parts below it."""
+
+    finder: SlotFinder
+    book: LeaseBook
+    memory: MemorySeen
+    parking: IdleParking
+    placer: Placer
+    notices: QueueNotices
+    moves: LeaseMoves
+    gang_turns: GangTurns
+    passes: SchedulingPass
+    rivalry: RivalryWatch
+    admission: Admission
+
+
+def wire_parts(
+    devices: list[DeviceInfo],
+    policy: Policy,
+    *,
+    simulated_control: bool,
+    recompute_every_waiter: bool,
+    line_from: int,
+) -> SchedulerParts:
+    """The one place the parts are put together: each gets the parts it asks, none a
+    part that asks it back (the pass hears of grants from the actions it returns)."""
+    finder = SlotFinder(devices)
+    book = LeaseBook(finder.slots, policy, simulated_control=simulated_control)
+    memory = MemorySeen(set(finder.slots), book.index)
+    parking = IdleParking(book, finder.slots, memory)
+    placer = Placer(book, finder.slots, memory, parking)
+    notices = QueueNotices(book, finder, memory, parking)
+    moves = LeaseMoves(book, finder.slots, parking, notices)
+    gang_turns = GangTurns(book, finder, placer, moves, notices)
+    passes = SchedulingPass(
+        book, finder, placer, parking, notices, moves, gang_turns,
+        recompute_every_waiter=recompute_every_waiter, line_from=line_from,
+    )  # fmt: skip
+    rivalry = RivalryWatch(book, finder.slots)
+    admission = Admission(book, finder, placer, rivalry)
+    return SchedulerParts(
+        finder, book, memory, parking, placer, notices, moves, gang_turns, passes, rivalry,
+        admission,
+    )  # fmt: skip
+
+
 class Scheduler:
     """Feed it events with :meth:`handle`; carry out the actions it returns."""
 
@@ -203,29 +251,18 @@ class Scheduler:
         simulated_control: bool = False,
     ) -> None:
         self.now = 0.0
-        self.finder = SlotFinder(devices)
-        self.book = LeaseBook(
-            self.finder.slots, policy or Policy(), simulated_control=simulated_control
-        )
-        self.memory = MemorySeen(set(self.finder.slots), self.book.index)
-        self.parking = IdleParking(self.book, self.finder.slots, self.memory)
-        self.placer = Placer(self.book, self.finder.slots, self.memory, self.parking)
-        self.notices = QueueNotices(self.book, self.finder, self.memory, self.parking)
-        self.moves = LeaseMoves(self.book, self.finder.slots, self.parking, self.notices)
-        self.gang_turns = GangTurns(self.book, self.finder, self.placer, self.moves, self.notices)
-        self.passes = SchedulingPass(
-            self.book,
-            self.finder,
-            self.placer,
-            self.parking,
-            self.notices,
-            self.moves,
-            self.gang_turns,
+        parts = wire_parts(
+            devices,
+            policy or Policy(),
+            simulated_control=simulated_control,
             recompute_every_waiter=recompute_every_waiter,
             line_from=line_from,
         )
-        self.rivalry = RivalryWatch(self.book, self.finder.slots)
-        self.admission = Admission(self.book, self.finder, self.placer, self.rivalry)
+        self.parts = parts
+        self.finder, self.book, self.memory = parts.finder, parts.book, parts.memory
+        self.parking, self.placer, self.notices = parts.parking, parts.placer, parts.notices
+        self.moves, self.gang_turns, self.passes = parts.moves, parts.gang_turns, parts.passes
+        self.rivalry, self.admission = parts.rivalry, parts.admission
         # Every event's handler, in one place: an event of another type is refused.
         self._handlers: dict[type, Handler] = {
             SessionOpened: self._on_session_opened,
