@@ -496,11 +496,20 @@ def _preemptible_section(doc: dict) -> list[str]:
     return [*lines, ""]
 
 
+def _when(document: dict | None) -> str:
+    return (document or {}).get("date", "?")[:10]
+
+
 def _robustness_section(fuzz: dict | None, soak: dict | None) -> list[str]:
     some = fuzz or soak or {}
+    dates = (
+        _when(fuzz)
+        if not soak or _when(soak) == _when(fuzz)
+        else (f"fuzz {_when(fuzz)}, soak {_when(soak)}" if fuzz else _when(soak))
+    )
     lines = [
         f"**Robustness** ({some.get('host', '?')}, {some.get('cpu_count', '?')} CPUs, "
-        f"{(some.get('date') or '?')[:10]}; simulated H200, real broker processes)",
+        f"{dates}; simulated H200, real broker processes)",
         "",
         "| run | measure | figure | target | verdict |",
         "|---|---|---:|---|---|",
@@ -539,10 +548,30 @@ def _robustness_section(fuzz: dict | None, soak: dict | None) -> list[str]:
             ("broker exits not ours / tracebacks",
              f"{k['broker_exits_not_ours']} / {k['tracebacks_in_log']}", "0 / 0",
              k["broker_exits_not_ours"] == 0 and k["tracebacks_in_log"] == 0),
+            *_soak_extras(k),
         ]  # fmt: skip
         for measure, figure, target, ok in rows:
             lines.append(f"| soak | {measure} | {figure} | {target} | {_verdict(ok)} |")
     return [*lines, ""]
+
+
+def _soak_extras(k: dict) -> list[tuple]:
+    """The rows only a soak that also killed clients and probed status has."""
+    if "client_kills" not in k:
+        return []
+    zero = (
+        ("requests failed at once (broker unavailable)", "failed_at_once_broker_unavailable"),
+        ("granted twice", "granted_twice"),
+        ("memory over capacity (status probes, journal at each kill)", "memory_over_capacity"),
+        ("killed clients' leases kept past 5 s", "killed_clients_leases_kept"),
+        ("journal integrity_check not ok", "journal_not_intact"),
+    )
+    return [
+        ("client kill -9s", k["client_kills"], "-", None),
+        *((measure, k[key], "0", k[key] == 0) for measure, key in zero if key in k),
+        ("reclaim after a restart p50 / p99 (s)",
+         f"{_fmt(k.get('reclaim_s_p50'), 2)} / {_fmt(k.get('reclaim_s_p99'), 2)}", "-", None),
+    ]  # fmt: skip
 
 
 # The suites a report reads, by the key its sections know them by.
