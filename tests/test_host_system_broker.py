@@ -81,7 +81,7 @@ def test_tests_that_look_for_a_broker_never_reach_the_hosts_system_broker(
     started = time.monotonic()
     child = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs",
-         "tests/broker/test_trust.py", "tests/cli/test_status_without_broker.py",
+         "tests/broker/edges/test_trust.py", "tests/cli/test_status_without_broker.py",
          "tests/runtime/test_runtime_broker_lifecycle.py", "tests/hub/test_hub_e2e.py"],
         capture_output=True, text=True, timeout=600, cwd=ROOT, stdin=subprocess.DEVNULL,
     )  # fmt: skip

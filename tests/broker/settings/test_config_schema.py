@@ -30,7 +30,7 @@ from gpushare_ext.broker.settings.policy import (
 )
 from gpushare_ext.protocol import SliceWish
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO / "deploy" / "broker.toml"
 MIB = 1024**2
 NO_SUCH_GROUP = "gpushare-no-such-group-7f3a"

@@ -18,7 +18,7 @@ from gpu_support import gpu_with
 
 from benchmarks.checkpoint import process_memory_mib
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 pytestmark = [
     pytest.mark.gpu,
