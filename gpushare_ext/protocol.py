@@ -402,6 +402,9 @@ class Queued(BrokerMessage, tag="queued"):
     estimate_s: float | None = None
     reason: str = ""
     notice: str = ""  # what the policy changed in the request (as in ``granted``)
+    # Memory being freed for it (sessions evicted or parked to the host); its estimate is
+    # then how long that takes at the rate the broker measured, not a holder's habit.
+    freeing_bytes: int | None = None
 
 
 class Preempt(BrokerMessage, tag="preempt"):

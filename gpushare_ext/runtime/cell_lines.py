@@ -51,6 +51,8 @@ def estimate_text(
     if queued is None or queued.estimate_s is None:
         return ""
     left = queued.estimate_s - since_notice_s
+    if queued.freeing_bytes:
+        return _freeing_estimate_text(left, queued.freeing_bytes)
     if left < 1.0:
         overdue = -left
         if overdue < 1.0:
@@ -62,6 +64,17 @@ def estimate_text(
             "before the timeout"
         )
     return f", about {left:.0f} s left"
+
+
+def _freeing_estimate_text(left_s: float, freeing_bytes: int) -> str:
+    """The time left to free ``freeing_bytes`` at the rate the broker measured."""
+    size = format_size(freeing_bytes)
+    if left_s < 1.0:
+        overdue = -left_s
+        if overdue < 1.0:
+            return f", {size} should be free about now at the measured rate"
+        return f", freeing {size} is taking {overdue:.0f} s longer than its measured rate"
+    return f", about {left_s:.0f} s left to free {size} at the measured rate"
 
 
 def place_words(position: int | str) -> str:
@@ -329,6 +342,7 @@ def receipt_line(
     kernels: str = "",
     revoked: str = "",
     unleased_s: float = 0.0,
+    freeing: tuple[float, int] | None = None,
 ) -> str:
     """``gpushare: cell done: queued 2.0 s, ran 9.0 s, paused 3.2 s (twice: 1.2 s for
     alice (gate), 2.0 s for bob (lock)); long kernels: ...``.
@@ -338,7 +352,8 @@ def receipt_line(
     is how long the last pause lasted if it was still open at the end (or at the
     revocation); an earlier one never resumed (the broker went away meanwhile) has no
     known length.  ``revoked``: why the lease was taken away, ``unleased_s`` before the
-    end.
+    end.  ``freeing``: how long of the wait went to freeing memory for the cell (other
+    sessions evicted or parked to the host), and how much.
     """
     last_open = bool(pauses) and pauses[-1].seconds is None
     lengths = [p.seconds for p in pauses]
@@ -347,7 +362,11 @@ def receipt_line(
     paused_s = sum(length for length in lengths if length is not None)
     ran_s = max(0.0, held_s - paused_s)
     # The time queued is said when it is zero too: "no wait" is an answer as well.
-    line = f"gpushare: cell done: queued {queued_s:.1f} s, ran {ran_s:.1f} s"
+    line = f"gpushare: cell done: queued {queued_s:.1f} s"
+    if freeing is not None:
+        freeing_s, freeing_bytes = freeing
+        line += f" ({freeing_s:.1f} s of it freeing {format_size(freeing_bytes)} of GPU memory)"
+    line += f", ran {ran_s:.1f} s"
     if not pauses:
         line += ", never paused"
     else:

@@ -90,6 +90,9 @@ class LeaseHandle:
     ranks: list[RankPlacement] = field(default_factory=list)  # a gang's, once granted
     queued: Queued | None = None
     queued_at: float = 0.0  # monotonic time of the last queue notice (its estimate's start)
+    # Memory freed for it (evictions, parks): the most it was told, and since when.
+    freeing_bytes: int = 0
+    freeing_since: float | None = None  # monotonic
     notice_said: bool = False  # the policy's word on the request was shown
     refusal: str = ""
     revoked: str = ""

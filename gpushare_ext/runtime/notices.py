@@ -58,6 +58,10 @@ def record_grant(handle: LeaseHandle, granted: Granted) -> None:
 def record_queued(handle: LeaseHandle, queued: Queued) -> None:
     handle.queued = queued
     handle.queued_at = time.monotonic()  # the estimate counts down from here
+    if queued.freeing_bytes and handle.granted_at is None:
+        if handle.freeing_since is None:
+            handle.freeing_since = handle.queued_at
+        handle.freeing_bytes = max(handle.freeing_bytes, queued.freeing_bytes)
 
 
 def say_grant_notice(handle: LeaseHandle, answer: Granted | Queued) -> None:
@@ -177,6 +181,7 @@ def say_receipt(handle: LeaseHandle) -> None:
         handle.display_key + "-receipt",
         receipt_line(
             queued_s=handle.granted_at - handle.asked_at,
+            freeing=freeing_wait(handle),
             held_s=held_s,
             pauses=handle.pause_log,
             open_pause_s=open_pause_s,
@@ -185,6 +190,14 @@ def say_receipt(handle: LeaseHandle) -> None:
             unleased_s=max(0.0, now - revoked_at) if revoked_at is not None else 0.0,
         ),
     )
+
+
+def freeing_wait(handle: LeaseHandle) -> tuple[float, int] | None:
+    """How long the request waited for memory to be freed for it, and how much: from the
+    first notice that said so to the grant (None if it never waited for that)."""
+    if handle.freeing_since is None or handle.granted_at is None:
+        return None
+    return max(0.0, handle.granted_at - handle.freeing_since), handle.freeing_bytes
 
 
 def _revoked_at(handle: LeaseHandle) -> float | None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from gpushare_ext.protocol import PreemptionLevel
+from gpushare_ext.protocol import PreemptionLevel, Queued
 from gpushare_ext.runtime.cell_lines import (
     PauseRecord,
+    estimate_text,
     kernel_words,
     long_kernels_summary,
+    queue_line,
     receipt_line,
 )
 
@@ -155,3 +157,24 @@ def test_a_far_back_place_reads_as_the_bound_the_broker_told():
     near = Queued(lease_id="L1", position=EXACT_PLACES, waiting_for="ada", reason="memory")
     assert cell_lines.queue_line(near, 3).startswith(f"queued: position {EXACT_PLACES}, ")
     assert "(still at position 3)" in cell_lines.timed_out_words(5, 3)
+
+
+def test_a_wait_for_memory_freed_counts_down_at_the_measured_rate_and_the_receipt_names_it():
+    freeing = Queued(
+        lease_id="L2", position=1, waiting_for="alice", estimate_s=6.0,
+        reason="freeing 61 GiB: parking idle sessions (their memory goes to the host)",
+        freeing_bytes=61 * 1024**3,
+    )  # fmt: skip
+    words = estimate_text(freeing, since_notice_s=2.0, waited_s=2.0, timeout_s=None)
+    assert words == ", about 4 s left to free 61.0 GiB at the measured rate"
+    late = estimate_text(freeing, since_notice_s=9.0, waited_s=9.0, timeout_s=None)
+    assert late == ", freeing 61.0 GiB is taking 3 s longer than its measured rate"
+    assert "holder" not in late  # not a holder's habit: nobody holds that memory by choice
+    line = queue_line(freeing, 2.0, words)
+    assert "position 1" in line and "freeing 61 GiB: parking idle sessions" in line
+
+    receipt = receipt_line(queued_s=7.3, held_s=3.0, pauses=[], freeing=(6.8, 61 * 1024**3))
+    assert receipt == (
+        "gpushare: cell done: queued 7.3 s (6.8 s of it freeing 61.0 GiB of GPU memory), "
+        "ran 3.0 s, never paused"
+    )

@@ -213,6 +213,7 @@ class Effects:
                 estimate_s=action.estimate_s,
                 reason=action.reason,
                 notice=action.notice,
+                freeing_bytes=action.freeing_bytes,
             ),
         )
 

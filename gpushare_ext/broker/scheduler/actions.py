@@ -45,6 +45,7 @@ class NotifyQueued:
     estimate_s: float | None
     reason: str
     notice: str = ""  # what the policy changed in the request (said while it waits too)
+    freeing_bytes: int | None = None  # memory being freed for it (its estimate: that time)
 
 
 @dataclass(frozen=True, kw_only=True)

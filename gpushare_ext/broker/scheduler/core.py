@@ -502,6 +502,7 @@ class Scheduler:
         confirmed = lease.stop.confirmed(applied)
         after = stopped_state(applied)
         if lease.state == LeaseState.PAUSED and after != LeaseState.PAUSED:
+            self.book.observe_freeing(lease.memory_bytes, now - lease.state_since)  # the ask
             transition(
                 lease,
                 now,

@@ -31,6 +31,10 @@ from gpushare_ext.protocol import ErrorCode, LeaseState, PreemptionLevel, applie
 ENDED_KEPT = 512  # ended leases kept for status and replay checks
 
 
+# An eviction confirmed sooner than this after it was asked is not timed (nothing moved).
+MIN_FREEING_S = 0.05
+
+
 class LeaseBook:
     """The leases, sessions and gangs the scheduler keeps, and the policy they are under."""
 
@@ -47,6 +51,9 @@ class LeaseBook:
         self.arrivals = 0
         self.hold_ema: dict[int, float] = {}  # uid -> typical hold time, for estimates
         self.habits_version = 0  # changes whenever hold_ema does
+        # How fast evictions and parks moved memory to the host (bytes/s), as measured
+        # from each ask to its confirmation: what a request waiting for them is told.
+        self.freeing_rate: float | None = None
         self.index = LeaseIndex(slots)
         self.session_of_pid: dict[int, str] = {}  # the sessions' processes, for parking
         self.parks_of_uid: dict[int, int] = {}  # park leases per user: not counted as leases
@@ -54,6 +61,14 @@ class LeaseBook:
         self.gang_targets: dict[str, tuple[str, ...]] = {}  # slots made room on for a gang
 
     # ---- stops
+
+    def observe_freeing(self, num_bytes: int, seconds: float) -> None:
+        """An eviction or a park moved ``num_bytes`` off the GPU in ``seconds``."""
+        if num_bytes <= 0 or seconds < MIN_FREEING_S:
+            return  # too quick to time (a simulated GPU checkpoints nothing)
+        rate = num_bytes / seconds
+        previous = self.freeing_rate
+        self.freeing_rate = rate if previous is None else 0.7 * previous + 0.3 * rate
 
     def pause_action(
         self,

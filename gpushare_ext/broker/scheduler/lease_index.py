@@ -261,6 +261,7 @@ class LeaseIndex:
             self.making_room[lease.lease_id] = lease
         else:
             self.making_room.pop(lease.lease_id, None)
+            lease.freeing_bytes = 0  # what it waited to be freed has left, or never will
 
     def victim_done(self, victim_id: str, *, give_up: bool = False) -> None:
         """``victim_id`` was evicted or ended (or, ``give_up``, cannot be evicted): the

@@ -31,6 +31,7 @@ from gpushare_ext.protocol import (
     PreemptionLevel,
     describe_priority,
 )
+from gpushare_ext.units import format_size
 
 
 class LeaseMoves:
@@ -58,6 +59,7 @@ class LeaseMoves:
             lease.aging_bonus + effective_priority(0, waited, limits.aging_per_minute),
         )
         previous = lease.state
+        lease.freeing_bytes = 0
         if previous == LeaseState.QUEUED:
             lease.granted_at = now  # before the move: the index keeps when holders were granted
             lease.waited_s = now - lease.requested_at
@@ -124,13 +126,14 @@ class LeaseMoves:
         return actions
 
     def await_room(self, lease: Lease, victims: frozenset[str], evicting: bool, now: float) -> None:
-        """``lease`` waits until ``victims`` have left (evicted, or parked)."""
+        """``lease`` waits until ``victims`` have left (evicted, or parked); its session
+        hears how much memory that frees."""
+        book = self._book
         self._book.index.await_evictions(lease, victims)
-        transition(
-            lease,
-            now,
-            reason=reasons.WAITING_FOR_EVICTIONS if evicting else reasons.WAITING_FOR_PARKS,
+        lease.freeing_bytes = sum(
+            book.leases[victim].memory_bytes for victim in victims if victim in book.leases
         )
+        transition(lease, now, reason=reasons.freeing(format_size(lease.freeing_bytes), evicting))
 
     def stop_victims(
         self, lease: Lease, key: str, plan: RoomPlan, now: float

@@ -132,7 +132,10 @@ class QueueNotices:
         if signature == lease.last_queue_notice:
             return []
         lease.last_queue_notice = signature
-        lease.estimate_s = self._hold_estimate(holders, now) if exact else None
+        if lease.freeing_bytes:
+            lease.estimate_s = self._freeing_estimate(lease.freeing_bytes)
+        else:
+            lease.estimate_s = self._hold_estimate(holders, now) if exact else None
         lease.estimated_at = now
         return [
             NotifyQueued(
@@ -144,8 +147,15 @@ class QueueNotices:
                 estimate_s=lease.estimate_s,
                 reason=reason,
                 notice=lease.notice,
+                freeing_bytes=lease.freeing_bytes or None,
             )
         ]
+
+    def _freeing_estimate(self, freeing_bytes: int) -> float | None:
+        """Seconds to move ``freeing_bytes`` to the host at the rate evictions and parks
+        went at so far (None before any was timed)."""
+        rate = self._book.freeing_rate
+        return None if rate is None else round(freeing_bytes / rate, 1)
 
     def what_they_hear(self, wanted: tuple[str, ...]) -> tuple[list[str], Holders, bool]:
         """For the plain requests that want ``wanted``: the slots their notices speak of,

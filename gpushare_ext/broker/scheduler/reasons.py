@@ -18,6 +18,12 @@ WAITING_FOR_EVICTIONS = "freeing memory: waiting for lower-priority sessions to 
 WAITING_FOR_PARKS = "freeing memory: parking idle sessions (their memory goes to the host)"
 
 
+def freeing(size: str, evicting: bool) -> str:
+    """A request waiting for ``size`` of memory (e.g. "61.0 GiB") to leave the GPU."""
+    how = WAITING_FOR_EVICTIONS if evicting else WAITING_FOR_PARKS
+    return how.replace("freeing memory", f"freeing {size}", 1)
+
+
 def paused_for(who: str) -> str:
     """A lease paused so that ``who`` (e.g. "high lease L2") can run."""
     return f"{PAUSED_FOR_HIGHER} ({who})"

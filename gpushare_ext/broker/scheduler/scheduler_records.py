@@ -97,6 +97,7 @@ class Lease:
     lockable: bool = True
     evictable: bool = True
     awaiting_memory_from: frozenset[str] = frozenset()  # victims whose eviction we wait for
+    freeing_bytes: int = 0  # the memory of those victims, as told to its session
     target_slot: str | None = None  # where those evictions make room
     reason: str = ""
     notice: str = ""
