@@ -21,7 +21,7 @@ tests)
   timeout "${TESTS_S:-420}" python3 -m pytest -p no:cacheprovider -q -rA -s \
     tests/runtime/test_first_cell_gpu.py \
     tests/kernels/test_interrupt_gpu.py::test_ctrl_c_in_an_unmarked_loop_of_long_kernels_leaves_no_queue_behind \
-    tests/broker/test_ladder_gpu.py::test_demo_runs_on_the_real_gpu_and_the_preempted_result_is_identical \
+    tests/broker/hands/test_ladder_gpu.py::test_demo_runs_on_the_real_gpu_and_the_preempted_result_is_identical \
     >"$out/gpu_tests.log" 2>&1
   echo "pytest rc=$?"
   grep -E "^(PASSED|FAILED|ERROR|XFAIL|XPASS|SKIPPED)|passed|failed" "$out/gpu_tests.log" | tail -15
