@@ -3,7 +3,8 @@
 :mod:`~gpushare_ext.broker.edges.requests`, :mod:`~gpushare_ext.broker.edges.effects`,
 :mod:`~gpushare_ext.broker.edges.views`, :mod:`~gpushare_ext.broker.edges.recovery` and chaos mode
 take a :class:`BrokerContext` (in the spirit of uvicorn's ``ServerState``), never the
-server's ``Broker``.  They read the scheduler, the inventory, the readings, the
+server's ``Broker``.  They read the scheduler (through
+:class:`~gpushare_ext.broker.scheduler.core.CoreView`: no way to change it), the inventory, the readings, the
 timeline; they write the journal through its one :class:`~gpushare_ext.broker.edges.records.Recorder`.
 Whatever they want done beyond that leaves through one of two queues:
 
@@ -190,7 +191,7 @@ class BrokerContext:
     inventory: InventoryBackend
     inventory_note: str | None
     devices: list[DeviceInfo]
-    scheduler: core.Scheduler  # read here; only the server feeds it events
+    scheduler: core.CoreView  # read only: the server alone feeds the core its events
     control: ProcessControl
     ladder: Ladder
     journal: Journal  # read back at start; every write goes through ``record``

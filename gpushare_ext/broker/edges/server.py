@@ -135,6 +135,7 @@ class Broker:
         scheduler = core.Scheduler(
             devices, config.policy, simulated_control=control.kind == "simulated"
         )
+        self.core = scheduler  # the server alone feeds it events; the edges read a view
         journal = Journal(config.journal or paths.journal)
         # The last hour of each GPU (the dashboard's), in a file beside the journal.
         gpu_history = History(HistoryStore(history_path(journal.path)), now=time.time())
@@ -598,7 +599,7 @@ class Broker:
     def dispatch(self, event: core.Event, reply: Reply = NO_REPLY) -> list[core.Action]:
         """Feed one event to the core and carry out its actions (journal first): the
         server's own events, and those the edges post on the context's queue."""
-        actions = self.ctx.scheduler.handle(event)
+        actions = self.core.handle(event)
         for action in actions:
             self.effects.carry_out(action, reply)
         return actions

@@ -57,7 +57,7 @@ def display_user(ctx: BrokerContext, identity: core.Identity, viewer: Connection
 def _level_of(ctx: BrokerContext, lease: core.Lease) -> int | None:
     """The rung that holds the lease (a simulated GPU's gate), as the cell says it."""
     level = lease.stop.in_force
-    return None if level is None else int(ctx.scheduler.book.rung_holding(level))
+    return None if level is None else int(ctx.scheduler.rung_holding(level))
 
 
 def _lease_view(

@@ -76,7 +76,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 from gpushare_ext.broker.scheduler import reasons
 from gpushare_ext.broker.scheduler.actions import (
@@ -236,6 +236,33 @@ def wire_parts(
         finder, book, memory, parking, placer, notices, moves, gang_turns, passes, rivalry,
         admission,
     )  # fmt: skip
+
+
+class CoreView(Protocol):
+    """What the broker's edges read of the core: leases, sessions and slots as they stand.
+
+    No way to change them: only the server feeds the core events (the edges post theirs
+    on the context's queue).  :class:`Scheduler` is one."""
+
+    @property
+    def leases(self) -> dict[str, Lease]: ...
+    @property
+    def sessions(self) -> dict[str, SessionRecord]: ...
+    @property
+    def slots(self) -> dict[str, Slot]: ...
+    @property
+    def drained(self) -> set[int]: ...
+    def active_leases(self) -> list[Lease]: ...
+    def queue(self) -> list[Lease]: ...
+    def members(self, lease_id: str) -> list[Lease]: ...
+    def lease_of(self, lease_id: str) -> Lease | None: ...
+    def slots_of_device(self, index: int) -> list[Slot]: ...
+    def reclaimable(self, session_id: str, lease_ids: list[str]) -> list[str]: ...
+    def detached_ranks(self, gang: str) -> list[Lease]: ...
+    def unleased_by_pid(self, key: str, asking: Lease | None = None) -> dict[int, int]: ...
+    def session_id_of_pid(self, pid: int) -> str | None: ...
+    def session_of_pid(self, pid: int) -> SessionRecord | None: ...
+    def rung_holding(self, level: PreemptionLevel) -> PreemptionLevel: ...
 
 
 class Scheduler:
@@ -410,6 +437,11 @@ class Scheduler:
 
     def session_id_of_pid(self, pid: int) -> str | None:
         return self.book.session_of_pid.get(pid)
+
+    def rung_holding(self, level: PreemptionLevel) -> PreemptionLevel:
+        """The rung that really holds a lease stopped at ``level`` (a simulated GPU's
+        gate)."""
+        return self.book.rung_holding(level)
 
     def session_of_pid(self, pid: int) -> SessionRecord | None:
         return self.book.session_of(pid)
