@@ -60,6 +60,16 @@ def _level_of(ctx: BrokerContext, lease: core.Lease) -> int | None:
     return None if level is None else int(ctx.scheduler.rung_holding(level))
 
 
+def _estimate_left(lease: core.Lease, now: float) -> float | None:
+    """A queued lease's estimate, counted down to now.  The panel says a used-up estimate
+    is the holder's usual time run out; one of memory being freed has no holder, so once
+    used up it is left out (the reason still says what is being freed)."""
+    if lease.estimate_s is None or lease.state != LeaseState.QUEUED:
+        return None
+    left = round(max(0.0, lease.estimate_s - (now - lease.estimated_at)), 1)
+    return None if lease.freeing_bytes and left < 1.0 else left
+
+
 def _lease_view(
     ctx: BrokerContext,
     lease: core.Lease,
@@ -96,11 +106,7 @@ def _lease_view(
         pid=lease.identity.pid if detailed else None,
         notebook=plain_text(session.notebook if session else "") if detailed else "",
         preemption_level=_level_of(ctx, lease),
-        estimate_s=(
-            round(max(0.0, lease.estimate_s - (now - lease.estimated_at)), 1)
-            if lease.estimate_s is not None and lease.state == LeaseState.QUEUED
-            else None
-        ),
+        estimate_s=_estimate_left(lease, now),
         gang=lease.gang or "",
         rank=lease.rank if lease.gang else None,
     )
