@@ -24,7 +24,7 @@ import msgspec
 
 from gpushare_ext.broker.edges.context import BrokerContext
 from gpushare_ext.broker.hands.actuators import ActuatorError
-from gpushare_ext.broker.hands.journal import JournaledLease
+from gpushare_ext.broker.hands.journal import JournaledActuation, JournaledLease
 from gpushare_ext.broker.hands.peers import process_ended, user_and_groups
 from gpushare_ext.broker.scheduler import core
 from gpushare_ext.protocol import Capabilities, LeaseState, PreemptionLevel, SliceWish
@@ -43,7 +43,7 @@ def same_process(pid: int, start_ticks: int | None) -> bool:
     return not process_ended(pid, start_ticks)
 
 
-def kept_evictions(ctx: BrokerContext, leases: list[JournaledLease]) -> frozenset[str]:
+def kept_evictions(leases: list[JournaledLease], steps: list[JournaledActuation]) -> frozenset[str]:
     """The evicted leases of live processes whose eviction the journal says is in force:
     they come back evicted, and their steps are not undone."""
     evicted = {
@@ -53,15 +53,17 @@ def kept_evictions(ctx: BrokerContext, leases: list[JournaledLease]) -> frozense
         and same_process(record.pid, record.start_ticks)
     }
     kept: set[str] = set()
-    for step in ctx.journal.pending_actuations():
+    for step in steps:
         record = evicted.get(step.lease_id)
         if record is not None and step.level >= PreemptionLevel.EVICT and step.pid == record.pid:
             kept.add(step.lease_id)
     return frozenset(kept)
 
 
-def undo_applied_actuators(ctx: BrokerContext, kept: frozenset[str] = frozenset()) -> None:
-    for step in ctx.journal.pending_actuations():
+def undo_applied_actuators(
+    ctx: BrokerContext, steps: list[JournaledActuation], kept: frozenset[str] = frozenset()
+) -> None:
+    for step in steps:
         if step.lease_id in kept:
             ctx.ladder.keep_eviction(step.pid)
             continue
@@ -130,9 +132,9 @@ def restore_open_leases(
 
 
 def recover(ctx: BrokerContext) -> None:
-    leases = ctx.journal.open_leases()
-    kept = kept_evictions(ctx, leases)
-    undo_applied_actuators(ctx, kept)
+    leases, steps = ctx.journal.open_leases(), ctx.journal.pending_actuations()
+    kept = kept_evictions(leases, steps)
+    undo_applied_actuators(ctx, steps, kept)
     restored = restore_open_leases(ctx, leases, kept)
     if restored:
         log.info(

@@ -148,11 +148,17 @@ class Placer:
         band = priority_band(self._book.effective(lease, now))
         return load.bands.get(band, 0) == count
 
+    def _taken(self, key: str, lease: Lease) -> int:
+        """Memory taken on slot ``key`` as ``lease`` sees it: what leases hold there and
+        what processes hold beyond their leases (``lease`` counted as granted, so memory
+        its process already holds is not asked for twice)."""
+        return self._book.index.slots[key].held + self._memory.unleased_memory(key, lease)
+
     def fits_now(self, lease: Lease, key: str, now: float) -> bool:
         """Whether ``lease`` may run on ``key`` now, with nobody stopped."""
         slot = self._slots[key]
         load = self._book.index.slots[key]
-        held = load.held + self._memory.unleased_memory(key, lease)
+        held = self._taken(key, lease)
         if lease.state in (LeaseState.PAUSED,):
             held -= lease.memory_bytes  # it already holds its memory there
         if held + lease.memory_bytes > slot.memory_bytes:
@@ -164,9 +170,7 @@ class Placer:
         slot has (a lease paused again after a restart whose memory came back)."""
         if lease.slot is None:
             return False
-        load = self._book.index.slots[lease.slot]
-        held = load.held + self._memory.unleased_memory(lease.slot, lease)
-        return held > self._slots[lease.slot].memory_bytes
+        return self._taken(lease.slot, lease) > self._slots[lease.slot].memory_bytes
 
     def slot_preference(self, lease: Lease, key: str) -> tuple:
         """Sort key of the slots ``lease`` could use: the smallest is taken."""
@@ -177,7 +181,7 @@ class Placer:
         # big requests), and the whole GPU with the most memory free.
         if slot.mig_uuid:
             return (len(load.running), 0, slot.memory_bytes, key)
-        free = slot.memory_bytes - load.held - self._memory.unleased_memory(key, lease)
+        free = slot.memory_bytes - self._taken(key, lease)
         return (len(load.running), 1, -free, key)
 
     def preemption_plan(self, lease: Lease, key: str, now: float) -> RoomPlan | None:
@@ -191,9 +195,7 @@ class Placer:
         # Memory: evict lower-band leases (paused ones first) until the request fits.
         own = lease.memory_bytes if lease.state == LeaseState.PAUSED else 0
         # Memory no lease declares is freed by parking idle sessions, not by evictions.
-        need = (
-            load.held + self._memory.unleased_memory(key, lease) - own + lease.memory_bytes
-        ) - slot.memory_bytes
+        need = (self._taken(key, lease) - own + lease.memory_bytes) - slot.memory_bytes
         to_park: list[IdleSession] = []
         if need > 0:  # idle sessions first, before any lease is evicted
             parks = self._parking.parks_for(lease, key, band, need)

@@ -14,14 +14,13 @@ from __future__ import annotations
 PAUSED_FOR_HIGHER = "paused for a higher-priority session"
 EVICTED_FOR_HIGHER = "evicted for a higher-priority session"
 NOT_PAUSED_AGAIN = "could not be paused again after the broker restarted"
-WAITING_FOR_EVICTIONS = "freeing memory: waiting for lower-priority sessions to be evicted"
-WAITING_FOR_PARKS = "freeing memory: parking idle sessions (their memory goes to the host)"
+EVICTING = "waiting for lower-priority sessions to be evicted"
+PARKING = "parking idle sessions (their memory goes to the host)"
 
 
 def freeing(size: str, evicting: bool) -> str:
     """A request waiting for ``size`` of memory (e.g. "61.0 GiB") to leave the GPU."""
-    how = WAITING_FOR_EVICTIONS if evicting else WAITING_FOR_PARKS
-    return how.replace("freeing memory", f"freeing {size}", 1)
+    return f"freeing {size}: {EVICTING if evicting else PARKING}"
 
 
 def paused_for(who: str) -> str:
