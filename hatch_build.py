@@ -1,7 +1,8 @@
 """Build hook: compiles the native launch interposer with the system's C compiler.
 
-``gpushare_ext/runtime/native/launch_interpose.c`` needs no CUDA or CUPTI headers, so
-any machine with ``cc`` (or ``$CC``) builds it, GPU or not.  The shared library lands
+The C sources in ``gpushare_ext/runtime/native/`` (the launch shim and its parkable
+memory) need no CUDA or CUPTI headers, so any machine with ``cc`` (or ``$CC``) builds
+them, GPU or not.  The shared library lands
 beside the source (for editable installs) and in the wheel.  Without a compiler the
 install goes on and says so: sessions are then paused by the checkpoint lock alone,
 and the runtime names the reason in the cell.
@@ -18,7 +19,8 @@ from pathlib import Path
 
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
-SOURCE = Path("gpushare_ext/runtime/native/launch_interpose.c")
+NATIVE = Path("gpushare_ext/runtime/native")
+SOURCES = (NATIVE / "launch_interpose.c", NATIVE / "parkable_memory.c")
 LIBRARY = Path("gpushare_ext/runtime/native/libgpushare_interpose.so")
 
 
@@ -38,7 +40,7 @@ class NativeBuildHook(BuildHookInterface):
             return
         command = [
             *compiler, "-O2", "-Wall", "-Wextra", "-shared", "-fPIC",
-            "-o", str(root / LIBRARY), str(root / SOURCE), "-ldl", "-lpthread",
+            "-o", str(root / LIBRARY), *(str(root / source) for source in SOURCES), "-ldl", "-lpthread",
         ]  # fmt: skip
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:

@@ -15,7 +15,8 @@ if compgen -G "$wheels/np/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/np "$wheels"/np/*.whl || return 1
 fi
 ${CC:-cc} -O2 -Wall -Wextra -shared -fPIC -o gpushare_ext/runtime/native/libgpushare_interpose.so \
-  gpushare_ext/runtime/native/launch_interpose.c -ldl -lpthread || return 1
+  gpushare_ext/runtime/native/launch_interpose.c gpushare_ext/runtime/native/parkable_memory.c \
+  -ldl -lpthread || return 1
 export PATH=/tmp/site/bin:$PATH
 export PYTHONPATH=/tmp/np:/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1

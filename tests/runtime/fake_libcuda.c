@@ -4,6 +4,7 @@
  * nothing; events "complete" when fake_gpu_catch_up() says so.  Built by the test that
  * uses it, never installed.
  */
+#define _GNU_SOURCE
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -123,6 +124,12 @@ CUresult cuIpcOpenMemHandle_v2(void **pdptr, IpcMemHandle handle, unsigned flags
     return 0;
 }
 
+typedef unsigned long long CUdeviceptr;
+CUresult cuMemAlloc_v2(CUdeviceptr *out, size_t size);
+CUresult cuMemFree_v2(CUdeviceptr p);
+CUresult cuMemcpyDtoH_v2(void *host, CUdeviceptr device, size_t n);
+CUresult cuMemcpyHtoD_v2(CUdeviceptr device, const void *host, size_t n);
+
 /* The driver's lookup: cudart fetches every entry point this way. */
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags,
                              void *status) {
@@ -147,6 +154,14 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64
         *pfn = (void *)cuGraphLaunch;
     } else if (strcmp(symbol, "cuIpcOpenMemHandle") == 0) {
         *pfn = (void *)cuIpcOpenMemHandle_v2;
+    } else if (strcmp(symbol, "cuMemAlloc") == 0) {
+        *pfn = (void *)cuMemAlloc_v2;
+    } else if (strcmp(symbol, "cuMemFree") == 0) {
+        *pfn = (void *)cuMemFree_v2;
+    } else if (strcmp(symbol, "cuMemcpyDtoH") == 0) {
+        *pfn = (void *)cuMemcpyDtoH_v2;
+    } else if (strcmp(symbol, "cuMemcpyHtoD") == 0) {
+        *pfn = (void *)cuMemcpyHtoD_v2;
     } else {
         *pfn = 0;
         return 500;
@@ -196,5 +211,147 @@ void fake_lock_follows(volatile uint32_t *state_word) { lock_word = state_word; 
 CUresult cuCtxSynchronize(void) {
     struct timespec nap = {0, 1000000};
     while (lock_word != 0 && (*lock_word == 3 || *lock_word == 4)) nanosleep(&nap, 0);
+    return 0;
+}
+
+/* ---- device memory: host memory standing in for it
+ *
+ * cuMemAlloc is malloc.  The virtual memory management API is mmap: a reserved range is
+ * mapped PROT_NONE, "physical memory" is a memfd, mapping it maps the file there, and
+ * unmapping puts PROT_NONE back, so touching a parked range faults as it would on a
+ * GPU (the test process would die).  fake_physical_limit caps the memfd bytes alive at
+ * once, as a GPU's memory does. */
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <unistd.h>
+static unsigned long long physical_bytes, physical_limit = ~0ull, plain_allocs, plain_frees;
+static unsigned long long handle_bytes[1024];
+unsigned long long fake_physical_bytes(void) { return physical_bytes; }
+void fake_physical_limit(unsigned long long bytes) { physical_limit = bytes; }
+unsigned long long fake_plain_allocs(void) { return plain_allocs; }
+unsigned long long fake_plain_frees(void) { return plain_frees; }
+
+CUresult cuMemAlloc_v2(CUdeviceptr *out, size_t size) {
+    void *p = malloc(size);
+    if (p == 0) return 2;
+    plain_allocs++;
+    *out = (CUdeviceptr)(uintptr_t)p;
+    return 0;
+}
+CUresult cuMemFree_v2(CUdeviceptr p) {
+    plain_frees++;
+    free((void *)(uintptr_t)p);
+    return 0;
+}
+CUresult cuMemGetAllocationGranularity(size_t *out, const void *prop, int option) {
+    (void)prop; (void)option;
+    *out = 2u << 20;
+    return 0;
+}
+CUresult cuMemAddressReserve(CUdeviceptr *out, size_t size, size_t align, CUdeviceptr at,
+                             unsigned long long flags) {
+    (void)at; (void)flags;
+    size_t extra = align ? align : 4096;
+    char *p = mmap(0, size + extra, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return 2;
+    uintptr_t aligned = ((uintptr_t)p + extra - 1) / extra * extra;
+    if (aligned > (uintptr_t)p) munmap(p, aligned - (uintptr_t)p);
+    munmap((char *)aligned + size, (uintptr_t)p + size + extra - aligned - size);
+    *out = (CUdeviceptr)aligned;
+    return 0;
+}
+CUresult cuMemAddressFree(CUdeviceptr p, size_t size) {
+    return munmap((void *)(uintptr_t)p, size) == 0 ? 0 : 1;
+}
+CUresult cuMemCreate(unsigned long long *handle, size_t size, const void *prop,
+                     unsigned long long flags) {
+    (void)prop; (void)flags;
+    if (physical_bytes + size > physical_limit) return 2;
+    int fd = memfd_create("fake-gpu-memory", 0);
+    if (fd < 0 || fd >= 1024 || ftruncate(fd, (off_t)size) != 0) return 2;
+    physical_bytes += size;
+    handle_bytes[fd] = size;
+    *handle = (unsigned long long)fd + 1;
+    return 0;
+}
+CUresult cuMemRelease(unsigned long long handle) {
+    int fd = (int)handle - 1;
+    physical_bytes -= handle_bytes[fd];
+    handle_bytes[fd] = 0;
+    return close(fd) == 0 ? 0 : 1;
+}
+CUresult cuMemMap(CUdeviceptr p, size_t size, size_t offset, unsigned long long handle,
+                  unsigned long long flags) {
+    (void)flags;
+    void *at = mmap((void *)(uintptr_t)p, size, PROT_NONE, MAP_SHARED | MAP_FIXED,
+                    (int)handle - 1, (off_t)offset);
+    return at == MAP_FAILED ? 1 : 0;
+}
+CUresult cuMemUnmap(CUdeviceptr p, size_t size) {
+    void *at = mmap((void *)(uintptr_t)p, size, PROT_NONE,
+                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+    return at == MAP_FAILED ? 1 : 0;
+}
+CUresult cuMemSetAccess(CUdeviceptr p, size_t size, const void *desc, size_t count) {
+    (void)desc; (void)count;
+    return mprotect((void *)(uintptr_t)p, size, PROT_READ | PROT_WRITE) == 0 ? 0 : 1;
+}
+CUresult cuCtxGetDevice(int *device) {
+    *device = 0;
+    return 0;
+}
+static void *pushed_context;
+CUresult cuCtxPushCurrent_v2(void *ctx) {
+    pushed_context = ctx;
+    return 0;
+}
+CUresult cuCtxPopCurrent_v2(void **ctx) {
+    if (ctx) *ctx = pushed_context;
+    pushed_context = 0;
+    return 0;
+}
+static unsigned long long streams_made;
+unsigned long long fake_streams_made(void) { return streams_made; }
+CUresult cuStreamCreate(void **stream, unsigned flags) {
+    (void)flags;
+    *stream = (void *)(uintptr_t)(0x5000 + ++streams_made);
+    return 0;
+}
+CUresult cuStreamSynchronize(void *stream) { (void)stream; return 0; }
+CUresult cuMemcpyDtoHAsync_v2(void *host, CUdeviceptr device, size_t n, void *stream) {
+    (void)stream;
+    memcpy(host, (void *)(uintptr_t)device, n);
+    return 0;
+}
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr device, const void *host, size_t n, void *stream) {
+    (void)stream;
+    memcpy((void *)(uintptr_t)device, host, n);
+    return 0;
+}
+CUresult cuMemcpyDtoH_v2(void *host, CUdeviceptr device, size_t n) {
+    memcpy(host, (void *)(uintptr_t)device, n);
+    return 0;
+}
+CUresult cuMemcpyHtoD_v2(CUdeviceptr device, const void *host, size_t n) {
+    memcpy((void *)(uintptr_t)device, host, n);
+    return 0;
+}
+static unsigned long long host_bytes, host_limit = ~0ull;
+unsigned long long fake_pinned_bytes(void) { return host_bytes; }
+void fake_pinned_limit(unsigned long long bytes) { host_limit = bytes; }
+CUresult cuMemHostAlloc(void **out, size_t size, unsigned flags) {
+    (void)flags;
+    if (host_bytes + size > host_limit) return 2;
+    size_t *p = malloc(size + 16);
+    if (p == 0) return 2;
+    p[0] = size;
+    host_bytes += size;
+    *out = (char *)p + 16;
+    return 0;
+}
+CUresult cuMemFreeHost(void *p) {
+    size_t *base = (size_t *)((char *)p - 16);
+    host_bytes -= base[0];
+    free(base);
     return 0;
 }

@@ -47,6 +47,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "shim.h"
+
 /* ---- the parts of the CUDA driver and CUPTI interfaces used here (their ABI) */
 
 typedef int CUresult;
@@ -551,6 +553,7 @@ static void long_launch_issued(void *f, CUstream stream, CUresult r);
         CUresult r;                                                                            \
         if (redirected(f, dims, sh, st, params, extra, &r)) return r;                          \
         before_launch(st, 0);                                                                  \
+        if ((r = gps_memory_resident()) != CUDA_SUCCESS) return r;                             \
         if (long_launch_dropped(f, st)) return CUDA_SUCCESS;                                   \
         int slot = sample_begin(f, st);                                                        \
         r = real_LaunchFn_##n(f, gx, gy, gz, bx, by, bz, sh, st, params, extra);               \
@@ -574,7 +577,8 @@ static void long_launch_issued(void *f, CUstream stream, CUresult r);
         __atomic_add_fetch(&g_stats.cooperative, 1, __ATOMIC_RELAXED);                         \
         launch_begins();                                                                       \
         before_launch(st, 0);                                                                  \
-        CUresult r = real_CoopFn_##n(f, gx, gy, gz, bx, by, bz, sh, st, params);               \
+        CUresult r = gps_memory_resident();                                                    \
+        if (r == CUDA_SUCCESS) r = real_CoopFn_##n(f, gx, gy, gz, bx, by, bz, sh, st, params); \
         after_launch(r, st, 0);                                                                \
         launch_ends();                                                                         \
         return r;                                                                              \
@@ -599,6 +603,7 @@ static void long_launch_issued(void *f, CUstream stream, CUresult r);
             if (redirected(f, dims, c->shared, st, params, extra, &r)) return r;               \
         }                                                                                      \
         before_launch(st, 0);                                                                  \
+        if ((r = gps_memory_resident()) != CUDA_SUCCESS) return r;                             \
         if (long_launch_dropped(f, st)) return CUDA_SUCCESS;                                   \
         int slot = sample_begin(f, st);                                                        \
         r = real_LaunchExFn_##n(c, f, params, extra);                                          \
@@ -611,7 +616,8 @@ static void long_launch_issued(void *f, CUstream stream, CUresult r);
     static CUresult w_graph_##n(void *g, CUstream st) {                                        \
         __atomic_add_fetch(&g_stats.graphs, 1, __ATOMIC_RELAXED);                              \
         before_launch(st, 0);                                                                  \
-        CUresult r = real_GraphFn_##n(g, st);                                                  \
+        CUresult r = gps_memory_resident();                                                    \
+        if (r == CUDA_SUCCESS) r = real_GraphFn_##n(g, st);                                    \
         after_launch(r, st, 0);                                                                \
         return r;                                                                              \
     }
@@ -703,7 +709,7 @@ static int is_wrapper(void *fn) {
            || fn == (void *)w_coop_1 || fn == (void *)w_ex_0 || fn == (void *)w_ex_1
            || fn == (void *)w_graph_0 || fn == (void *)w_graph_1 || fn == (void *)w_ipc_open
            || fn == (void *)w_ipc_open_v2 || fn == (void *)w_import
-           || wrap_module_call(NULL, fn) != NULL;
+           || wrap_module_call(NULL, fn) != NULL || gps_wrap_memory_call(NULL, fn, 0) != NULL;
 }
 
 static CUresult w_get_proc_v1(const char *symbol, void **pfn, int version, uint64_t flags);
@@ -731,6 +737,8 @@ static void *wrap(const char *name, void *real, int version) {
     if (module_wrapper != NULL) return module_wrapper;
     void *import_wrapper = wrap_import(name, real);
     if (import_wrapper != NULL) return import_wrapper;
+    void *memory_wrapper = gps_wrap_memory_call(name, real, version);
+    if (memory_wrapper != NULL) return memory_wrapper;
     if (strcmp(name, "cuGetProcAddress_v2") == 0
         || (strcmp(name, "cuGetProcAddress") == 0 && version >= 12000)) {
         if (real != (void *)w_get_proc_v2) real_get_proc_v2 = (GetProcV2Fn)real;
@@ -770,6 +778,8 @@ static void *real_dlsym(void *handle, const char *name) {
     }
     return g_real_dlsym ? g_real_dlsym(handle, name) : NULL;
 }
+
+void *gps_real_dlsym(void *handle, const char *name) { return real_dlsym(handle, name); }
 
 /* Preloaded, this is every library's dlsym; loaded any other way it is only ours. */
 __attribute__((visibility("default"))) void *dlsym(void *handle, const char *name) {
