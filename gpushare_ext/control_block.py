@@ -14,6 +14,13 @@ offset word
 20     preemption level in force (or 0xffffffff)
 24     imports: times the process opened another process's GPU memory, written
        by the runtime's launch shim, read by the broker before it parks the session
+28     unrivalled: 1 while no session that could preempt this one exists
+32     park request: bumped by the broker for each request to the shim's park service
+36     park answered: the request the service carried out last
+40     park operation: 1 park, 2 restore
+44     MiB to park (0: all), 48 host budget for it in MiB (0: none)
+52     MiB the request moved, 56 its answer (0: all that was asked)
+60     parkable MiB resident now, kept by the shim
 64     reason text, UTF-8, NUL-padded to 192 bytes
 512    session note, UTF-8, NUL-padded to 256 bytes: written by the *runtime*
        (what its long kernels got), read by the broker for status
@@ -54,12 +61,42 @@ GENERATION_OFFSET = 16
 LEVEL_OFFSET = 20
 IPC_IMPORTS_OFFSET = 24
 UNRIVALLED_OFFSET = 28
+PARK_REQUEST_OFFSET = 32  # the words of the shim's park service (parkable_memory.c)
+PARK_ANSWERED_OFFSET = 36
+PARK_OPERATION_OFFSET = 40
+PARK_WANT_MIB_OFFSET = 44
+PARK_HOST_MIB_OFFSET = 48
+PARK_MOVED_MIB_OFFSET = 52
+PARK_ANSWER_OFFSET = 56
+PARKABLE_RESIDENT_MIB_OFFSET = 60
+PARK, RESTORE = 1, 2
+MIB = 1 << 20
 REASON_OFFSET = 64
 REASON_SIZE = 192
 SESSION_NOTE_OFFSET = 512
 SESSION_NOTE_SIZE = 256
 NO_LEVEL = 0xFFFFFFFF
 _WORD = struct.Struct("<I")
+
+
+def _futex_wake(address: int) -> None:
+    """Wake whoever waits on the word at ``address`` (the shim's park service), in
+    whichever process maps it; without futexes the service finds the word within a
+    second anyway."""
+    import ctypes
+    import platform
+
+    number = _FUTEX_SYSCALL.get(platform.machine())
+    if number is None:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall(ctypes.c_long(number), ctypes.c_void_p(address), 1, 64, None, None, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+_FUTEX_SYSCALL = {"x86_64": 202, "aarch64": 98}  # SYS_futex; FUTEX_WAKE is 1
 
 
 class ControlBlockError(GpushareError):
@@ -230,6 +267,39 @@ class ControlBlock:
         session (the shim counts its own directly)."""
         if count > 0:
             self._write(IPC_IMPORTS_OFFSET, (self.ipc_imports + count) & 0xFFFFFFFF)
+
+    # ---- the shim's park service (runtime/native/parkable_memory.c)
+
+    @property
+    def parkable_resident_bytes(self) -> int:
+        """Device memory the session's shim could park now (0 also when it parks none)."""
+        return self._read(PARKABLE_RESIDENT_MIB_OFFSET) * MIB
+
+    def request_park(self, want_bytes: int, host_limit_bytes: int = 0) -> int:
+        """Broker side: ask the shim to park ``want_bytes`` (0: all it can) within
+        ``host_limit_bytes`` (0: no limit), rounded up to MiB; the request's number."""
+        return self._request(PARK, -(-want_bytes // MIB), -(-host_limit_bytes // MIB))
+
+    def request_restore(self) -> int:
+        """Broker side: ask the shim to bring back all it parked; the request's number."""
+        return self._request(RESTORE, 0, 0)
+
+    def _request(self, operation: int, want_mib: int, host_mib: int) -> int:
+        self._write(PARK_OPERATION_OFFSET, operation)
+        self._write(PARK_WANT_MIB_OFFSET, min(want_mib, 0xFFFFFFFF))
+        self._write(PARK_HOST_MIB_OFFSET, min(host_mib, 0xFFFFFFFF))
+        request = (self._read(PARK_REQUEST_OFFSET) + 1) & 0xFFFFFFFF
+        self._write(PARK_REQUEST_OFFSET, request)  # last: the service acts on this word
+        if not self.closed:
+            _futex_wake(self.address() + PARK_REQUEST_OFFSET)
+        return request
+
+    def park_answer(self, request: int) -> tuple[int, int] | None:
+        """Broker side: (bytes moved, answer) once the shim carried out ``request`` (an
+        answer of 0: all that was asked), None until then."""
+        if self._read(PARK_ANSWERED_OFFSET) != request:
+            return None
+        return self._read(PARK_MOVED_MIB_OFFSET) * MIB, self._read(PARK_ANSWER_OFFSET)
 
     def write_session_note(self, text: str) -> None:
         """Runtime side: a line for the broker's status (what the session's long kernels

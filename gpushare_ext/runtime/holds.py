@@ -18,7 +18,7 @@ from typing import Any
 
 from gpushare_ext.client import BrokerClient
 from gpushare_ext.control_block import ControlBlock, ControlBlockError
-from gpushare_ext.runtime import cell_lines, frameworks, interpose, preemptible
+from gpushare_ext.runtime import cell_lines, frameworks, interpose, parkable, preemptible
 from gpushare_ext.runtime.gate import DeviceGate, GateRelay, open_device_gate
 from gpushare_ext.runtime.leases import LeaseHandle, queue_is_bounded
 from gpushare_ext.runtime.paused import asked_to_yield, cuda_blocked, wait_until_resumed
@@ -65,6 +65,7 @@ class ProcessHolds:
         if self.interposer is not None:
             interpose.point_at(block.address() if block is not None else None)
         interpose.point_imports_at(block.address() if block is not None else None)
+        parkable.serve_parks_at(block.address() if block is not None else None)
         preemptible.report_to(block.write_session_note if block is not None else None)
 
     def hold_on_device(

@@ -20,6 +20,7 @@ import ctypes
 import os
 from dataclasses import dataclass
 
+from gpushare_ext.control_block import PARK_REQUEST_OFFSET as PARK_WORDS_OFFSET
 from gpushare_ext.runtime import interpose
 
 ENABLE_VARIABLE = "GPUSHARE_PARKABLE_MEMORY"
@@ -125,6 +126,20 @@ def stats() -> dict[str, int]:
     out = _MemoryStats()
     _library().gps_memory_stats(ctypes.byref(out))
     return {name: int(getattr(out, name)) for name, _ in out._fields_}
+
+
+def serve_parks_at(block_address: int | None) -> bool:
+    """Have the preloaded shim's park service follow the control block mapped at
+    ``block_address`` (None: follow none): the broker writes park and restore requests
+    there and the service carries them out in this process.  False when this process
+    has no parkable memory (not started with it, or the shim is not preloaded)."""
+    library = interpose._preloaded()
+    if library is None or not enabled_here():
+        return False
+    library.gps_serve_parks.argtypes = [ctypes.c_void_p]
+    library.gps_serve_parks.restype = ctypes.c_int
+    words = None if block_address is None else block_address + PARK_WORDS_OFFSET
+    return library.gps_serve_parks(words) == 0
 
 
 def parkable_base(address: int) -> int | None:

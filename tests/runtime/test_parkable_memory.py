@@ -253,3 +253,76 @@ def test_a_larger_threshold_keeps_smaller_allocations_plain(fake_driver):
 
     assert out["plain_allocs"] == 2 and out["physical_mib"] == 6
     assert out["park"]["mib"] == 6
+
+
+SERVED = r"""
+from gpushare_ext.control_block import ControlBlock
+block = ControlBlock.open(sys.argv[1])
+a, b = allocate(4, 5), allocate(4, 6)
+print(json.dumps({"serving": parkable.serve_parks_at(block.address())}), flush=True)
+for line in sys.stdin:
+    if line.strip() == "look":
+        print(json.dumps({"physical_mib": cuda.fake_physical_bytes() // MIB,
+                          "pinned_mib": cuda.fake_pinned_bytes() // MIB,
+                          "parked_mib": parkable.stats()["parked_bytes"] // MIB}), flush=True)
+    elif line.strip() == "read":
+        print(json.dumps({"read": [read(a, 4), read(b, 4)]}), flush=True)
+    else:
+        break
+print(json.dumps({"done": True}))
+"""
+
+
+def test_the_broker_asks_the_shims_park_service_through_the_control_block(fake_driver, tmp_path):
+    import time
+
+    from gpushare_ext.control_block import ControlBlock
+
+    block = ControlBlock.create(tmp_path / "session.cb")
+    env = dict(os.environ)
+    env.update(
+        LD_PRELOAD=str(interpose.NATIVE),
+        LD_LIBRARY_PATH=str(fake_driver),
+        PYTHONPATH=str(Path(__file__).resolve().parents[2]),
+        GPUSHARE_PARKABLE_MEMORY="1",
+    )
+    session = subprocess.Popen(
+        [sys.executable, "-c", PRELUDE + SERVED, str(tmp_path / "session.cb")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert session.stdin is not None and session.stdout is not None
+
+    def ask(word: str) -> dict:
+        session.stdin.write(word + "\n")
+        session.stdin.flush()
+        return json.loads(session.stdout.readline())
+
+    def answer(request: int) -> tuple[int, int]:
+        deadline = time.monotonic() + 10
+        while (found := block.park_answer(request)) is None:
+            assert time.monotonic() < deadline, "the park service did not answer"
+            time.sleep(0.01)
+        return found
+
+    try:
+        assert json.loads(session.stdout.readline()) == {"serving": True}
+        assert block.parkable_resident_bytes == 8 * MIB
+        assert answer(block.request_park(4 * MIB)) == (4 * MIB, 0)
+        assert block.parkable_resident_bytes == 4 * MIB
+        assert ask("look") == {"physical_mib": 4, "pinned_mib": 4, "parked_mib": 4}
+        assert answer(block.request_park(0, host_limit_bytes=6 * MIB)) == (0, 1)  # budget
+        assert answer(block.request_restore()) == (4 * MIB, 0)
+        assert block.parkable_resident_bytes == 8 * MIB
+        assert answer(block.request_park(0)) == (8 * MIB, 0)
+        assert ask("look") == {"physical_mib": 0, "pinned_mib": 8, "parked_mib": 8}
+        # the session's own copy restores first, the bytes as they were
+        assert ask("read") == {"read": [[0, [5]], [0, [6]]]}
+        assert block.parkable_resident_bytes == 8 * MIB
+    finally:
+        session.stdin.write("quit\n")
+        session.stdin.flush()
+        session.wait(timeout=10)
+        block.close()

@@ -30,11 +30,15 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "shim.h"
 
@@ -152,6 +156,7 @@ static MemoryStats g_mstats;
 static int g_enabled = -1;               /* GPUSHARE_PARKABLE_MEMORY, read once */
 static size_t g_min_bytes = 2u << 20;
 static size_t g_granularity[MAX_CONTEXTS];
+static void publish_resident(void); /* the park service's word, when there is one */
 static CUcontext g_stream_ctx[MAX_CONTEXTS];
 static CUstream g_streams[MAX_CONTEXTS][MAX_STREAMS];
 
@@ -344,6 +349,7 @@ static CUresult parkable_alloc(CUdeviceptr *out, size_t size) {
     }
     g_mstats.allocations++;
     g_mstats.resident_bytes += entry.mapped;
+    publish_resident();
     *out = entry.address;
     return CUDA_SUCCESS;
 }
@@ -383,6 +389,7 @@ static CUresult w_mem_free(CUdeviceptr address) {
     g_mem.address_free(p->address, p->mapped);
     memset(p, 0, sizeof(*p));
     p->address = TOMBSTONE;
+    publish_resident();
     pthread_mutex_unlock(&g_mem_lock);
     return CUDA_SUCCESS;
 }
@@ -551,6 +558,7 @@ int gps_park_memory(uint64_t want, uint64_t host_limit, unsigned streams, MoveRe
     }
     out->total_ns = now_ns() - started;
     g_mstats.park_ns += out->total_ns;
+    publish_resident();
     pthread_mutex_unlock(&g_mem_lock);
     free(list);
     return out->why[0] != 0;
@@ -644,6 +652,7 @@ int gps_restore_memory(unsigned streams, MoveResult *out) {
     int short_of_it = restore_locked(streams, out);
     out->total_ns = now_ns() - started;
     g_mstats.restore_ns += out->total_ns;
+    publish_resident();
     pthread_mutex_unlock(&g_mem_lock);
     return short_of_it;
 }
@@ -683,6 +692,7 @@ int gps_memory_resident(void) {
             r = out.error ? out.error : CUDA_ERROR_OUT_OF_MEMORY;
         }
         g_mstats.restore_ns += now_ns() - started;
+        publish_resident();
     }
     pthread_mutex_unlock(&g_mem_lock);
     return r;
@@ -800,4 +810,101 @@ void *gps_wrap_memory_call(const char *name, void *real, int version) {
     GUARDED(PICK_GUARDED)
 #undef PICK_GUARDED
     return NULL;
+}
+
+/* ---- the park service: requests the broker writes into the session's control block
+ *
+ * The broker cannot call into this process, and an idle notebook runs no Python that
+ * could listen, so a thread of the shim's waits (a futex on the shared page, woken by the
+ * broker, looking again every second) for a request: a park of so many MiB within a host
+ * budget, or a restore.  It carries the request out here, where the memory's mappings
+ * live, and answers in the same page.  Words (little-endian uint32, offsets in bytes;
+ * control_block.py holds the same table):
+ *
+ *   32 request: bumped by the broker for each request    36 answered: the request done
+ *   40 operation: 1 park, 2 restore                       44 MiB to park (0: all)
+ *   48 host budget, MiB (0: none)                         52 MiB the request moved
+ *   56 its answer: 0 all that was asked, else the driver's error or 1
+ *   60 parkable MiB resident now (kept up to date by this file) */
+enum { W_REQUEST = 0, W_ANSWERED = 1, W_OPERATION = 2, W_WANT_MIB = 3, W_HOST_MIB = 4,
+       W_MOVED_MIB = 5, W_ANSWER = 6, W_RESIDENT_MIB = 7 };
+enum { OP_PARK = 1, OP_RESTORE = 2 };
+#define SERVICE_STREAMS 4
+
+static volatile uint32_t *volatile g_park_words; /* the control block at offset 32 */
+static pthread_t g_service;
+static int g_service_started;
+
+static void publish_resident(void) {
+    volatile uint32_t *words = g_park_words;
+    if (words == NULL) return;
+    uint64_t mib = __atomic_load_n(&g_mstats.resident_bytes, __ATOMIC_RELAXED) >> 20;
+    __atomic_store_n(&words[W_RESIDENT_MIB], mib > 0xffffffffu ? 0xffffffffu : (uint32_t)mib,
+                     __ATOMIC_RELEASE);
+}
+
+static void futex_wait(volatile uint32_t *word, uint32_t seen, long ms) {
+    struct timespec timeout = {ms / 1000, (ms % 1000) * 1000000L};
+    syscall(SYS_futex, word, FUTEX_WAIT, seen, &timeout, NULL, 0);
+}
+
+static void futex_wake(volatile uint32_t *word) {
+    syscall(SYS_futex, word, FUTEX_WAKE, 64, NULL, NULL, 0);
+}
+
+static void *serve_parks(void *unused) {
+    (void)unused;
+    uint32_t answered = 0;
+    for (;;) {
+        volatile uint32_t *words = g_park_words;
+        if (words == NULL) {
+            struct timespec nap = {1, 0};
+            nanosleep(&nap, NULL);
+            continue;
+        }
+        publish_resident();
+        uint32_t request = __atomic_load_n(&words[W_REQUEST], __ATOMIC_ACQUIRE);
+        answered = __atomic_load_n(&words[W_ANSWERED], __ATOMIC_ACQUIRE);
+        if (request == answered) {
+            futex_wait(&words[W_REQUEST], request, 1000);
+            continue;
+        }
+        MoveResult out;
+        int short_of_it;
+        if (words[W_OPERATION] == OP_PARK)
+            short_of_it = gps_park_memory((uint64_t)words[W_WANT_MIB] << 20,
+                                          (uint64_t)words[W_HOST_MIB] << 20, SERVICE_STREAMS, &out);
+        else
+            short_of_it = gps_restore_memory(SERVICE_STREAMS, &out);
+        uint64_t mib = out.bytes >> 20;
+        words[W_MOVED_MIB] = mib > 0xffffffffu ? 0xffffffffu : (uint32_t)mib;
+        words[W_ANSWER] = short_of_it ? (out.error ? (uint32_t)out.error : 1u) : 0u;
+        publish_resident();
+        __atomic_store_n(&words[W_ANSWERED], request, __ATOMIC_RELEASE);
+        futex_wake(&words[W_ANSWERED]);
+    }
+    return NULL;
+}
+
+/* Serve park requests written at `words` (the control block's word at offset 32; NULL:
+ * serve none).  Starts the service thread once; 0 when it runs, -1 when it could not
+ * start or parkable memory is off here. */
+int gps_serve_parks(volatile uint32_t *words) {
+    if (!enabled()) return -1;
+    g_park_words = words;
+    publish_resident();
+    pthread_mutex_lock(&g_mem_lock);
+    int started = g_service_started;
+    if (!started) {
+        sigset_t all, previous;
+        sigfillset(&all);
+        /* Signals (Ctrl-C above all) stay the program's: the thread blocks every one. */
+        pthread_sigmask(SIG_SETMASK, &all, &previous);
+        started = pthread_create(&g_service, NULL, serve_parks, NULL) == 0;
+        pthread_sigmask(SIG_SETMASK, &previous, NULL);
+        if (started) pthread_detach(g_service);
+        g_service_started = started;
+    }
+    pthread_mutex_unlock(&g_mem_lock);
+    return started ? 0 : -1;
 }
