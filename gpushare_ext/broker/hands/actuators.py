@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gpushare_ext.broker.errors import DaemonError
+from gpushare_ext.broker.hands import park_service
 from gpushare_ext.control_block import ControlBlock
 from gpushare_ext.lease_state import LeaseState
 from gpushare_ext.protocol import PreemptionLevel
@@ -333,6 +334,9 @@ class Ladder:
         self._per_pid: dict[int, asyncio.Lock] = {}
         self._locked: set[int] = set()  # what was actually applied, whatever level was asked
         self._checkpointed: set[int] = set()
+        # Bytes each process's launch shim parked itself (its parkable memory), to be
+        # brought back when it resumes.
+        self._memory_parked: dict[int, int] = {}
         # Flags opened ahead (the actuator keeps them open): a session registers its one
         # flag again with every lease, and that need not cross to the actuator each time.
         self._flags_opened: set[tuple[int, str]] = set()
@@ -365,7 +369,12 @@ class Ladder:
     def forget_idle(self) -> None:
         """Drop the per-process locks nobody holds or waits for (pids come and go)."""
         for pid, lock in list(self._per_pid.items()):
-            if not lock.locked() and pid not in self._locked and pid not in self._checkpointed:
+            if (
+                not lock.locked()
+                and pid not in self._locked
+                and pid not in self._checkpointed
+                and pid not in self._memory_parked
+            ):
                 del self._per_pid[pid]
 
     async def apply(
@@ -408,6 +417,17 @@ class Ladder:
                 elif level in (PreemptionLevel.YIELD, PreemptionLevel.ABORT) and not simulated:
                     # Kernels already in flight would not stop: the lock is what stops them.
                     notes.append("no yield flag registered: locked instead")
+            if (
+                level == PreemptionLevel.EVICT
+                and target.pid not in self._locked
+                and target.control_block is not None
+            ):
+                # The session's shim moves its parkable memory at the link's speed, in the
+                # process, while it can still make CUDA calls: before the lock.
+                answer = await self._run(park_service.park, target.control_block)
+                if answer is not None:
+                    self._memory_parked[target.pid] = answer.moved_bytes
+                    notes.append(answer.describe("parked"))
             if needs_lock and target.pid not in self._locked:
                 await self._run(
                     self.control.lock, target.pid, target.device_index, self.lock_timeout_ms
@@ -444,6 +464,7 @@ class Ladder:
             alive = pid_alive(target.pid)
             checkpointed = target.pid in self._checkpointed
             locked = target.pid in self._locked
+            parked = self._memory_parked.pop(target.pid, None)
             self._checkpointed.discard(target.pid)
             self._locked.discard(target.pid)
             if alive and (level is not None or locked):
@@ -455,6 +476,12 @@ class Ladder:
                         failure = exc  # still unlock below: a locked process helps nobody
                 if locked:
                     await self._run(self.control.unlock, target.pid, target.device_index)
+                if parked is not None and target.control_block is not None:
+                    # After the unlock: the session's shim makes CUDA calls to map it back.
+                    # Unanswered in time, its first launch or copy brings it back anyway.
+                    answer = await self._run(park_service.restore, target.control_block, parked)
+                    if answer is not None and not answer.complete:
+                        log.info("restore of %s: %s", target.lease_id, answer.describe("restored"))
                 if target.yield_flag is not None:
                     handle, offset = target.yield_flag
                     # The flag's owner may have freed it; the gate below opens regardless.
