@@ -172,6 +172,16 @@ def _park_for(socket: Path, ask_gib: int, result: dict) -> None:
         _say(f"allocated {ask_gib - 2} GiB and released; parks: {result['parked']}")
 
 
+def _stop_notes(socket: Path) -> list[str]:
+    """Why each parked session is stopped and what stopped it, as status tells it (the
+    session's own park of its parkable memory names its size and rate)."""
+    from gpushare_ext.client import BrokerClient
+
+    with BrokerClient(socket, client="cli") as looker:
+        leases = looker.status().leases
+        return [lease.reason for lease in leases if lease.label == "parked idle session"]
+
+
 def _restores(kernels: list[Notebook], before: list[str]) -> list[dict]:
     """Each kernel's next plain cell (which restores it): its arrays against their
     fingerprint, and what its restore line said."""
@@ -207,7 +217,9 @@ def _add_rates(result: dict) -> None:
     )
 
 
-def measure(notebooks: int, idle_gib: int, ask_gib: int, log_dir: Path) -> dict:
+def measure(
+    notebooks: int, idle_gib: int, ask_gib: int, log_dir: Path, parkable: bool = False
+) -> dict:
     import cupy  # noqa: F401 - first, so that a missing CuPy fails before a broker starts
 
     from gpushare_ext.broker.edges.launch import BrokerProcess
@@ -218,13 +230,18 @@ def measure(notebooks: int, idle_gib: int, ask_gib: int, log_dir: Path) -> dict:
     # As the server extension starts kernels: with the launch shim preloaded, which also
     # tells the broker whether the process may be checkpointed.
     env = dict(os.environ, GPUSHARE_SOCKET=str(broker.socket), LD_PRELOAD=str(shim_path()))
+    if parkable:  # their shim backs large allocations so that it can park them itself
+        env["GPUSHARE_PARKABLE_MEMORY"] = "1"
     kernels: list[Notebook] = []
-    result: dict = {"notebooks": notebooks, "idle_gib": idle_gib, "ask_gib": ask_gib}
+    result: dict = {
+        "notebooks": notebooks, "idle_gib": idle_gib, "ask_gib": ask_gib, "parkable": parkable,
+    }  # fmt: skip
     try:
         kernels += [Notebook(f"notebook-{i}", env).start() for i in range(notebooks)]
         before = _fill(kernels, idle_gib)
         _wait_until_seen(broker.socket, notebooks * idle_gib * 1024)
         _park_for(broker.socket, ask_gib, result)
+        result["stop_notes"] = _stop_notes(broker.socket)
         result["restores"] = _restores(kernels, before)
         _add_rates(result)
     finally:
@@ -242,12 +259,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--notebooks", type=int, default=2)
     parser.add_argument("--idle-gib", type=int, default=30)
     parser.add_argument("--ask-gib", type=int, default=115)
+    parser.add_argument(
+        "--parkable",
+        action="store_true",
+        help="start the notebooks with parkable memory (the shim parks it itself)",
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     exit_on_signals()  # ended by a signal, it still stops the broker and the kernels
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = measure(args.notebooks, args.idle_gib, args.ask_gib, out)
+    result = measure(args.notebooks, args.idle_gib, args.ask_gib, out, args.parkable)
     document = {
         **describe(),
         "benchmark": "parking",
