@@ -266,7 +266,11 @@ class Admission:
         stop = lease.stop
         applied = stop.highest
         placer = self._placer
-        if applied is None and lease.slot is not None and placer.fits_now(lease, lease.slot, now):
+        if (
+            applied is None
+            and lease.slot is not None
+            and placer.fits_now(lease, lease.slot, self._book.waiting_band(lease, now))
+        ):
             return []
         cause = StopCause.MAKE_ROOM
         if lease.evictable and placer.overfills(lease):

@@ -224,7 +224,7 @@ def wire_parts(
     parking = IdleParking(book, finder.slots, memory)
     placer = Placer(book, finder.slots, memory, parking)
     notices = QueueNotices(book, finder, memory, parking)
-    moves = LeaseMoves(book, finder.slots, parking, notices)
+    moves = LeaseMoves(book, finder.slots, parking)
     gang_turns = GangTurns(book, finder, placer, moves, notices)
     passes = SchedulingPass(
         book, finder, placer, parking, notices, moves, gang_turns,

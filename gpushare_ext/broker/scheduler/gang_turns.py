@@ -64,9 +64,12 @@ class GangTurns:
             return []  # settled at the next event (see settle)
         book.gang_targets.pop(gang, None)
         leader = members[0]
+        # What stands in for ranks is a copy of the leader (_probe), and no rank runs: they
+        # all wait in the leader's band, worked out once for the gang's turn.
+        band = book.waiting_band(leader, now)
         if leader.state == LeaseState.QUEUED:
-            return self._serve_queued(leader, members, reserved, waited_for, ahead, now)
-        return self._serve_stopped(leader, members, reserved, waited_for, now)
+            return self._serve_queued(leader, members, band, reserved, waited_for, ahead, now)
+        return self._serve_stopped(leader, members, band, reserved, waited_for, now)
 
     def settle(self, now: float) -> list[Action]:
         """Keep every gang whole after an event: when a rank has ended, the rest end too
@@ -75,6 +78,7 @@ class GangTurns:
         book = self._book
         if not book.gangs:  # after every event: most hosts have no gang
             return []
+        placer = self._placer
         actions: list[Action] = []
         for gang, member_ids in list(book.gangs.items()):
             live = [book.leases[m] for m in member_ids if m in book.leases]
@@ -92,15 +96,17 @@ class GangTurns:
             if any(m.state == LeaseState.RUNNING for m in live):
                 for member in live:
                     stopped = member.state in (LeaseState.PAUSED, LeaseState.EVICTED)
-                    if stopped and self._placer.fits_now(member, member.slot or "", now):
+                    slot = member.slot or ""
+                    if stopped and placer.fits_now(member, slot, book.waiting_band(member, now)):
                         member.lockable = False  # its gang cannot be paused: it runs on
-                        actions.extend(self._moves.start(member, member.slot or "", now))
+                        actions.extend(self._moves.start(member, slot, now))
         return actions
 
     def _serve_queued(
         self,
         leader: Lease,
         members: list[Lease],
+        band: int,
         reserved: set[str],
         waited_for: set[str],
         ahead: int,
@@ -115,12 +121,12 @@ class GangTurns:
 
         def fits_now(key: str, count: int) -> bool:
             probe = _probe(leader, members[:count], key)
-            return self._placer.fits_now(probe, key, now)
+            return self._placer.fits_now(probe, key, band)
 
         assignment = assign_ranks(len(members), open_slots, fits_now)
         if assignment is not None:
             return self._start(members, assignment, now)
-        planned = self._room_plan(leader, members, open_slots, now)
+        planned = self._room_plan(leader, members, band, open_slots)
         if planned is not None:
             assignment, plans = planned
             reserved.update(assignment)
@@ -131,14 +137,14 @@ class GangTurns:
         )
 
     def _room_plan(
-        self, leader: Lease, members: list[Lease], open_slots: list[str], now: float
+        self, leader: Lease, members: list[Lease], band: int, open_slots: list[str]
     ) -> tuple[list[str], dict[str, RoomPlan]] | None:
         """Where a queued gang could go by preempting, and what on each slot: one rank per
         slot where enough slots allow it, else all ranks on the one cheapest slot."""
         count = len(members)
         single: dict[str, RoomPlan] = {}
         for key in open_slots:
-            plan = self._placer.preemption_plan(_probe(leader, members[:1], key), key, now)
+            plan = self._placer.preemption_plan(_probe(leader, members[:1], key), key, band)
             if plan is not None:
                 single[key] = plan
         if len(single) >= count:
@@ -147,7 +153,7 @@ class GangTurns:
             return chosen, {key: single[key] for key in chosen}
         packed = []
         for key in open_slots:
-            plan = self._placer.preemption_plan(_probe(leader, members, key), key, now)
+            plan = self._placer.preemption_plan(_probe(leader, members, key), key, band)
             if plan is not None:
                 packed.append((plan_cost(plan), open_slots.index(key), key, plan))
         if not packed:
@@ -188,6 +194,7 @@ class GangTurns:
         self,
         leader: Lease,
         members: list[Lease],
+        band: int,
         reserved: set[str],
         waited_for: set[str],
         now: float,
@@ -199,10 +206,10 @@ class GangTurns:
         if any(key in self._blocked_for_stopped(members, reserved, waited_for) for key in by_slot):
             return []
         probes = {key: _probe(leader, ranks, key) for key, ranks in by_slot.items()}
-        if all(self._placer.fits_now(probe, key, now) for key, probe in probes.items()):
+        if all(self._placer.fits_now(probe, key, band) for key, probe in probes.items()):
             return self._start(members, [m.slot or "" for m in members], now)
         plans = {
-            key: self._placer.preemption_plan(probe, key, now) for key, probe in probes.items()
+            key: self._placer.preemption_plan(probe, key, band) for key, probe in probes.items()
         }
         if all(plan is not None for plan in plans.values()):
             reserved.update(by_slot)

@@ -4,9 +4,10 @@ What it is for: :class:`LeaseBook` keeps the active leases, the recently ended o
 sessions and their processes, the gangs, and the :class:`LeaseIndex` placement reads;
 it hands out arrival numbers, ends a lease (:meth:`LeaseBook.end`), and answers what a
 lease id stands for (a gang's id or a member's).  It also says how a waiter ranks (its
-effective priority under the policy), since every part of the scheduler ranks alike,
-and words every stop the same way (:meth:`LeaseBook.pause_action`: the level asked, the
-rung that really holds it, the state its notice gives the session).
+effective priority under the policy, and the priority band placement weighs it by, once
+for its turn: :meth:`LeaseBook.waiting_band`), since every part of the scheduler ranks
+alike, and words every stop the same way (:meth:`LeaseBook.pause_action`: the level
+asked, the rung that really holds it, the state its notice gives the session).
 
 What it must not do: place, pause or tell anyone anything; the parts of the scheduler
 above it decide, and change a lease's state or stop only through
@@ -27,6 +28,7 @@ from gpushare_ext.broker.scheduler.scheduler_records import (
 from gpushare_ext.broker.settings.policy import Policy, effective_priority, lock_kept_when_failing
 from gpushare_ext.lease_state import state_told, stopped_state
 from gpushare_ext.protocol import ErrorCode, LeaseState, PreemptionLevel, applied_level
+from gpushare_ext.units import priority_band
 
 ENDED_KEPT = 512  # ended leases kept for status and replay checks
 
@@ -192,12 +194,6 @@ class LeaseBook:
             lease = next((self.leases[m] for m in self.gangs[lease_id] if m in self.leases), None)
         return lease
 
-    def gang_mates(self, lease: Lease) -> list[Lease]:
-        """``lease`` and, for a gang's rank, every other active rank of its gang."""
-        if lease.gang is None:
-            return [lease]
-        return [self.leases[m] for m in self.gangs.get(lease.gang, ()) if m in self.leases]
-
     def forget_gang(self, gang: str) -> None:
         self.gangs.pop(gang, None)
         self.gang_targets.pop(gang, None)
@@ -215,3 +211,10 @@ class LeaseBook:
         waiting_since = lease.state_since
         earned = effective_priority(0, now - waiting_since, limits.aging_per_minute)
         return min(299.0, lease.base_priority + lease.aging_bonus + earned)
+
+    def waiting_band(self, lease: Lease, now: float) -> int:
+        """The priority band ``lease`` waits in at ``now``: that of its effective
+        priority, which grows as it waits.  Placement weighs a waiter by it (whom it
+        time-slices with, whom it may stop); a turn works it out once and hands it to
+        every question of the turn, so that placement asks the book nothing back."""
+        return priority_band(self.effective(lease, now))

@@ -2,12 +2,13 @@
 
 What it is for: :class:`LeaseMoves` starts a lease on a slot (a :class:`GrantLease` for a
 request, a :class:`ResumeLease` for a paused or evicted lease, with the aging it earned
-kept), and carries out a room plan: parks the idle sessions, pauses the victims at the
-level that stops them (a rank stops its whole gang), evicts what must leave, and either
-starts the lease or leaves it waiting for the evictions.
+kept), and carries out a room plan: parks the idle sessions, makes the plan's stops as
+placement decided them, in their order (the ranks of a victim's gang among them), and
+either starts the lease or leaves it waiting for what must leave.
 
-What it must not do: choose slots or victims (:mod:`~gpushare_ext.broker.scheduler.placement`
-does), or read a clock; it moves leases only through
+What it must not do: choose slots, victims or levels
+(:mod:`~gpushare_ext.broker.scheduler.placement` does), tell a waiter where it stands
+(the turn that made room does), or read a clock; it moves leases only through
 :func:`~gpushare_ext.broker.scheduler.lease_transitions.transition`.
 """
 
@@ -19,7 +20,6 @@ from gpushare_ext.broker.scheduler.idle_parking import IdleParking
 from gpushare_ext.broker.scheduler.lease_book import LeaseBook
 from gpushare_ext.broker.scheduler.lease_transitions import transition
 from gpushare_ext.broker.scheduler.placement import RoomPlan
-from gpushare_ext.broker.scheduler.queue_notices import QueueNotices
 from gpushare_ext.broker.scheduler.scheduler_records import Lease, Slot
 from gpushare_ext.broker.settings.policy import (
     StopCause,
@@ -42,12 +42,10 @@ class LeaseMoves:
         book: LeaseBook,
         slots: dict[str, Slot],
         parking: IdleParking,
-        notices: QueueNotices,
     ) -> None:
         self._book = book
         self._slots = slots
         self._parking = parking
-        self._notices = notices
 
     def start(self, lease: Lease, key: str, now: float) -> list[Action]:
         """Run ``lease`` on ``key``: granted if it was queued, else resumed."""
@@ -110,17 +108,13 @@ class LeaseMoves:
             notice=lease.notice,
         )
 
-    def preempt_for(
-        self, lease: Lease, key: str, plan: RoomPlan, now: float, ahead: int
-    ) -> list[Action]:
-        """Carry out ``plan`` for ``lease`` on ``key``; start it if nothing must leave."""
+    def preempt_for(self, lease: Lease, key: str, plan: RoomPlan, now: float) -> list[Action]:
+        """Carry out ``plan`` for ``lease`` on ``key``: start it if nothing must leave, else
+        leave it waiting (``target_slot``) for what must."""
         actions, awaited = self.stop_victims(lease, key, plan, now)
         if awaited:
             self.await_room(lease, awaited, bool(plan.evictions), now)
             lease.target_slot = key
-            actions.extend(
-                self._notices.queue_notice(lease, [key], now, ahead, force_reason=lease.reason)
-            )
             return actions
         actions.extend(self.start(lease, key, now))
         return actions
@@ -146,7 +140,7 @@ class LeaseMoves:
             for idle in plan.parks
         ]
         actions: list[Action] = list(parks)
-        for victim, level, cause in plan.stops():
+        for victim, level, cause in plan.stops:
             evicting = cause is StopCause.FREE_MEMORY
             reason = reasons.evicted_for(who) if evicting else reasons.paused_for(who)
             before = victim.state

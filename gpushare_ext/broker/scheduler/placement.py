@@ -6,8 +6,12 @@ sharing with what runs there), which of several slots it prefers, and, when it m
 the plan that makes room -- running leases to pause, holders to evict, idle sessions to
 park -- as rows that each name a victim, the ladder level that stops it and why
 (:meth:`Placer.stopping_level_of`, through
-:func:`~gpushare_ext.broker.settings.policy.ladder_level`): the stop is decided here, once, and
-carried out as it is.
+:func:`~gpushare_ext.broker.settings.policy.ladder_level`), in the order they are carried
+out: the stop is decided here, once, and carried out as it is.  A waiter comes with the
+priority band the book worked out once for its turn
+(:meth:`~gpushare_ext.broker.scheduler.lease_book.LeaseBook.waiting_band`), and a victim's
+gang is read from the book's records: placement reasons over values and calls nothing
+back in the book.
 
 What it must not do: change any lease (carrying a plan out is
 :mod:`~gpushare_ext.broker.scheduler.lease_moves`'s job), or tell anyone anything.  Asking it for
@@ -45,26 +49,28 @@ class VictimStop(NamedTuple):
 
 @dataclass(frozen=True)
 class RoomPlan:
-    """What making room on a slot takes: running leases to pause, holders to evict, the
-    running ranks of the victims' gangs (a gang never runs in part), idle sessions to
-    park."""
+    """What making room on a slot takes: every lease stop, in the order it is carried out
+    (:func:`stop_order`); among them, the running leases in the way and the holders to
+    evict (what a plan's cost counts); and idle sessions to park."""
 
-    pauses: tuple[VictimStop, ...]
-    evictions: tuple[VictimStop, ...]
-    companions: tuple[VictimStop, ...]
+    stops: tuple[VictimStop, ...]
+    pauses: tuple[VictimStop, ...]  # the running leases in the way
+    evictions: tuple[VictimStop, ...]  # the holders whose memory must leave: waited for
     parks: tuple[IdleSession, ...]
 
-    def stops(self) -> list[VictimStop]:
-        """Every lease stop in the order it is carried out: pauses (at the eviction's level
-        for a victim whose memory must leave too), the gangs' other ranks, then the
-        evictions of leases not paused here."""
-        evicted = {row.victim.lease_id: row.level for row in self.evictions}
-        paused = [
-            row._replace(level=evicted.get(row.victim.lease_id, row.level)) for row in self.pauses
-        ]
-        named = {row.victim.lease_id for row in self.pauses}
-        rest = [row for row in self.evictions if row.victim.lease_id not in named]
-        return [*paused, *self.companions, *rest]
+
+def stop_order(
+    pauses: list[VictimStop], evictions: list[VictimStop], companions: list[VictimStop]
+) -> tuple[VictimStop, ...]:
+    """Every lease stop of a plan in the order it is carried out: the pauses (at the
+    eviction's level for a victim whose memory must leave too), the running ranks of
+    the victims' gangs (a gang never runs in part), then the evictions of leases not
+    paused here."""
+    evicted = {row.victim.lease_id: row.level for row in evictions}
+    paused = [row._replace(level=evicted.get(row.victim.lease_id, row.level)) for row in pauses]
+    named = {row.victim.lease_id for row in pauses}
+    rest = [row for row in evictions if row.victim.lease_id not in named]
+    return (*paused, *companions, *rest)
 
 
 def traits(lease: Lease) -> VictimTraits:
@@ -89,7 +95,7 @@ def plan_cost(plan: RoomPlan) -> tuple:
 
 
 class Placer:
-    """Fit, preference and room plans for a lease on a slot."""
+    """Fit, preference and room plans for a lease on a slot, in the band it waits in."""
 
     def __init__(
         self,
@@ -103,18 +109,27 @@ class Placer:
         self._memory = memory
         self._parking = parking
 
+    def _gang_of(self, victim: Lease) -> list[Lease]:
+        """``victim`` and, for a rank, every other active rank of its gang: what stopping
+        it stops (read from the book's gangs, not asked of it)."""
+        if victim.gang is None:
+            return [victim]
+        leases = self._book.leases
+        return [leases[m] for m in self._book.gangs.get(victim.gang, ()) if m in leases]
+
     def stopping_level_of(self, victim: Lease) -> PreemptionLevel | None:
         """The ladder level that stops ``victim`` (for a rank: that stops every running
         rank of its gang, the highest any needs); None if one of them cannot be stopped."""
         stopping = [
             traits(mate)
-            for mate in self._book.gang_mates(victim)
+            for mate in self._gang_of(victim)
             if mate is victim or mate.state == LeaseState.RUNNING
         ]
         return ladder_level(StopCause.MAKE_ROOM, stopping)
 
-    def compute_compatible(self, lease: Lease, running: list[Lease], now: float) -> bool:
-        """Whether ``lease`` may run beside ``running`` (time-slicing or spatial sharing)."""
+    def compute_compatible(self, lease: Lease, running: list[Lease], band: int) -> bool:
+        """Whether ``lease``, waiting in ``band``, may run beside ``running`` (time-slicing
+        or spatial sharing)."""
         if not running:
             return True
         if lease.slice == SliceWish.EXCLUSIVE or any(
@@ -126,10 +141,9 @@ class Placer:
             return True
         if self._book.policy.sharing == "exclusive":
             return False
-        band = priority_band(self._book.effective(lease, now))
         return all(priority_band(r.running_priority()) == band for r in running)
 
-    def compatible_with_slot(self, lease: Lease, load: SlotLoad, now: float) -> bool:
+    def compatible_with_slot(self, lease: Lease, load: SlotLoad, band: int) -> bool:
         """:meth:`compute_compatible` with every lease running on a slot, read from the
         slot's aggregates instead of its leases."""
         count = len(load.running)
@@ -145,7 +159,6 @@ class Placer:
             return True
         if self._book.policy.sharing == "exclusive":
             return False
-        band = priority_band(self._book.effective(lease, now))
         return load.bands.get(band, 0) == count
 
     def _taken(self, key: str, lease: Lease) -> int:
@@ -154,8 +167,9 @@ class Placer:
         its process already holds is not asked for twice)."""
         return self._book.index.slots[key].held + self._memory.unleased_memory(key, lease)
 
-    def fits_now(self, lease: Lease, key: str, now: float) -> bool:
-        """Whether ``lease`` may run on ``key`` now, with nobody stopped."""
+    def fits_now(self, lease: Lease, key: str, band: int) -> bool:
+        """Whether ``lease``, waiting in ``band``, may run on ``key`` now, with nobody
+        stopped."""
         slot = self._slots[key]
         load = self._book.index.slots[key]
         held = self._taken(key, lease)
@@ -163,7 +177,7 @@ class Placer:
             held -= lease.memory_bytes  # it already holds its memory there
         if held + lease.memory_bytes > slot.memory_bytes:
             return False
-        return self.compatible_with_slot(lease, load, now)
+        return self.compatible_with_slot(lease, load, band)
 
     def overfills(self, lease: Lease) -> bool:
         """Whether the memory held on ``lease``'s slot, its own included, is more than the
@@ -184,12 +198,12 @@ class Placer:
         free = slot.memory_bytes - self._taken(key, lease)
         return (len(load.running), 1, -free, key)
 
-    def preemption_plan(self, lease: Lease, key: str, now: float) -> RoomPlan | None:
-        """Victims to pause and to evict so ``lease`` can run on ``key``; None if impossible."""
+    def preemption_plan(self, lease: Lease, key: str, band: int) -> RoomPlan | None:
+        """Victims to pause and to evict so ``lease``, waiting in ``band``, can run on
+        ``key``; None if impossible."""
         slot = self._slots[key]
         load = self._book.index.slots[key]
-        band = priority_band(self._book.effective(lease, now))
-        pauses = self._victims_to_pause(lease, load, band, now)
+        pauses = self._victims_to_pause(lease, load, band)
         if pauses is None:
             return None
         # Memory: evict lower-band leases (paused ones first) until the request fits.
@@ -213,7 +227,12 @@ class Placer:
             assert evict is not None  # memory is always freed by the same rung
             evictions = [VictimStop(victim, evict, StopCause.FREE_MEMORY) for victim in evicted]
         companions = self._gang_companions([*pauses, *evictions])
-        return RoomPlan(tuple(pauses), tuple(evictions), tuple(companions), tuple(to_park))
+        return RoomPlan(
+            stops=stop_order(pauses, evictions, companions),
+            pauses=tuple(pauses),
+            evictions=tuple(evictions),
+            parks=tuple(to_park),
+        )
 
     def _gang_companions(self, rows: list[VictimStop]) -> list[VictimStop]:
         """The running ranks of the victims' gangs that are not victims already, each
@@ -223,7 +242,7 @@ class Placer:
         for row in rows:
             if row.victim.gang is None:
                 continue
-            for mate in self._book.gang_mates(row.victim):
+            for mate in self._gang_of(row.victim):
                 if mate.lease_id not in chosen and mate.state == LeaseState.RUNNING:
                     level = self.stopping_level_of(mate)
                     assert level is not None  # the victim's gang was found stoppable
@@ -231,9 +250,7 @@ class Placer:
                     companions.append(VictimStop(mate, level, StopCause.MAKE_ROOM))
         return companions
 
-    def _victims_to_pause(
-        self, lease: Lease, load: SlotLoad, band: int, now: float
-    ) -> list[VictimStop] | None:
+    def _victims_to_pause(self, lease: Lease, load: SlotLoad, band: int) -> list[VictimStop] | None:
         """The running leases in ``lease``'s way, in arrival order, each with the level
         that stops it; None if one of them may not be stopped for it (then the others
         need no look)."""
@@ -242,11 +259,11 @@ class Placer:
             return []  # all of them time-slice with it: nobody is in its way
         to_pause: list[VictimStop] = []
         for victim in load.running.values():
-            if not everyone and self.compute_compatible(lease, [victim], now):
+            if not everyone and self.compute_compatible(lease, [victim], band):
                 continue
             if priority_band(victim.running_priority()) >= band:
                 return None
-            if any(member.pending_level is not None for member in self._book.gang_mates(victim)):
+            if any(member.pending_level is not None for member in self._gang_of(victim)):
                 return None  # already being stopped; wait for that
             level = self.stopping_level_of(victim)
             if level is None:

@@ -260,26 +260,32 @@ class SchedulingPass:
             reserved.add(lease.target_slot)  # type: ignore[arg-type]
             return []
         lease.target_slot = None
+        band = self._book.waiting_band(lease, now)  # once for every slot weighed
         # Before draining: the notice says when drain is why.
         wanted = self._finder.wanted_slots(lease)
         candidates = self._finder.placeable_slots(lease, wanted)
         blocked = reserved if lease.state == LeaseState.PAUSED else reserved | waited_for
         open_slots = [k for k in candidates if k not in blocked]
         placer = self._placer
-        placed = [k for k in open_slots if placer.fits_now(lease, k, now)]
+        placed = [k for k in open_slots if placer.fits_now(lease, k, band)]
         if placed:
             key = min(placed, key=lambda k: placer.slot_preference(lease, k))
             return self._moves.start(lease, key, now)
         plans = []
         for key in open_slots:
-            plan = placer.preemption_plan(lease, key, now)
+            plan = placer.preemption_plan(lease, key, band)
             if plan is not None:
                 cost = (*plan_cost(plan), placer.slot_preference(lease, key))
                 plans.append((cost, key, plan))
         if plans:
             _, key, plan = min(plans, key=lambda p: p[0])
             reserved.add(key)
-            return self._moves.preempt_for(lease, key, plan, now, ahead)
+            actions = self._moves.preempt_for(lease, key, plan, now)
+            if lease.state == LeaseState.RUNNING:
+                return actions  # nothing had to leave first
+            # It waits for what must leave: its notice says what is being freed.
+            notice = self._notices.queue_notice(lease, [key], now, ahead, force_reason=lease.reason)
+            return actions + notice
         waited_for.update(candidates)
         return self._notices.queue_notice(lease, candidates or wanted, now, ahead)
 

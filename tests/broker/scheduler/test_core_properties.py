@@ -249,7 +249,7 @@ def check_no_needless_wait(scheduler: core.Scheduler) -> None:
                 and h.evictable
                 for holder in holders
                 # A rank is stopped with its whole gang: every rank must allow it.
-                for h in scheduler.book.gang_mates(holder)
+                for h in scheduler.book.members(holder.lease_id)
                 if h is holder or h.state == LeaseState.RUNNING
             )
             # Memory no lease accounts for is not freed by preempting (parking frees it).
@@ -276,12 +276,13 @@ def check_index(scheduler: core.Scheduler) -> None:
     assert not mismatch, mismatch
     now = scheduler.now
     for lease in scheduler.queue():
+        band = scheduler.book.waiting_band(lease, now)
         for key in scheduler.slots:
             _, running = scheduler.slot_usage(key)
             load = scheduler.book.index.slots[key]
             assert scheduler.placer.compatible_with_slot(
-                lease, load, now
-            ) == scheduler.placer.compute_compatible(lease, running, now), (lease.lease_id, key)
+                lease, load, band
+            ) == scheduler.placer.compute_compatible(lease, running, band), (lease.lease_id, key)
 
 
 def check_gangs_whole(scheduler: core.Scheduler) -> None:
