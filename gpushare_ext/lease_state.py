@@ -22,7 +22,7 @@ floor), or hold any state itself.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gpushare_ext.errors import GpushareError
 
@@ -240,6 +240,13 @@ class StopState:
         if not (self.held_by_watchdog or self.detached or self.restore_wanted):
             return NO_STOP
         return self.with_levels(None, None)
+
+    def asks_restore_of(self, current: StopState) -> bool:
+        """Whether this stop is ``current`` with a park's restore asked, nothing else
+        changed (replace() runs only for a stop that asks a restore: rarely)."""
+        return (
+            self.restore_wanted and replace(self, restore_wanted=current.restore_wanted) == current
+        )
 
 
 # The stop of almost every lease: nothing asked, applied or flagged.  Shared, so that the

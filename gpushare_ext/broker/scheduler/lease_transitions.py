@@ -14,7 +14,6 @@ do I/O, or import the parts of the core that call it.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from gpushare_ext.lease_state import NO_STOP, LeaseState, StopState, check_move, check_stop
@@ -56,31 +55,20 @@ def transition(
         stop = None  # the same stop: nothing to check or change
     else:
         check_stop(lease.lease_id, after, current, stop)
-    if state is not None:
+    if state is None:
+        if stop is not None and stop.asks_restore_of(current):
+            lease.state_since = now  # a park waits for its memory from the ask on
+    else:
+        # The index takes the lease out as it was and puts it back as it is now.
+        making_room = index.take_out(lease) if index is not None else False
+        lease.state = after
+        if slot is not None:
+            lease.slot = slot
         if index is not None:
-            making_room = index.take_out(lease)
-            _place(lease, after, slot)
             index.put_back(lease, making_room)
-        else:
-            _place(lease, after, slot)
         if (before, after) != (LeaseState.PAUSED, LeaseState.EVICTED):
             lease.state_since = now
-    elif stop is not None and _asks_restore(current, stop):
-        lease.state_since = now
     if stop is not None:
         lease.stop = stop
     if reason is not None:
         lease.reason = reason
-
-
-def _place(lease: Lease, state: LeaseState, slot: str | None) -> None:
-    lease.state = state
-    if slot is not None:
-        lease.slot = slot
-
-
-def _asks_restore(current: StopState, wanted: StopState) -> bool:
-    """Whether ``wanted`` asks for a park's restore and changes nothing else."""
-    return (
-        wanted.restore_wanted and replace(wanted, restore_wanted=current.restore_wanted) == current
-    )

@@ -127,10 +127,10 @@ def test_the_core_moves_a_lease_in_one_place_checked():
         for module in CORE_MODULES
         for name in _assignments_of_state(PACKAGE / "broker" / "scheduler" / f"{module}.py")
     ]
-    assert places == ["_place"]
+    assert places == ["transition"]
     source = (PACKAGE / "broker" / "scheduler" / "lease_transitions.py").read_text()
     body = source[source.index("def transition(") :]
-    body = body[: body.index("_place(")]
+    body = body[: body.index("lease.state = ")]
     assert "check_move(" in body and "check_stop(" in body, "the state is set before the checks"
 
 

@@ -152,6 +152,14 @@ def test_a_restore_asked_waits_from_then_and_a_cancel_keeps_the_time():
     assert lease.state_since == 9.0
 
 
+def test_only_a_restore_asked_alone_reads_as_a_restore_ask():
+    held = StopState().confirmed(PreemptionLevel.EVICT)
+    restore = replace(held, restore_wanted=True)
+    assert restore.asks_restore_of(held)
+    assert not held.asks_restore_of(restore)  # a cancel
+    assert not replace(restore, held_by_watchdog=True).asks_restore_of(held)  # and more
+
+
 # ---- generated sequences
 
 LEVELS = st.sampled_from(list(PreemptionLevel))
