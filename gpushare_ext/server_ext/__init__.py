@@ -41,13 +41,22 @@ class GpushareServerExtension(LoggingConfigurable):
         "session's launches are held for every framework (GPUSHARE_INTERPOSER=off also "
         "turns it off).",
     )
+    parkable_memory = Bool(
+        False,
+        config=True,
+        help="Start kernels with parkable memory (GPUSHARE_PARKABLE_MEMORY=1): the launch "
+        "shim backs large allocations so that it can park them itself, at the host link's "
+        "speed and at the same addresses, when the broker parks or evicts the session.",
+    )
 
     def resolve_socket(self) -> Path:
         return Path(self.socket_path) if self.socket_path else default_socket_path()
 
 
-def preload_for_kernels(environ: dict[str, str]) -> str:
-    """Put the launch shim first in ``LD_PRELOAD`` of ``environ``; say what was done."""
+def preload_for_kernels(environ: dict[str, str], parkable_memory: bool = False) -> str:
+    """Put the launch shim first in ``LD_PRELOAD`` of ``environ`` (with
+    ``parkable_memory``, have it back large allocations so that it can park them); say
+    what was done."""
     from gpushare_ext.runtime.interpose import shim_path
 
     if environ.get("GPUSHARE_INTERPOSER", "").strip().lower() == "off":
@@ -66,6 +75,11 @@ def preload_for_kernels(environ: dict[str, str]) -> str:
     from gpushare_ext.runtime import frameworks
 
     frameworks.kernel_environment(environ)
+    if parkable_memory:
+        from gpushare_ext.runtime.parkable import ENABLE_VARIABLE
+
+        environ[ENABLE_VARIABLE] = "1"
+        return f"kernels start with the launch shim {shim} and parkable memory"
     return f"kernels start with the launch shim {shim}"
 
 
@@ -78,7 +92,8 @@ def _load_jupyter_server_extension(server_app: Any) -> None:
     settings = GpushareServerExtension(parent=server_app)
     if settings.preload_launch_shim:
         # Kernels inherit the server's environment: set it before any kernel starts.
-        server_app.log.info("gpushare: %s", preload_for_kernels(os.environ))
+        said = preload_for_kernels(os.environ, settings.parkable_memory)
+        server_app.log.info("gpushare: %s", said)
     web_app = server_app.web_app
     web_app.settings["gpushare_socket_path"] = settings.resolve_socket
     web_app.add_handlers(".*$", handlers(web_app.settings["base_url"]))

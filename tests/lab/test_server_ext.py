@@ -270,6 +270,11 @@ def test_the_launch_shim_goes_first_once_and_keeps_what_was_there():
 
     turned_off = {"GPUSHARE_INTERPOSER": "off"}
     assert "off" in preload_for_kernels(turned_off) and "LD_PRELOAD" not in turned_off
+    assert "GPUSHARE_PARKABLE_MEMORY" not in environ  # off unless asked for
+
+    parkable: dict[str, str] = {}
+    said = preload_for_kernels(parkable, parkable_memory=True)
+    assert parkable["GPUSHARE_PARKABLE_MEMORY"] == "1" and said.endswith("and parkable memory")
 
 
 async def test_history_is_the_last_hour_of_each_gpu_as_json(jp_fetch, sessions):
