@@ -401,33 +401,9 @@ class Ladder:
                     level=int(level),
                     reason=reason,
                 )
-            notes = []
-            if level in (PreemptionLevel.YIELD, PreemptionLevel.ABORT) or (
-                level >= PreemptionLevel.LOCK and target.yield_flag is not None
-            ):
-                if target.yield_flag is not None:
-                    handle, offset = target.yield_flag
-                    await self._run(
-                        self.control.write_yield_flag,
-                        target.device_index,
-                        handle,
-                        offset,
-                        int(level),
-                    )
-                elif level in (PreemptionLevel.YIELD, PreemptionLevel.ABORT) and not simulated:
-                    # Kernels already in flight would not stop: the lock is what stops them.
-                    notes.append("no yield flag registered: locked instead")
-            if (
-                level == PreemptionLevel.EVICT
-                and target.pid not in self._locked
-                and target.control_block is not None
-            ):
-                # The session's shim moves its parkable memory at the link's speed, in the
-                # process, while it can still make CUDA calls: before the lock.
-                answer = await self._run(park_service.park, target.control_block)
-                if answer is not None:
-                    self._memory_parked[target.pid] = answer.moved_bytes
-                    notes.append(answer.describe("parked"))
+            notes = await self._raise_yield_flag(target, level, simulated)
+            if level == PreemptionLevel.EVICT and target.pid not in self._locked:
+                notes += await self._park_memory(target)
             if needs_lock and target.pid not in self._locked:
                 await self._run(
                     self.control.lock, target.pid, target.device_index, self.lock_timeout_ms
@@ -443,6 +419,36 @@ class Ladder:
             applied = max(level, PreemptionLevel.LOCK) if needs_lock else level
             held_by = PreemptionLevel.GATE if simulated else applied
             return Applied(level=applied, held_by=held_by, note="; ".join(notes))
+
+    async def _raise_yield_flag(
+        self, target: Target, level: PreemptionLevel, simulated: bool
+    ) -> list[str]:
+        """Write ``level`` into the session's yield flag where it asks kernels to leave
+        (a yield or an abort, or under a lock); the notes for status."""
+        flag_level = level in (PreemptionLevel.YIELD, PreemptionLevel.ABORT)
+        if not flag_level and not (level >= PreemptionLevel.LOCK and target.yield_flag):
+            return []
+        if target.yield_flag is not None:
+            handle, offset = target.yield_flag
+            await self._run(
+                self.control.write_yield_flag, target.device_index, handle, offset, int(level)
+            )
+            return []
+        if flag_level and not simulated:
+            # Kernels already in flight would not stop: the lock is what stops them.
+            return ["no yield flag registered: locked instead"]
+        return []
+
+    async def _park_memory(self, target: Target) -> list[str]:
+        """Have the session's shim park its parkable memory, at the link's speed and in
+        the process, while it can still make CUDA calls: before the lock.  The note."""
+        if target.control_block is None:
+            return []
+        answer = await self._run(park_service.park, target.control_block)
+        if answer is None:
+            return []
+        self._memory_parked[target.pid] = answer.moved_bytes
+        return [answer.describe("parked")]
 
     async def undo(
         self,
