@@ -463,10 +463,13 @@ class BrokerClient:
     def heartbeat(self) -> None:
         self._call(Heartbeat())
 
-    def cell_activity(self, running: bool, unparkable: str = "") -> None:
-        """Tell the broker a cell started or ended, and why this process must not be
-        parked ("" if it may be); it does not answer (a cell must not wait for it)."""
-        message = CellActivity(running=running, unparkable=unparkable[:256])
+    def cell_activity(self, running: bool, unparkable: str = "", parkable_bytes: int = 0) -> None:
+        """Tell the broker a cell started or ended, why this process must not be parked
+        ("" if it may be) and how much memory its shim can park itself; it does not
+        answer (a cell must not wait for it)."""
+        message = CellActivity(
+            running=running, unparkable=unparkable[:256], parkable_bytes=max(0, parkable_bytes)
+        )
         message.seq = next(self._seq)
         self._send(message)
 

@@ -206,10 +206,13 @@ class CellActivity(ClientMessage, tag="cell_activity"):
     with a cell running is never parked, and idle time counts from the last one's end.
     The broker does not answer it.  ``unparkable`` says why this process must not be
     parked ("" when it may be): one that opened another process's GPU memory cannot be
-    restored after a checkpoint.  A session is parked only once it has said this."""
+    restored after a checkpoint.  A session is parked only once it has said this.
+    ``parkable_bytes``: the device memory its launch shim can park itself, at the host
+    link's speed and in part (0: none; then a park moves all of it, by checkpoint)."""
 
     running: bool
     unparkable: ShortText = ""
+    parkable_bytes: Bytes = 0
 
 
 class Park(ClientMessage, tag="park"):

@@ -142,6 +142,14 @@ def serve_parks_at(block_address: int | None) -> bool:
     return library.gps_serve_parks(words) == 0
 
 
+def resident_bytes() -> int:
+    """Parkable device memory on the GPU now (0 when this process has none: not started
+    with parkable memory, or the shim is not preloaded)."""
+    if interpose._preloaded() is None or not enabled_here():
+        return 0
+    return stats()["resident_bytes"]
+
+
 def parkable_base(address: int) -> int | None:
     """Where the parkable allocation holding ``address`` starts; None when none does."""
     base = int(_library().gps_parkable_base(address))

@@ -47,7 +47,7 @@ from gpushare_ext.protocol import (
     priority_value,
     split_member_id,
 )
-from gpushare_ext.runtime import binding, cell_lines, interpose, memory
+from gpushare_ext.runtime import binding, cell_lines, interpose, memory, parkable
 from gpushare_ext.runtime.cell_output import CellOutput
 from gpushare_ext.runtime.connection import RECONNECT_DEADLINE_S, BrokerConnection
 from gpushare_ext.runtime.gate import DeviceGate
@@ -219,7 +219,9 @@ class GpuSession:
         if client is None:
             return
         with contextlib.suppress(BrokerError, BrokerUnavailable):
-            client.cell_activity(running, why_not_parkable(self.simulated))
+            client.cell_activity(
+                running, why_not_parkable(self.simulated), parkable.resident_bytes()
+            )
 
     # ---- leases
 

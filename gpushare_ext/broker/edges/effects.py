@@ -288,6 +288,8 @@ class Effects:
                 ),
             )
         target = ctx.target(action.lease_id, action.pid, lease.slot if lease else None)
+        if action.parks_part:
+            target.park_bytes = action.parks_bytes  # the session's shim parks that much itself
         task = ctx.tasks.spawn(self._apply_preemption(target, action))
         if action.for_lease:
             self._track_stop(action.for_lease, task)

@@ -290,6 +290,7 @@ class Requests:
                 session_id=conn.session_id,
                 running=message.running,
                 unparkable=message.unparkable,
+                parkable_bytes=message.parkable_bytes,
             )
         )
 

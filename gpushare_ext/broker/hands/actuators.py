@@ -57,6 +57,9 @@ class Target:
     device_index: int
     control_block: ControlBlock | None
     yield_flag: tuple[str, int] | None = None  # (IPC handle hex, offset) if registered
+    # An eviction of only this much, which the session's shim parks itself (0: all it
+    # holds, the rest by checkpoint).
+    park_bytes: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -317,7 +320,7 @@ def _what_stopped(target: Target, level: PreemptionLevel, locked: bool) -> list[
         applied.append("yield flag")  # preemptible kernels in flight leave the GPU
     if locked:
         applied.append("process lock")
-    if level == PreemptionLevel.EVICT:
+    if level == PreemptionLevel.EVICT and not target.park_bytes:
         applied.append("checkpoint to host")
     return applied or ["nothing (no way to stop it)"]
 
@@ -409,7 +412,11 @@ class Ladder:
                     self.control.lock, target.pid, target.device_index, self.lock_timeout_ms
                 )
                 self._locked.add(target.pid)
-            if level == PreemptionLevel.EVICT and target.pid not in self._checkpointed:
+            if (
+                level == PreemptionLevel.EVICT
+                and target.pid not in self._checkpointed
+                and not self._parked_enough(target)
+            ):
                 await self._run(self.control.checkpoint, target.pid, target.device_index)
                 self._checkpointed.add(target.pid)
             notes.append(_stop_note(target, level, needs_lock, simulated))
@@ -444,11 +451,17 @@ class Ladder:
         the process, while it can still make CUDA calls: before the lock.  The note."""
         if target.control_block is None:
             return []
-        answer = await self._run(park_service.park, target.control_block)
+        answer = await self._run(park_service.park, target.control_block, target.park_bytes)
         if answer is None:
             return []
         self._memory_parked[target.pid] = answer.moved_bytes
         return [answer.describe("parked")]
+
+    def _parked_enough(self, target: Target) -> bool:
+        """Whether the session's shim parked all of a partial eviction (then no checkpoint
+        follows: it would move the whole process)."""
+        parked = self._memory_parked.get(target.pid, 0)
+        return target.park_bytes > 0 and parked >= target.park_bytes
 
     async def undo(
         self,

@@ -73,6 +73,9 @@ class PauseLease:
     held_by: PreemptionLevel
     session_state: LeaseState
     parks_bytes: int = 0  # > 0: this parks an idle session holding that much
+    # Only ``parks_bytes`` of what the session holds, which its launch shim parks itself
+    # (no checkpoint: that would move the whole process).
+    parks_part: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -169,6 +169,7 @@ class SessionActivity:
     session_id: str
     running: bool
     unparkable: str = ""  # why its process must not be checkpointed ("" if it may be)
+    parkable_bytes: int = 0  # what its launch shim can park itself, in part if need be
 
 
 @dataclass(frozen=True, kw_only=True)

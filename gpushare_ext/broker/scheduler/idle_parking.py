@@ -66,6 +66,7 @@ class IdleParking:
         record.checkpoint_unsafe = event.unparkable
         if not event.running:
             record.idle_since = now
+            record.parkable_bytes = event.parkable_bytes
         return []
 
     def on_restore_asked(self, event: RestoreAsked, now: float) -> list[Action]:
@@ -188,6 +189,7 @@ class IdleParking:
             for_lease=for_lease,
             reason=reason,
             parks_bytes=lease.memory_bytes,
+            parks_part=session.part,
         )
 
     def idle_sessions(self, key: str, asking: Lease | None) -> list[IdleSession]:
@@ -214,6 +216,7 @@ class IdleParking:
                     held_bytes=held,
                     last_priority=record.last_priority,
                     idle_since=record.idle_since,
+                    parkable_bytes=min(record.parkable_bytes, held),
                 )
             )
         return idle

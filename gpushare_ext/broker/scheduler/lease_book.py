@@ -81,6 +81,7 @@ class LeaseBook:
         for_lease: str,
         reason: str,
         parks_bytes: int = 0,
+        parks_part: bool = False,
     ) -> PauseLease:
         """The action that stops ``lease`` (on its slot) at ``level``, ``before`` being
         the state it was in: everything the edges say of the stop is decided here."""
@@ -97,6 +98,7 @@ class LeaseBook:
             held_by=self.rung_holding(level),
             session_state=state_told(before, level),
             parks_bytes=parks_bytes,
+            parks_part=parks_part,
         )
 
     def rung_holding(self, level: PreemptionLevel) -> PreemptionLevel:

@@ -11,6 +11,9 @@ session's next cell.  This module holds the choices the core makes about it:
   clients, and not a session whose checkpoint failed once;
 * in which order: lowest priority first (the priority of the session's last lease),
   then idle longest, then the most memory;
+* how much of each: all it holds, except the last one a request needs, of which only
+  what is still needed is parked where its launch shim can park that much itself
+  (``parkable_bytes``; a checkpoint always moves a whole process);
 * whether the host has room: parked and evicted memory together stay under
   ``park_host_limit`` and leave :data:`HOST_MARGIN` of the host's memory available.
 
@@ -21,7 +24,7 @@ core imports it) and must not decide anything about leases that are not parks.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gpushare_ext.units import GIB, format_duration, format_size, priority_band
 
@@ -38,6 +41,8 @@ class IdleSession:
     held_bytes: int  # what NVML sees it hold beyond its leases
     last_priority: int  # its last lease's priority (normal if it never had one)
     idle_since: float
+    parkable_bytes: int = 0  # what its launch shim can park itself, in part if need be
+    part: bool = False  # the park moves only ``held_bytes`` of it, through its shim
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +95,7 @@ def plan_parks(
             break
         if priority_band(session.last_priority) > band:
             continue
+        session = part_needed(session, need_bytes - freed)
         if session.held_bytes > room_bytes:
             too_big.append(session)
             continue
@@ -104,6 +110,16 @@ def plan_parks(
             f"for {format_size(max(0, room_bytes))} of parked memory (park_host_limit)"
         )
     return ParkPlan(chosen=tuple(chosen), freed_bytes=freed, refusal=refusal)
+
+
+def part_needed(session: IdleSession, still_needed: int) -> IdleSession:
+    """``session`` to park for ``still_needed`` bytes: only that much of it (rounded up
+    to whole GiB) where its shim can park that much itself and it holds more; else all
+    of it."""
+    part = -(-still_needed // GIB) * GIB
+    if part >= session.held_bytes or part > session.parkable_bytes:
+        return session
+    return replace(session, held_bytes=part, part=True)
 
 
 def idle_reason(idle_s: float, after_s: float) -> str:

@@ -148,6 +148,7 @@ class SessionRecord:
     last_priority: int = PRIORITY_CLASSES["normal"]  # its last lease's, for park order
     unparkable: str = ""  # why it is never parked (its checkpoint failed once)
     checkpoint_unsafe: str | None = None  # what it last said of itself; None: nothing yet
+    parkable_bytes: int = 0  # what its launch shim can park itself (in part), as it said
     parks: int = 0  # parks so far, for the park leases' ids
 
 

@@ -73,15 +73,13 @@ class RecordingControl:
         self._note("restore")
 
 
-def test_an_eviction_parks_through_the_session_before_the_lock_and_restores_after(
-    fake_driver,  # noqa: F811 - the fixture imported above
-    tmp_path: Path,
-):
-    block = ControlBlock.create(tmp_path / "session.cb")
+def _start_session(driver: Path, block: ControlBlock):
+    """A session process holding three parkable allocations of 4 MiB, its park service
+    following ``block``; and a way to read the stand-in GPU memory it holds (MiB)."""
     env = dict(os.environ)
     env.update(
         LD_PRELOAD=str(interpose.NATIVE),
-        LD_LIBRARY_PATH=str(fake_driver),
+        LD_LIBRARY_PATH=str(driver),
         PYTHONPATH=str(Path(__file__).resolve().parents[3]),
         GPUSHARE_PARKABLE_MEMORY="1",
     )
@@ -93,14 +91,31 @@ def test_an_eviction_parks_through_the_session_before_the_lock_and_restores_afte
         env=env,
     )
     assert session.stdin is not None and session.stdout is not None
+    assert json.loads(session.stdout.readline()) == {"serving": True}
 
     def physical_mib() -> int:
         session.stdin.write("look\n")
         session.stdin.flush()
         return json.loads(session.stdout.readline())["physical_mib"]
 
+    return session, physical_mib
+
+
+def _stop(session: subprocess.Popen, block: ControlBlock) -> None:
+    assert session.stdin is not None
+    session.stdin.write("quit\n")
+    session.stdin.flush()
+    session.wait(timeout=10)
+    block.close()
+
+
+def test_an_eviction_parks_through_the_session_before_the_lock_and_restores_after(
+    fake_driver,  # noqa: F811 - the fixture imported above
+    tmp_path: Path,
+):
+    block = ControlBlock.create(tmp_path / "session.cb")
+    session, physical_mib = _start_session(fake_driver, block)
     try:
-        assert json.loads(session.stdout.readline()) == {"serving": True}
         control = RecordingControl(block)
         ladder = Ladder(control)
         target = Target(lease_id="L1", pid=session.pid, device_index=0, control_block=block)
@@ -114,10 +129,32 @@ def test_an_eviction_parks_through_the_session_before_the_lock_and_restores_afte
         assert control.calls[2:] == [("restore", 0), ("unlock", 0)]
         assert block.parkable_resident_bytes == 12 * MIB and physical_mib() == 12
     finally:
-        session.stdin.write("quit\n")
-        session.stdin.flush()
-        session.wait(timeout=10)
-        block.close()
+        _stop(session, block)
+
+
+def test_a_partial_eviction_parks_only_that_much_and_takes_no_checkpoint(
+    fake_driver,  # noqa: F811 - the fixture imported above
+    tmp_path: Path,
+):
+    block = ControlBlock.create(tmp_path / "session.cb")
+    session, physical_mib = _start_session(fake_driver, block)
+    try:
+        control = RecordingControl(block)
+        ladder = Ladder(control)
+        target = Target(
+            lease_id="L1", pid=session.pid, device_index=0, control_block=block,
+            park_bytes=5 * MIB,
+        )  # fmt: skip
+        applied = asyncio.run(
+            ladder.apply(target, PreemptionLevel.EVICT, "parked", LeaseState.EVICTED)
+        )
+        assert control.calls == [("lock", 4)]  # two allocations of 4 MiB cover 5 MiB
+        assert physical_mib() == 4 and "checkpoint" not in applied.note
+        assert asyncio.run(ladder.undo(target, PreemptionLevel.EVICT)) is True
+        assert control.calls[1:] == [("unlock", 4)]  # nothing was checkpointed
+        assert physical_mib() == 12
+    finally:
+        _stop(session, block)
 
 
 def test_a_session_without_parkable_memory_is_not_asked(tmp_path: Path):

@@ -427,3 +427,61 @@ def test_a_session_that_says_it_cannot_be_checkpointed_or_never_said_is_not_park
         core.SchedulerError, match="has not said yet whether it can be checkpointed"
     ):
         hub.handle(core.ParkAsked(now=hub.now, pid=hub.pid_of(silent), by="admin"))
+
+
+# ------------------------------------------------------------------ part of a session
+
+
+def _idle_parkable(hub: Hub, user: str, parkable_gib: int, priority: int = LOW) -> str:
+    """An idle session whose launch shim said it can park ``parkable_gib`` itself."""
+    session = _idle_with(hub, user, priority=priority)
+    hub.handle(
+        core.SessionActivity(
+            now=hub.now, session_id=session, running=False, parkable_bytes=parkable_gib * GIB
+        )
+    )
+    return session
+
+
+def test_only_what_a_request_needs_is_parked_of_a_session_whose_shim_can_park_part():
+    hub = _hub()
+    ada = _idle_parkable(hub, "ada", parkable_gib=95)
+    bo = hub.open("bo")
+    _seen(hub, {hub.pid_of(ada): 100 * GIB})
+
+    [park] = _parks(hub.request(bo, "B1", priority=HIGH, memory=60 * GIB))
+
+    # 140 GiB less Ada's 100 leaves 40: 20 more are needed, not all 100.
+    assert park.session_id == ada and park.parks_part and park.parks_bytes == 20 * GIB
+    actions = hub.applied(park.lease_id, PreemptionLevel.EVICT)
+    assert only(actions, core.GrantLease).lease_id == "B1"
+    # NVML then sees Ada keep the other 80 GiB: nothing more is granted beyond it.
+    _seen(hub, {hub.pid_of(ada): 80 * GIB, hub.pid_of(bo): 60 * GIB})
+    cy = hub.open("cy")
+    assert not of_type(hub.request(cy, "C1", priority=LOW, memory=10 * GIB), core.GrantLease)
+
+
+def test_a_whole_session_is_parked_where_its_shim_cannot_park_enough_of_it():
+    hub = _hub()
+    ada = _idle_parkable(hub, "ada", parkable_gib=10)  # less than the 20 GiB needed
+    bo = hub.open("bo")
+    _seen(hub, {hub.pid_of(ada): 100 * GIB})
+
+    [park] = _parks(hub.request(bo, "B1", priority=HIGH, memory=60 * GIB))
+
+    assert not park.parks_part and park.parks_bytes == 100 * GIB
+
+
+def test_plan_parks_parks_part_of_the_last_session_only():
+    def idle(name: str, gib: int, parkable: int, since: float) -> IdleSession:
+        return IdleSession(session_id=name, pid=1, user=name, held_bytes=gib * GIB,
+                           last_priority=LOW, idle_since=since,
+                           parkable_bytes=parkable * GIB)  # fmt: skip
+
+    sessions = [idle("a", 30, 30, since=1.0), idle("b", 50, 48, since=2.0)]
+    plan = plan_parks(sessions, 45 * GIB + 1, band=1, room_bytes=1000 * GIB)
+    assert [(s.session_id, s.held_bytes // GIB, s.part) for s in plan.chosen] == [
+        ("a", 30, False),
+        ("b", 16, True),  # 15 GiB and a byte, in whole GiB
+    ]
+    assert plan.freed_bytes == 46 * GIB
