@@ -121,6 +121,7 @@ from gpushare_ext.broker.scheduler.memory_seen import MemorySeen
 from gpushare_ext.broker.scheduler.parking import HostMemory
 from gpushare_ext.broker.scheduler.placement import Placer, traits
 from gpushare_ext.broker.scheduler.queue_notices import QueueNotices
+from gpushare_ext.broker.scheduler.quiet_turns import QuietTurns
 from gpushare_ext.broker.scheduler.rivalry_watch import RivalryWatch
 from gpushare_ext.broker.scheduler.rivals import Rivals
 from gpushare_ext.broker.scheduler.scheduler_records import (
@@ -226,8 +227,9 @@ def wire_parts(
     notices = QueueNotices(book, finder, memory, parking)
     moves = LeaseMoves(book, finder.slots, parking)
     gang_turns = GangTurns(book, finder, placer, moves, notices)
+    quiet = QuietTurns(book, finder, memory, parking)
     passes = SchedulingPass(
-        book, finder, placer, parking, notices, moves, gang_turns,
+        book, finder, placer, parking, notices, moves, gang_turns, quiet,
         recompute_every_waiter=recompute_every_waiter, line_from=line_from,
     )  # fmt: skip
     rivalry = RivalryWatch(book, finder.slots)

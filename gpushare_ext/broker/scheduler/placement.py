@@ -234,6 +234,31 @@ class Placer:
             parks=tuple(to_park),
         )
 
+    def room_out_of_reach(self, lease: Lease, key: str, band: int) -> bool:
+        """Whether ``lease``, waiting in ``band``, can neither run on ``key`` nor have room
+        made there, for reasons the slot's load and readings alone give: it needs memory
+        that no park frees (nobody holds memory outside a lease there, or parks are off)
+        and no eviction frees (the lower bands hold too little, or the policy evicts
+        nobody).  False says only that more must be weighed (:meth:`preemption_plan`).
+
+        True implies :meth:`fits_now` and :meth:`preemption_plan` say no, and that
+        neither reads a victim's traits or an idle session to say it: what the answer
+        reads is the lease, ``band``, the policy, the slot's holders (memory held, their
+        bands) and its NVML readings -- what a remembered turn compares
+        (:mod:`~gpushare_ext.broker.scheduler.quiet_turns`)."""
+        slot = self._slots[key]
+        policy = self._book.policy
+        unleased = self._memory.unleased_by_pid(key, lease)
+        parks_possible = policy.park_when_memory_needed and slot.mig_uuid is None and not policy.mps
+        if unleased and parks_possible:
+            return False  # an idle session might be parked: that reads its session
+        load = self._book.index.slots[key]
+        own = lease.memory_bytes if lease.state == LeaseState.PAUSED else 0
+        need = load.held + sum(unleased.values()) - own + lease.memory_bytes - slot.memory_bytes
+        if need <= 0:
+            return False  # the memory is there: whom it may share with decides
+        return not policy.evict_when_memory_needed or load.lower_band_memory(band) < need
+
     def _gang_companions(self, rows: list[VictimStop]) -> list[VictimStop]:
         """The running ranks of the victims' gangs that are not victims already, each
         paused at the level that stops its whole gang."""

@@ -32,6 +32,7 @@ from gpushare_ext.broker.scheduler.lease_index import OTHERS, Place, Trajectory,
 from gpushare_ext.broker.scheduler.lease_moves import LeaseMoves
 from gpushare_ext.broker.scheduler.placement import Placer, plan_cost
 from gpushare_ext.broker.scheduler.queue_notices import QueueNotices
+from gpushare_ext.broker.scheduler.quiet_turns import QuietTurns
 from gpushare_ext.broker.scheduler.scheduler_records import Lease
 from gpushare_ext.broker.scheduler.slot_finder import SlotFinder
 from gpushare_ext.broker.settings.policy import Policy
@@ -121,6 +122,7 @@ class SchedulingPass:
         notices: QueueNotices,
         moves: LeaseMoves,
         gangs: GangTurns,
+        quiet: QuietTurns,
         *,
         recompute_every_waiter: bool = False,
         line_from: int = LINE_FROM,
@@ -132,6 +134,7 @@ class SchedulingPass:
         self._notices = notices
         self._moves = moves
         self._gangs = gangs
+        self.quiet_turns = quiet  # memory-bound waiters' last turns, while they would repeat
         # Serve every waiter on every pass (the reference the tests hold the kept pass to).
         self.recompute_every_waiter = recompute_every_waiter
         self.line_from = line_from  # more waiters than this: the pass keeps them in a line
@@ -242,52 +245,101 @@ class SchedulingPass:
     # ---- a waiter's turn
 
     def serve(
-        self, lease: Lease, reserved: set[str], waited_for: set[str], ahead: int, now: float
+        self,
+        lease: Lease,
+        reserved: set[str],
+        waited_for: set[str],
+        ahead: int,
+        now: float,
+        *,
+        recall: bool = False,
     ) -> list[Action]:
-        """One waiter's turn in the pass: placed, made room for, or told why it waits."""
+        """One waiter's turn in the pass: placed, made room for, or told why it waits.
+
+        ``recall``: a memory-bound waiter's turn that would repeat its last one is not
+        worked out again (:mod:`~gpushare_ext.broker.scheduler.quiet_turns`)."""
         if lease.state not in (LeaseState.QUEUED, LeaseState.PAUSED, LeaseState.EVICTED):
             return []
         if lease.gang is not None:  # a gang is served whole, at the first member met
             return self._gangs.serve(lease.gang, reserved, waited_for, ahead, now)
-        if lease.held_by_watchdog or lease.detached:
-            return []
-        if lease.parks_session and not lease.restore_wanted:
-            return []  # parked memory comes back when its session asks, not before
-        if lease.pending_level is not None:
-            reserved.add(lease.slot)  # type: ignore[arg-type]
-            return []
-        if lease.awaiting_memory_from:
-            reserved.add(lease.target_slot)  # type: ignore[arg-type]
+        if self._needs_no_turn(lease, reserved):
             return []
         lease.target_slot = None
         band = self._book.waiting_band(lease, now)  # once for every slot weighed
+        blocked = reserved if lease.state == LeaseState.PAUSED else reserved | waited_for
+        if recall:
+            kept = self.quiet_turns.recall(lease, band, ahead, blocked)
+            if kept is not None:
+                waited_for.update(kept)
+                return []
+            self.quiet_turns.forget(lease.lease_id)
         # Before draining: the notice says when drain is why.
         wanted = self._finder.wanted_slots(lease)
         candidates = self._finder.placeable_slots(lease, wanted)
-        blocked = reserved if lease.state == LeaseState.PAUSED else reserved | waited_for
         open_slots = [k for k in candidates if k not in blocked]
         placer = self._placer
         placed = [k for k in open_slots if placer.fits_now(lease, k, band)]
-        if placed:
+        if placed:  # first: most turns that place someone are of leases that fit
             key = min(placed, key=lambda k: placer.slot_preference(lease, k))
             return self._moves.start(lease, key, now)
+        # Memory-bound on every open slot: no room can be made either, and the turn may
+        # be remembered (what decided it is all the memo compares).
+        out_of_reach = all(placer.room_out_of_reach(lease, k, band) for k in open_slots)
+        if not out_of_reach:
+            actions = self._make_room(lease, open_slots, band, reserved, ahead, now)
+            if actions is not None:
+                return actions
+        waited_for.update(candidates)
+        told_of = candidates or wanted
+        notice = self._notices.queue_notice(lease, told_of, now, ahead)
+        if recall and out_of_reach:
+            self.quiet_turns.remember(lease, band, ahead, open_slots, candidates, told_of)
+        return notice
+
+    def _make_room(
+        self,
+        lease: Lease,
+        open_slots: list[str],
+        band: int,
+        reserved: set[str],
+        ahead: int,
+        now: float,
+    ) -> list[Action] | None:
+        """Make room for a waiter that fits no open slot on the one that costs least to
+        clear; None when none can be cleared (it waits)."""
+        placer = self._placer
         plans = []
         for key in open_slots:
             plan = placer.preemption_plan(lease, key, band)
             if plan is not None:
                 cost = (*plan_cost(plan), placer.slot_preference(lease, key))
                 plans.append((cost, key, plan))
-        if plans:
-            _, key, plan = min(plans, key=lambda p: p[0])
-            reserved.add(key)
-            actions = self._moves.preempt_for(lease, key, plan, now)
-            if lease.state == LeaseState.RUNNING:
-                return actions  # nothing had to leave first
-            # It waits for what must leave: its notice says what is being freed.
-            notice = self._notices.queue_notice(lease, [key], now, ahead, force_reason=lease.reason)
-            return actions + notice
-        waited_for.update(candidates)
-        return self._notices.queue_notice(lease, candidates or wanted, now, ahead)
+        if not plans:
+            return None
+        _, key, plan = min(plans, key=lambda p: p[0])
+        reserved.add(key)
+        actions = self._moves.preempt_for(lease, key, plan, now)
+        if lease.state == LeaseState.RUNNING:
+            return actions  # nothing had to leave first
+        # It waits for what must leave: its notice says what is being freed.
+        notice = self._notices.queue_notice(lease, [key], now, ahead, force_reason=lease.reason)
+        return actions + notice
+
+    def _needs_no_turn(self, lease: Lease, reserved: set[str]) -> bool:
+        """Whether a waiter (not a gang's rank) has nothing to gain from a turn: held by the
+        watchdog, detached, a park its session has not asked back, or making room already
+        (the slot it is made room on stays reserved)."""
+        if lease.held_by_watchdog or lease.detached:
+            return True
+        if lease.parks_session and not lease.restore_wanted:
+            return True  # parked memory comes back when its session asks, not before
+        if lease.pending_level is not None:
+            reserved.add(lease.slot)  # type: ignore[arg-type]
+            return True
+        if lease.awaiting_memory_from:
+            reserved.add(lease.target_slot)  # type: ignore[arg-type]
+            return True
+        return False
 
     def _serve_every_waiter(self, now: float) -> list[Action]:
         """The pass as a full recomputation: every waiter served in turn."""
@@ -308,7 +360,7 @@ class SchedulingPass:
         lease = place.lease
         self._tell_passed_over(state, place.ticket)  # before anything changes
         ahead = state.ahead_of(self._line, place.ticket)
-        turn = self.serve(lease, state.reserved, state.waited_for, ahead, state.now)
+        turn = self.serve(lease, state.reserved, state.waited_for, ahead, state.now, recall=True)
         for action in turn:
             if isinstance(action, GrantLease):  # a gang's names its ranks
                 for granted in action.ranks or (action,):
@@ -461,6 +513,7 @@ class SchedulingPass:
             self._line_policy = None
             index.changed.clear()
             self._notice_due.clear()
+            self.quiet_turns.clear()
 
     def _catch_up_line(self, now: float) -> None:
         """Bring the waiting line up to date with the leases changed since the last pass
@@ -477,8 +530,11 @@ class SchedulingPass:
             line.rebuild(places, now)
             self._told_looks.clear()  # nobody is known to have been told anything yet
             self._notice_due.clear()
+            self.quiet_turns.clear()
             return
         for lease in changed:
+            if lease.lease_id not in index.waiters:
+                self.quiet_turns.forget(lease.lease_id)  # its turns are over
             wanted = self._line_place(lease) if lease.lease_id in index.waiters else None
             line.update(lease.lease_id, wanted, now)
             if wanted is not None and wanted.group != OTHERS:
