@@ -43,8 +43,11 @@ only until they are, and tells the rest where they stand only if that may have c
 -- their place (a request ahead came or went), what their slots hold (the slots'
 versions, drains, NVML readings, parking refusals), or their notice was reset -- each
 with the scheduler as it was at its turn.  Every other waiter is served in turn, and a
-handful of waiters are all served in turn.  ``Scheduler(..., recompute_every_waiter=True)``
-serves every waiter on every pass; the tests check that both act alike.
+handful of waiters are all served in turn; in the line, a memory-bound waiter's turn that
+nothing it read changed is answered from memory
+(:mod:`~gpushare_ext.broker.scheduler.quiet_turns`).  ``Scheduler(...,
+recompute_every_waiter=True)`` serves every waiter in full on every pass; the tests check
+that both act alike.
 
 The core never blocks, never reads a clock and never touches a socket or a GPU: the
 server feeds it :data:`Event` values with ``now`` and carries out the returned
@@ -62,6 +65,7 @@ its handler through one table (an event of another type is refused with :class:`
 :class:`~gpushare_ext.broker.scheduler.idle_parking.IdleParking` (parks),
 :class:`~gpushare_ext.broker.scheduler.placement.Placer` (fit, preference, room plans, levels),
 :class:`~gpushare_ext.broker.scheduler.queue_notices.QueueNotices` (what waiters are told),
+:class:`~gpushare_ext.broker.scheduler.quiet_turns.QuietTurns` (memory-bound turns remembered),
 :class:`~gpushare_ext.broker.scheduler.lease_moves.LeaseMoves` (grants, resumes, pauses),
 :class:`~gpushare_ext.broker.scheduler.gang_turns.GangTurns` (gangs, whole),
 :class:`~gpushare_ext.broker.scheduler.scheduling_pass.SchedulingPass` (the pass after each event),

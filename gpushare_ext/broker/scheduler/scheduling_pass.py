@@ -11,7 +11,10 @@ placed nor make room, so they are only told where they stand, and only if that m
 have changed (their place as a notice tells it, how their slots look, or their notice
 was reset).  The requests that join or leave ahead of a waiter move its place; as a
 notice rounds places far back, only the waiters near the head and those whose place
-crosses a round number are looked at (:func:`places_told_anew`).
+crosses a round number are looked at (:func:`places_told_anew`).  A waiter served in turn
+whose last turn was quiet (memory-bound, nothing new to tell) and read nothing that has
+changed since is answered from memory
+(:class:`~gpushare_ext.broker.scheduler.quiet_turns.QuietTurns`).
 
 What it must not do: decide fit, victims or levels (placement does), or word notices
 (queue notices do); it decides only who has a turn, in which order, and who is told.
