@@ -31,15 +31,12 @@ pytestmark = [
     ),
 ]
 
-# A Numba kernel that calls a device function linked in from PTX: the PTX Numba hands
-# over is the kernel's alone, and the analysis does not follow a call it cannot see into
-# (the callee could write any buffer), so the kernel runs unmodified and says why.
-LINKED_NOT_YET = pytest.mark.xfail(
-    strict=True, reason="calls into linked PTX are not analysed yet (docs/interposer.md)"
-)
+# Among them a Numba kernel that calls a device function linked in from PTX
+# (``numba_linked``): the shim puts the callee's body into the kernel's module, so the
+# twin loads from one PTX text (kernels/linking.py).
 KINDS = (
-    "numba_inplace", pytest.param("numba_linked", marks=LINKED_NOT_YET), "cupy_elementwise",
-    "cupy_reduction", "cupy_rawmodule", "cupyx_jit", "driver_ptx",
+    "numba_inplace", "numba_linked", "cupy_elementwise", "cupy_reduction", "cupy_rawmodule",
+    "cupyx_jit", "driver_ptx",
 )  # fmt: skip
 
 

@@ -175,19 +175,33 @@ def test_a_high_priority_cell_locks_the_low_loop_and_keeps_its_latency(
     assert len(ast.literal_eval(low.value("timeline"))) == LOW_STEPS
 
 
+def gpu_total_gib() -> int:
+    """GPU 0's memory, whole GiB."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total >> 30)
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def test_eviction_frees_the_low_loops_memory_and_restore_brings_it_back_intact(
     on_gpu_broker, undisturbed_checksum, kernels, tmp_path
 ):
-    # 100 GiB + 60 GiB do not fit on a 140 GiB H200: the high lease needs an eviction.
+    # Together they do not fit on the GPU (100 + 60 GiB on a 140 GiB H200, 55 + 33 on an
+    # 80 GiB H100): the high lease needs an eviction.
+    total = gpu_total_gib()
+    low_gib, high_gib = total * 5 // 7, total * 3 // 7
     (high,) = kernels(1)
     high.run("%load_ext gpushare_ext").ok()
-    low = run_example("training_low.ipynb", LOW, gpu_line="%%gpu priority=low mem=100GiB")
+    low = run_example("training_low.ipynb", LOW, gpu_line=f"%%gpu priority=low mem={low_gib}GiB")
     pid = wait_until_looping(low, on_gpu_broker, need_nvml=True)
     before = nvml_used_mib(pid)
     release = tmp_path / "release"
 
     cell = high.submit(
-        "%%gpu priority=high mem=60GiB\n"
+        f"%%gpu priority=high mem={high_gib}GiB\n"
         "import os, time, cupy\n"
         "a = cupy.ones((1024, 1024), dtype=cupy.float32)\n"
         "print('sum', float(a.sum()), flush=True)\n"
