@@ -8,10 +8,11 @@ every allocation to pinned host memory over ``--streams`` streams in ``--chunk-m
 pieces, then unmaps and releases the physical memory (the device's free memory is read
 before and after); a restore creates new physical memory, maps it at the same virtual
 addresses and copies the bytes back.  The fingerprint is taken again by a kernel that
-reads the restored addresses.  Three host sides are timed: a pinned pool allocated
+reads the restored addresses.  Four host sides are timed: a pinned pool allocated
 ahead (``cuMemHostAlloc``: the link alone), a shared-memory file registered at park
-time (``cuMemHostRegister``: what a pool shared with the broker costs), and the
-checkpoint API on a child holding VMM memory (whether it still parks such a process).
+time (``cuMemHostRegister``: what a pool shared with the broker costs), pageable
+memory (fresh, and with its pages touched ahead); and the checkpoint API is tried on a
+child holding VMM memory (whether it still parks such a process).
 
     python -m benchmarks.vmm_park --gib 16 --allocations 16 --out DIR
 
@@ -172,6 +173,31 @@ def _registered_shm(cu, size: int) -> tuple[int, float, object]:
     return address, time.perf_counter() - started, area
 
 
+def _pageable_cycles(cupy, cu, allocations, total: int, streams, chunk: int, before: str) -> dict:
+    """Parks into pageable host memory (the driver stages such copies through pinned
+    buffers of its own): a fresh anonymous mapping, and one whose pages were touched
+    ahead (``MAP_POPULATE``), so the cost of faulting pages in is seen apart."""
+    import ctypes
+
+    rows = {}
+    for name, flags in (
+        ("fresh", mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
+        ("populated", mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)),
+    ):
+        started = time.perf_counter()
+        area = mmap.mmap(-1, total, flags=flags)
+        mapped_s = time.perf_counter() - started
+        address = ctypes.addressof(ctypes.c_char.from_buffer(area))
+        row = park_cycle(cupy, cu, allocations, address, streams, chunk)
+        row["identical"] = _fingerprint(cupy, allocations) == before
+        row["map_host_s"] = round(mapped_s, 3)
+        rows[name] = row
+        print("pageable", name, json.dumps(row), flush=True)
+        del address
+        area.close()
+    return rows
+
+
 CHILD = r"""
 import sys, time
 sys.path.insert(0, sys.argv[1])
@@ -286,6 +312,7 @@ def measure(gib: float, count: int, chunk_mib: int, stream_counts: list[int], re
     print("shm", json.dumps(row), "register", register_s, flush=True)
     _ok(cu, cu.cuMemHostUnregister(address))
     del area
+    result["pageable"] = _pageable_cycles(cupy, cu, allocations, total, streams, chunk, before)
     try:
         result["checkpoint_of_vmm_process"] = checkpoint_of_vmm_process()
     except Exception as exc:  # the measurement above stands; say what this one did
