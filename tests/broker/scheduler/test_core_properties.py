@@ -687,3 +687,37 @@ def test_the_core_and_policy_import_no_io_and_no_gpu_library():
     forbidden = {"asyncio", "socket", "cuda", "pynvml", "numba", "cupy", "sqlite3"}
     assert not loaded & forbidden, f"core pulls in {sorted(loaded & forbidden)}"
     assert not [m for m in loaded if m.startswith(("cuda.", "numba.", "cupy."))]
+
+
+# ------------------------------------------------------------------ found, not fixed yet
+
+_LOCKABLE = Capabilities(gate=False, yield_flag=False, instrumented_only=False, lockable=True)
+
+
+def _gang(priority: int, memory: int, ranks: int) -> tuple:
+    return ("gang", 0.0, 0, priority, memory, 1.0, SliceWish.AUTO, _LOCKABLE, ranks)
+
+
+def _plain(priority: int) -> tuple:
+    return ("request", 0.0, 0, priority, None, 1.0, SliceWish.AUTO, "auto", _LOCKABLE)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="a low gang's ranks paused (not evicted) for a normal gang that needs their "
+    "memory are never evicted: the normal gang waits for ever (found by the property above)",
+)
+def test_a_gang_waiting_for_the_memory_of_a_paused_lower_gang_is_not_left_waiting():
+    script = [
+        ("open", 0.0, 0), ("open", 0.0, 0), _gang(50, 1 << 30, 2), ("open", 0.0, 0),
+        ("open", 0.0, 0), _plain(50), _plain(50), ("open", 0.0, 0), ("open", 0.0, 0),
+        ("close", 0.0, 0), ("host", 0.0, 0), _gang(50, 60 << 30, 3), _gang(150, 30 << 30, 3),
+        *[_plain(50) for _ in range(9)],
+    ]  # fmt: skip
+    policy = Policy(
+        sharing="timeslice",
+        defaults=Limits(aging_per_minute=0.0, memory_quota=1 << 50, max_leases=6),
+        groups={"students": {"max_priority": "normal"}},
+    )
+    finish(play(script, policy))  # asserts that something runs or moves at every step

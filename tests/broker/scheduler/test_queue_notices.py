@@ -408,8 +408,8 @@ def test_a_waiter_overtaken_by_faster_aging_hears_its_new_place():
 def both(story: Callable[[Hub], list[list[core.Action]]], devices: int = 1) -> list[list]:
     """The actions of each step of ``story``, the same on both schedulers."""
     kept, everyone = Hub(h200_devices(devices)), Hub(h200_devices(devices))
-    kept.scheduler.line_from = 0  # a line even for these few waiters
-    everyone.scheduler.recompute_every_waiter = True
+    kept.scheduler.passes.line_from = 0  # a line even for these few waiters
+    everyone.scheduler.passes.recompute_every_waiter = True
     steps = story(kept)
     assert steps == story(everyone)
     return steps

@@ -66,7 +66,7 @@ def memory_bound(leases: int = 1000, *, every_waiter: bool = False) -> tuple[Hub
     """``leases`` requests of 1 GiB from 50 users on one H200, as the core benchmark makes
     them: the first ~140 run, the rest wait.  Returns the hub and the sessions in order."""
     hub = Hub(h200_devices(1), parse_policy("[defaults]\nmax_leases = 10000\n"))
-    hub.scheduler.recompute_every_waiter = every_waiter
+    hub.scheduler.passes.recompute_every_waiter = every_waiter
     hub.check_index = False  # checked once at the end: a recount per event is quadratic
     sessions = [hub.open(f"u{n % 50}", uid=2000 + n % 50) for n in range(leases)]
     for n, session in enumerate(sessions):
@@ -182,7 +182,7 @@ def test_requests_cutting_in_at_one_spot_until_the_line_is_numbered_afresh():
         ]
 
     kept, everyone = Hub(h200_devices(1)), Hub(h200_devices(1))
-    everyone.scheduler.recompute_every_waiter = True
+    everyone.scheduler.passes.recompute_every_waiter = True
     renumbered = []
     line = kept.scheduler.passes._line
     number = line._number
