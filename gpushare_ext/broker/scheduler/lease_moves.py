@@ -153,7 +153,9 @@ class LeaseMoves:
                     reason=reason,
                     index=self._book.index,
                 )
-            elif evicting:  # already paused: escalate to eviction
+            elif evicting or level > (victim.stop.highest or 0):
+                # Already paused, by another slot's plan of the same gang say: escalate
+                # (a pause row carries the eviction's level where the memory must leave).
                 transition(victim, now, stop=victim.stop.asked(level), reason=reason)
             else:
                 continue  # a rank another slot's plan of the same gang stopped already
