@@ -357,6 +357,23 @@ class NotebookKernel:
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
+def preloaded_env(fake_driver: Path, **extra: str) -> dict[str, str]:
+    """The environment of a process with the launch shim preloaded in front of the
+    stand-in driver in ``fake_driver`` (as a kernel the server extension starts), this
+    checkout importable, the interposer setting left to its default, and ``extra``."""
+    from gpushare_ext.runtime import interpose
+
+    env = dict(os.environ)
+    env.update(
+        LD_PRELOAD=str(interpose.NATIVE),
+        LD_LIBRARY_PATH=str(fake_driver),
+        PYTHONPATH=str(Path(__file__).resolve().parents[1]),
+        **extra,
+    )
+    env.pop("GPUSHARE_INTERPOSER", None)
+    return env
+
+
 # The start of code run with the launch shim preloaded in front of the stand-in driver:
 # ``entry(name, kind)`` gets a driver entry point as CUDA's runtime does (through
 # cuGetProcAddress, whose answer the shim wraps); ``u`` and ``p`` are ctypes' unsigned int

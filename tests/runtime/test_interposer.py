@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import io
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from runtime_helpers import DRIVER_ENTRIES
+from runtime_helpers import DRIVER_ENTRIES, preloaded_env
 
 from gpushare_ext.control_block import ControlBlock
 from gpushare_ext.lease_state import LeaseState
@@ -564,15 +563,12 @@ def test_the_bound_changes_while_a_launch_waits_in_a_locked_driver(fake_driver, 
 def run_preloaded(script: str, fake_driver: Path, *args: str) -> dict:
     """Run ``script`` in a fresh interpreter with the shim preloaded in front of the fake
     driver (as a kernel the server extension starts); its last line of output, as JSON."""
-    env = dict(os.environ)
-    env.update(
-        LD_PRELOAD=str(interpose.NATIVE),
-        LD_LIBRARY_PATH=str(fake_driver),
-        PYTHONPATH=str(Path(__file__).resolve().parents[2]),
-    )
-    env.pop("GPUSHARE_INTERPOSER", None)
     done = subprocess.run(
-        [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=preloaded_env(fake_driver),
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])

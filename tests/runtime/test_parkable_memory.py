@@ -10,14 +10,11 @@ process: a test that passes shows the guard ran first.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-from runtime_helpers import DRIVER_ENTRIES
-
-from gpushare_ext.runtime import interpose
+from runtime_helpers import DRIVER_ENTRIES, preloaded_env
 
 MIB = 1 << 20
 
@@ -61,20 +58,12 @@ def moved(m):
 
 
 def run(script: str, fake_driver: Path, **env_extra: str) -> dict:
-    env = dict(os.environ)
-    env.update(
-        LD_PRELOAD=str(interpose.NATIVE),
-        LD_LIBRARY_PATH=str(fake_driver),
-        PYTHONPATH=str(Path(__file__).resolve().parents[2]),
-        **env_extra,
-    )
-    env.pop("GPUSHARE_INTERPOSER", None)
     done = subprocess.run(
         [sys.executable, "-c", PRELUDE + script],
         capture_output=True,
         text=True,
         timeout=60,
-        env=env,
+        env=preloaded_env(fake_driver, **env_extra),
     )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -279,19 +268,12 @@ def test_the_broker_asks_the_shims_park_service_through_the_control_block(fake_d
     from gpushare_ext.control_block import ControlBlock
 
     block = ControlBlock.create(tmp_path / "session.cb")
-    env = dict(os.environ)
-    env.update(
-        LD_PRELOAD=str(interpose.NATIVE),
-        LD_LIBRARY_PATH=str(fake_driver),
-        PYTHONPATH=str(Path(__file__).resolve().parents[2]),
-        GPUSHARE_PARKABLE_MEMORY="1",
-    )
     session = subprocess.Popen(
         [sys.executable, "-c", PRELUDE + SERVED, str(tmp_path / "session.cb")],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env=env,
+        env=preloaded_env(fake_driver, GPUSHARE_PARKABLE_MEMORY="1"),
     )
     assert session.stdin is not None and session.stdout is not None
 

@@ -413,6 +413,20 @@ static Parkable **collect(int parked, size_t *count) {
     return list;
 }
 
+/* Move the allocations of list[from]'s context to list[from..), keeping the rest
+ * after them; returns where they end.  Copies run one context at a time. */
+static size_t same_context_first(Parkable **list, size_t from, size_t count) {
+    size_t end = from;
+    CUcontext ctx = list[from]->ctx;
+    for (size_t i = from; i < count; i++) {
+        if (list[i]->ctx != ctx) continue;
+        Parkable *swap = list[end];
+        list[end++] = list[i];
+        list[i] = swap;
+    }
+    return end;
+}
+
 static CUresult switch_context(CUcontext *pushed, CUcontext ctx) {
     if (*pushed == ctx) return CUDA_SUCCESS;
     CUcontext ignored;
@@ -509,14 +523,8 @@ int gps_park_memory(uint64_t want, uint64_t host_limit, unsigned streams, MoveRe
     CUresult r = CUDA_SUCCESS;
     size_t done = 0;
     while (done < chosen && r == CUDA_SUCCESS) {
-        size_t end = done;
         CUcontext ctx = list[done]->ctx;
-        for (size_t i = done; i < chosen; i++) {
-            if (list[i]->ctx != ctx) continue;
-            Parkable *swap = list[end];
-            list[end++] = list[i];
-            list[i] = swap;
-        }
+        size_t end = same_context_first(list, done, chosen);
         r = switch_context(&pushed, ctx);
         if (r == CUDA_SUCCESS) r = g_mem.ctx_synchronize();
         if (r == CUDA_SUCCESS) r = copy_all(list + done, end - done, streams, 1);
@@ -594,14 +602,8 @@ static int restore_locked(unsigned streams, MoveResult *out) {
     size_t done = 0;
     CUresult copy_error = CUDA_SUCCESS;
     while (done < mapped) {
-        size_t end = done;
         CUcontext ctx = list[done]->ctx;
-        for (size_t i = done; i < mapped; i++) {
-            if (list[i]->ctx != ctx) continue;
-            Parkable *swap = list[end];
-            list[end++] = list[i];
-            list[i] = swap;
-        }
+        size_t end = same_context_first(list, done, mapped);
         CUresult c = switch_context(&pushed, ctx);
         if (c == CUDA_SUCCESS) c = copy_all(list + done, end - done, streams, 0);
         if (c != CUDA_SUCCESS && copy_error == CUDA_SUCCESS) copy_error = c;

@@ -7,19 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 from notebook_fixtures import fake_driver  # noqa: F401 - a fixture of this module
-from runtime_helpers import DRIVER_ENTRIES
+from runtime_helpers import DRIVER_ENTRIES, preloaded_env
 
 from gpushare_ext.broker.hands import park_service
 from gpushare_ext.broker.hands.actuators import Ladder, Target
 from gpushare_ext.control_block import ControlBlock
 from gpushare_ext.protocol import LeaseState, PreemptionLevel
-from gpushare_ext.runtime import interpose
 
 MIB = 1 << 20
 
@@ -76,19 +74,12 @@ class RecordingControl:
 def _start_session(driver: Path, block: ControlBlock):
     """A session process holding three parkable allocations of 4 MiB, its park service
     following ``block``; and a way to read the stand-in GPU memory it holds (MiB)."""
-    env = dict(os.environ)
-    env.update(
-        LD_PRELOAD=str(interpose.NATIVE),
-        LD_LIBRARY_PATH=str(driver),
-        PYTHONPATH=str(Path(__file__).resolve().parents[3]),
-        GPUSHARE_PARKABLE_MEMORY="1",
-    )
     session = subprocess.Popen(
         [sys.executable, "-c", SESSION, str(block.path)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env=env,
+        env=preloaded_env(driver, GPUSHARE_PARKABLE_MEMORY="1"),
     )
     assert session.stdin is not None and session.stdout is not None
     assert json.loads(session.stdout.readline()) == {"serving": True}
